@@ -1,0 +1,55 @@
+// The online-softmax monoid. A row's partial attention over some set of keys is the state
+// (m, l, o): the running max of the scores, the sum of exp(score - m), and the sum of
+// exp(score - m) · v (o unnormalised). merge() is associative with identity (-inf, 0, 0); tiles in
+// a kernel, KV splits across thread blocks and KV shards across GPUs are all folds of this merge.
+// The finished form of a state is (out, lse) = (o / l, m + log l); the same merge in that form is
+// merge_lse() below.
+#pragma once
+
+#include <cmath>
+
+#include "flashmonoid/detail/host_device.hpp"
+
+namespace flashmonoid::detail {
+
+// exp(a - b) that treats a = -inf as weight 0 even when b = -inf too (no NaN from -inf - -inf).
+FM_HD float rescale_factor(float m_part, float m_new) {
+  return m_part == -INFINITY ? 0.0f : ::expf(m_part - m_new);
+}
+
+// Scalar part of the state; o travels alongside and is scaled by the factors this returns.
+struct RowState {
+  float m = -INFINITY;  // running max of scores
+  float l = 0.0f;       // sum of exp(score - m)
+};
+
+// Merge b into a: a.o := a.o * fa + b.o * fb, with (fa, fb) returned through the pointers.
+FM_HD RowState merge(RowState a, RowState b, float* fa, float* fb) {
+  float m = a.m > b.m ? a.m : b.m;
+  *fa = rescale_factor(a.m, m);
+  *fb = rescale_factor(b.m, m);
+  return RowState{m, a.l * *fa + b.l * *fb};
+}
+
+// lse of the union of two key sets given each one's lse; -inf is the identity.
+// Weights of each part's normalised output in the union come back through wa, wb.
+FM_HD float merge_lse(float lse_a, float lse_b, float* wa, float* wb) {
+  float m = lse_a > lse_b ? lse_a : lse_b;
+  if (m == -INFINITY) {
+    *wa = 0.0f;
+    *wb = 0.0f;
+    return -INFINITY;
+  }
+  float ea = ::expf(lse_a - m), eb = ::expf(lse_b - m);  // exp(-inf) = 0 for an empty part
+  float s = ea + eb;
+  *wa = ea / s;
+  *wb = eb / s;
+  return m + ::logf(s);
+}
+
+// Finish a state: lse = m + log l (or -inf for a row that saw no key), inverse normaliser 1/l
+// (0 for an empty row, so its output is exactly 0).
+FM_HD float finish_lse(RowState s) { return s.l > 0.0f ? s.m + ::logf(s.l) : -INFINITY; }
+FM_HD float finish_inv_l(RowState s) { return s.l > 0.0f ? 1.0f / s.l : 0.0f; }
+
+}  // namespace flashmonoid::detail

@@ -1,0 +1,5 @@
+#pragma once
+#include "flashmonoid/attention.hpp"
+#include "flashmonoid/error.hpp"
+#include "flashmonoid/options.hpp"
+#include "flashmonoid/tensor.hpp"

@@ -1,0 +1,68 @@
+// Options of an attention call, with FlashAttention-2's semantics.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "flashmonoid/tensor.hpp"
+
+namespace flashmonoid {
+
+struct Options {
+  // Scores are softmax_scale · q·kᵀ; default 1/sqrt(head_dim).
+  std::optional<float> softmax_scale;
+
+  // Causal and sliding-window masks, aligned to the bottom-right corner of the score matrix as
+  // in FlashAttention-2: query row i sees key column j iff
+  //     j <= i + s_k - s_q + window_right        (window_right >= 0; causal means window_right = 0)
+  //     j >= i + s_k - s_q - window_left         (window_left >= 0)
+  // -1 leaves that side unbounded. causal = true is the same as window_right = 0.
+  bool causal = false;
+  int window_left = -1;
+  int window_right = -1;
+
+  // Soft-capping: scores become softcap · tanh(score / softcap); 0 turns it off.
+  float softcap = 0.0f;
+
+  // ALiBi: fp32 slopes of shape (h) or (b, h) on the device of q; the score of (i, j) gains
+  // -slope · |i + s_k - s_q - j|. Undefined (default) turns it off.
+  TensorView alibi_slopes{};
+
+  // Dropout on the attention probabilities, kept elements scaled by 1/(1-p). The keep-mask is a
+  // pure function of (seed, offset, head, row, column): see detail/philox.hpp for the exact
+  // definition shared by every backend, so CPU and GPU drop exactly the same elements.
+  float dropout_p = 0.0f;
+  std::uint64_t dropout_seed = 0;
+  std::uint64_t dropout_offset = 0;
+
+  // Backward only: produce bit-identical gradients run to run (no floating-point atomics).
+  bool deterministic = false;
+};
+
+// Packed variable-length batches: q is (total_q, h, d), k and v are (total_k, h_k, d); sequence b
+// owns rows [cu_seqlens_q[b], cu_seqlens_q[b+1]) of q. cu_seqlens_* are int32 of length b+1 on
+// the device of q. max_seqlen_* bound every sequence length (used to size launches).
+struct Varlen {
+  TensorView cu_seqlens_q;
+  TensorView cu_seqlens_k;
+  std::int64_t max_seqlen_q = 0;
+  std::int64_t max_seqlen_k = 0;
+};
+
+// Which algorithm runs on the CPU. The reference materialises S in float64 and is meant as an
+// oracle and a baseline, never for speed.
+enum class CpuAlgorithm : std::uint8_t { flash, reference };
+
+// Where and how a call runs. The library never synchronises and never allocates device memory:
+// CUDA work is queued on `stream`, and scratch memory comes from `workspace` (size it with the
+// *_workspace_size functions; 0 bytes is always valid for the forward and for the CPU).
+struct Context {
+  void* stream = nullptr;                    // cudaStream_t; nullptr = legacy default stream
+  void* workspace = nullptr;                 // device memory for split-KV partials and backward
+  std::size_t workspace_bytes = 0;
+  int num_splits = 0;                        // forward split-KV: 0 = heuristic, 1 = off, n = force
+  CpuAlgorithm cpu_algorithm = CpuAlgorithm::flash;
+  int num_threads = 0;                       // CPU threads; 0 = OpenMP default
+};
+
+}  // namespace flashmonoid

@@ -1,0 +1,23 @@
+// The CPU backend: the float64 reference (the oracle) and the tiled flash path.
+#pragma once
+
+#include "api/params.hpp"
+
+namespace flashmonoid::cpu {
+
+// Precision of the reference. f64: every operation in double (the oracle). input: the same math
+// with the products' inputs, S, P and O rounded to the input dtype (fp32 accumulation), i.e.
+// "standard attention done in the input dtype", whose error sets the FlashAttention tolerance.
+enum class Precision { f64, input };
+
+void reference_forward(const detail::FwdParams& p, Precision prec = Precision::f64);
+void reference_backward(const detail::BwdParams& p, Precision prec = Precision::f64);
+
+// Tiled online-softmax forward/backward (src/cpu/flash_fwd.cpp, flash_bwd.cpp).
+// num_threads <= 0 uses the OpenMP default.
+void flash_forward(const detail::FwdParams& p, int num_threads);
+void flash_backward(const detail::BwdParams& p, int num_threads);
+
+void merge(const detail::MergeParams& p);
+
+}  // namespace flashmonoid::cpu

@@ -1,0 +1,32 @@
+// The CUDA backend's entry points, called by src/api/dispatch.cpp after validation. Compiled only
+// when the build has CUDA (FLASHMONOID_WITH_CUDA); otherwise dispatch reports NotSupported.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "api/params.hpp"
+#include "flashmonoid/options.hpp"
+
+namespace flashmonoid::cuda {
+
+// Why the CUDA backend cannot run p on its device ("" when it can). The one support table:
+// dispatch, supports() and the tests' skip logic all ask this.
+std::string unsupported_reason(const detail::FwdParams& p);
+
+// Validates that the pointers in p are device pointers of p.device and suitably aligned
+// (throws Error naming the argument otherwise).
+void check_pointers(const detail::FwdParams& p);
+void check_pointers(const detail::BwdParams& p);
+
+std::size_t forward_workspace_size(const detail::FwdParams& p);
+std::size_t backward_workspace_size(const detail::BwdParams& p);
+
+// Queue the work on ctx.stream; never synchronise, never allocate.
+void forward(const detail::FwdParams& p, const Context& ctx);
+void backward(const detail::BwdParams& p, const Context& ctx);
+void merge(const detail::MergeParams& p, const Context& ctx);
+
+bool available();  // a device of compute capability >= 8.0 is visible
+
+}  // namespace flashmonoid::cuda
