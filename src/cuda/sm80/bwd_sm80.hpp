@@ -21,9 +21,35 @@ struct BwdLaunch {
   int num_sms = 0;  // of params.device; sizes nothing today, kept for a future persistent grid
 };
 
-// fp32 workspace of the backward: D = rowsum(dO∘O) per (head, query row), dQ accumulator, and, in
-// deterministic mode, one dQ partial per key block instead of the shared accumulator.
-std::size_t bwd_workspace_bytes(const detail::BwdParams& params);
+// Query rows per tile of the backward, the same for every head dim so that the workspace size
+// does not depend on the head-dim bucket.
+inline constexpr int kBwdBlockM = 64;
+
+// Layout of the fp32 workspace, in bytes from its start, each part 256-byte aligned:
+//   dsum   (h, total_q)         D = rowsum(dO∘O), indexed like lse
+//   dq_acc (h, total_q, d)      dQ accumulated over key blocks before the scale and dtype cast
+//   sem    (b, h, m blocks)     deterministic mode only: how many key blocks have added their
+//                               dQ to each query tile (orders the additions, see the kernel)
+struct BwdWorkspaceLayout {
+  std::size_t dsum = 0, dq_acc = 0, sem = 0, sem_bytes = 0, total = 0;
+};
+
+inline BwdWorkspaceLayout bwd_workspace_layout(const detail::BwdParams& p) {
+  auto align = [](std::size_t x) { return (x + 255) / 256 * 256; };
+  const std::size_t rows = static_cast<std::size_t>(p.h) * static_cast<std::size_t>(p.total_q);
+  BwdWorkspaceLayout w;
+  w.dsum = 0;
+  w.dq_acc = align(rows * sizeof(float));
+  w.sem = w.dq_acc + align(rows * static_cast<std::size_t>(p.d) * sizeof(float));
+  const std::size_t m_blocks = (static_cast<std::size_t>(p.seqlen_q) + kBwdBlockM - 1) / kBwdBlockM;
+  w.sem_bytes = p.deterministic ? static_cast<std::size_t>(p.batch) * p.h * m_blocks * sizeof(int) : 0;
+  w.total = w.sem + align(w.sem_bytes);
+  return w;
+}
+
+inline std::size_t bwd_workspace_bytes(const detail::BwdParams& params) {
+  return bwd_workspace_layout(params).total;
+}
 
 // Queue the backward on launch.stream (never synchronises, never allocates). T is __half or
 // __nv_bfloat16; kHeadDim is the head-dim bucket (64, 128, 256) that params.d <= kHeadDim pads to.
