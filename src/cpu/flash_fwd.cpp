@@ -1,0 +1,168 @@
+// CPU flash forward: for each (batch, head, block of kBlockM query rows) a fold of the
+// online-softmax monoid (detail/monoid.hpp) over blocks of kBlockN keys. Per thread the only
+// scores alive are one (kBlockM, kBlockN) tile; extra memory is the per-thread tiles, O(kBlockM·d).
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "cpu/cpu_backend.hpp"
+#include "cpu/flash_tiles.hpp"
+#include "flashmonoid/detail/monoid.hpp"
+#include "flashmonoid/detail/philox.hpp"
+
+namespace flashmonoid::cpu {
+namespace {
+
+using detail::FwdParams;
+using detail::RowState;
+using detail::SeqInfo;
+using tiles::kLanes;
+
+// Tile sizes, from a sweep at d = 64 and 128, s = 4k, 2 threads (bench/NOTES.md): kBlockM = 96
+// (16 micro-kernel row blocks of 6) and kBlockN = 64 were fastest.
+// kBlockN is a multiple of 4 so that tiles start on a Philox column group.
+constexpr int kBlockM = 96;
+constexpr int kBlockN = 64;
+static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of the 16-column micro-kernel panel");
+
+// (batch, head, query block) work items; sequences differ in length under varlen, so the items
+// of batch entry b start at first[b].
+struct Tasks {
+  std::vector<std::int64_t> first;  // (batch + 1)
+  std::vector<int> blocks;          // query blocks per head of batch entry b
+  std::int64_t total() const { return first.back(); }
+};
+
+Tasks make_tasks(const FwdParams& p) {
+  Tasks t;
+  t.first.assign(p.batch + 1, 0);
+  t.blocks.assign(p.batch, 0);
+  for (int b = 0; b < p.batch; ++b) {
+    t.blocks[b] = (seq_info(p, b).len_q + kBlockM - 1) / kBlockM;
+    t.first[b + 1] = t.first[b] + static_cast<std::int64_t>(t.blocks[b]) * p.h;
+  }
+  return t;
+}
+
+// One thread's tiles. dp = d rounded up to the 8-wide vector.
+struct Workspace {
+  int d, dp;
+  std::vector<float> q;   // (kBlockM, d)   scale · Q
+  std::vector<float> kt;  // (d, kBlockN)   Kᵀ
+  std::vector<float> v;   // (kBlockN, dp)  V, zero-padded columns
+  std::vector<float> s;   // (kBlockM, kBlockN) scores, then probabilities
+  std::vector<float> o;   // (kBlockM, dp)  unnormalised output
+  std::vector<float> row; // (dp)           staging row
+  std::vector<RowState> state;  // (kBlockM)
+  std::vector<float> alpha;     // (kBlockM)  rescale of o for the current key block
+  explicit Workspace(int d_)
+      : d(d_), dp(tiles::round_up(d_, kLanes)), q(kBlockM * d), kt(static_cast<std::size_t>(d) * kBlockN),
+        v(static_cast<std::size_t>(kBlockN) * dp), s(kBlockM * kBlockN), o(static_cast<std::size_t>(kBlockM) * dp),
+        row(dp), state(kBlockM), alpha(kBlockM) {}
+};
+
+// Score transforms in the order detail/mask.hpp defines them, on row i (in the sequence) of the
+// tile, keys j0 .. j0 + n; columns [n, kBlockN) become -inf.
+void transform_row(const FwdParams& p, const detail::Band& band, float slope, bool needs_mask, std::int64_t i,
+                   std::int64_t j0, int n, float* s) {
+  if (p.softcap > 0.0f) {
+    float inv = 1.0f / p.softcap;
+    for (int c = 0; c < n; ++c) s[c] = p.softcap * std::tanh(s[c] * inv);
+  }
+  if (p.alibi != nullptr)
+    for (int c = 0; c < n; ++c) s[c] += detail::alibi_bias(slope, i, j0 + c, band.diag);
+  if (needs_mask)
+    for (int c = 0; c < n; ++c)
+      if (!band.visible(i, j0 + c)) s[c] = -INFINITY;
+  for (int c = n; c < kBlockN; ++c) s[c] = -INFINITY;
+}
+
+// Kept probabilities times 1/(1-p), dropped ones 0 (key columns j0 .. j0 + n of dropout row row_id).
+void apply_dropout(const FwdParams& p, std::uint32_t row_id, std::int64_t j0, int n, float* s) {
+  for (int c = 0; c < n; c += 4) {
+    auto j = static_cast<std::uint32_t>(j0 + c);
+    detail::Philox4 w = detail::dropout_words(p.seed, p.offset, row_id, j / 4);
+    for (int u = 0; u < 4 && c + u < n; ++u)
+      s[c + u] = w.x[u] >= p.dropout_threshold ? s[c + u] * p.dropout_rescale : 0.0f;
+  }
+}
+
+void query_block(const FwdParams& p, int b, int hq, int qb, Workspace& ws) {
+  const SeqInfo si = seq_info(p, b);
+  const detail::Band band = band_of(p, si);
+  const int hk = hq / p.group();
+  const int d = ws.d, dp = ws.dp;
+  const std::int64_t i0 = static_cast<std::int64_t>(qb) * kBlockM;
+  const int m = static_cast<int>(std::min<std::int64_t>(kBlockM, si.len_q - i0));
+  const float slope = detail::alibi_slope(p, b, hq);
+
+  tiles::load_tile(p.q, p.dtype, p.q_stride, b, si.q_row0 + i0, hq, m, m, d, d, p.scale, ws.q.data());
+  std::fill(ws.o.begin(), ws.o.end(), 0.0f);
+  std::fill(ws.state.begin(), ws.state.end(), RowState{});
+
+  // Key blocks on the kBlockN grid that hold a visible key for some row of this block.
+  const std::int64_t k_begin = band.key_begin(i0, si.len_k) / kBlockN * kBlockN;
+  const std::int64_t k_end = std::min<std::int64_t>(band.key_end(i0 + m, si.len_k), si.len_k);
+  for (std::int64_t j0 = k_begin; j0 < k_end; j0 += kBlockN) {
+    const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, si.len_k - j0));
+    tiles::load_tile_transposed(p.k, p.dtype, p.k_stride, b, si.k_row0 + j0, hk, n, d, kBlockN, 1.0f,
+                                ws.row.data(), ws.kt.data());
+    tiles::load_tile(p.v, p.dtype, p.v_stride, b, si.k_row0 + j0, hk, n, n, d, dp, 1.0f, ws.v.data());
+
+    // S (m, kBlockN) = (scale · Q) (m, d) · Kᵀ (d, kBlockN)
+    tiles::gemm<false>(m, kBlockN, d, ws.q.data(), d, ws.kt.data(), kBlockN, ws.s.data(), kBlockN);
+
+    const bool needs_mask = band.tile_needs_mask(i0, i0 + m, j0, j0 + n, si.len_k);
+    for (int r = 0; r < m; ++r) {
+      float* s = ws.s.data() + r * kBlockN;
+      const std::int64_t i = i0 + r;
+      transform_row(p, band, slope, needs_mask, i, j0, n, s);
+      // The tile's partial state is expressed against m_new = max(running max, tile max), so that
+      // merging it is just the rescale of the running state (its own factor is exp(0) = 1).
+      const float m_new = std::max(ws.state[r].m, tiles::row_max(s, kBlockN));
+      float sum = 0.0f;
+      if (m_new == -INFINITY)
+        std::fill(s, s + kBlockN, 0.0f);  // every key so far masked: nothing to add
+      else
+        sum = tiles::exp_sub_sum(s, kBlockN, m_new);
+      float fa, fb;
+      ws.state[r] = detail::merge(ws.state[r], RowState{m_new, sum}, &fa, &fb);
+      ws.alpha[r] = fa;
+      if (p.dropout_p > 0.0f) apply_dropout(p, detail::dropout_row_id(p, hq, si, i), j0, n, s);
+    }
+    for (int r = 0; r < m; ++r)
+      if (ws.alpha[r] != 1.0f) tiles::scale_row(ws.o.data() + r * dp, dp, ws.alpha[r]);
+    // O (m, dp) += P (m, n) · V (n, dp)
+    tiles::gemm<true>(m, dp, n, ws.s.data(), kBlockN, ws.v.data(), dp, ws.o.data(), dp);
+  }
+
+  for (int r = 0; r < m; ++r) {
+    const std::int64_t i = i0 + r;
+    float* o = ws.o.data() + r * dp;
+    tiles::scale_row(o, dp, detail::finish_inv_l(ws.state[r]));
+    tiles::store_row(p.out, p.dtype, detail::offset_of(p.o_stride, b, si.q_row0 + i, hq), d, o);
+    p.lse[detail::lse_index(p, b, hq, si, i)] = detail::finish_lse(ws.state[r]);
+  }
+}
+
+}  // namespace
+
+void flash_forward(const FwdParams& p, int num_threads) {
+  const Tasks tasks = make_tasks(p);
+  const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
+#pragma omp parallel num_threads(threads)
+  {
+    Workspace ws(p.d);
+    // Dynamic: under causal masks a block's work grows with its row index.
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t t = 0; t < tasks.total(); ++t) {
+      const int b = static_cast<int>(std::upper_bound(tasks.first.begin(), tasks.first.end(), t) - tasks.first.begin()) - 1;
+      const std::int64_t rest = t - tasks.first[b];
+      query_block(p, b, static_cast<int>(rest / tasks.blocks[b]), static_cast<int>(rest % tasks.blocks[b]), ws);
+    }
+  }
+}
+
+}  // namespace flashmonoid::cpu
