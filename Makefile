@@ -1,0 +1,44 @@
+# make demo: install what is missing, build, and run flashmonoid-bench (standard vs flash).
+# make test: install what is missing, build everything (CUDA too when nvcc is present), run the
+#            C++ tests, the spill check, the installed-package consumer and the Python tests.
+PYTHON ?= python3
+JOBS ?= $(shell nproc)
+BUILD ?= build
+# The demo needs no CUDA kernels unless a GPU is there to run them.
+DEMO_CUDA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo ON || echo OFF)
+
+.PHONY: setup build test demo test-cpp test-install test-python clean
+
+setup:
+	@scripts/setup.sh
+
+build: setup
+	@start=$$(date +%s); \
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null && \
+	cmake --build $(BUILD) -j $(JOBS) && \
+	echo "build: $$(( $$(date +%s) - start )) s on $(JOBS) cores"
+
+test-cpp: build
+	cd $(BUILD) && ctest -j $(JOBS) --output-on-failure --timeout 900
+	@if [ -f $(BUILD)/flashmonoid_spills.log ] || grep -q "FLASHMONOID_CUDA:BOOL=ON" $(BUILD)/CMakeCache.txt; then \
+	  $(PYTHON) tools/check_spills.py $(BUILD); fi
+
+test-install: build
+	cmake --install $(BUILD) --prefix $(BUILD)/install >/dev/null
+	cmake -S examples/consumer -B $(BUILD)/consumer -G Ninja -DCMAKE_PREFIX_PATH=$(abspath $(BUILD))/install >/dev/null
+	cmake --build $(BUILD)/consumer
+	$(BUILD)/consumer/consumer
+
+test-python: setup
+	FLASHMONOID_CUDA=$(DEMO_CUDA) $(PYTHON) -m pip install -q . 
+	cd tests/python && $(PYTHON) -m pytest -q
+
+test: test-cpp test-install test-python
+
+demo: setup
+	cmake -S . -B build-demo -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHMONOID_CUDA=$(DEMO_CUDA) -DFLASHMONOID_TESTS=OFF >/dev/null
+	cmake --build build-demo -j $(JOBS) --target flashmonoid-bench
+	build-demo/bench/flashmonoid-bench
+
+clean:
+	rm -rf $(BUILD) build-demo

@@ -1,0 +1,162 @@
+// One randomized attention problem on the host: inputs, options, and runners for the reference
+// (float64 and input-precision) and any other algorithm, for forward and backward comparisons.
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include "api/validate.hpp"
+#include "cpu/cpu_backend.hpp"
+#include "test_util.hpp"
+
+namespace fmtest {
+
+struct Shape {
+  int b = 1, s_q = 1, s_k = 1, h = 1, h_k = 1, d = 64;
+  DType dtype = DType::f32;
+  bool causal = false;
+  int window_left = -1, window_right = -1;
+  float softcap = 0.0f;
+  bool alibi = false;
+  float dropout_p = 0.0f;
+  bool varlen = false;
+  std::vector<int> lens_q, lens_k;  // varlen sequence lengths (b entries)
+  bool padded_strides = true;       // non-contiguous head/row strides
+
+  std::string str() const {
+    std::string s = "b" + std::to_string(b) + " sq" + std::to_string(s_q) + " sk" + std::to_string(s_k) + " h" +
+                    std::to_string(h) + "/" + std::to_string(h_k) + " d" + std::to_string(d) + " " +
+                    flashmonoid::to_string(dtype);
+    if (causal) s += " causal";
+    if (window_left >= 0 || window_right >= 0)
+      s += " window(" + std::to_string(window_left) + "," + std::to_string(window_right) + ")";
+    if (softcap > 0) s += " softcap" + std::to_string(softcap);
+    if (alibi) s += " alibi";
+    if (dropout_p > 0) s += " dropout" + std::to_string(dropout_p);
+    if (varlen) s += " varlen";
+    return s;
+  }
+};
+
+struct Problem {
+  Shape shape;
+  HostTensor q, k, v, dout, alibi, cu_q, cu_k;
+  flashmonoid::Options opt;
+  flashmonoid::Varlen vl;
+  std::int64_t total_q = 0, total_k = 0;
+
+  explicit Problem(const Shape& s) : shape(s) {
+    const int pad = s.padded_strides ? 8 : 0;  // extra elements per row: exercises strides
+    auto make = [&](int rows_per_batch, int heads, std::int64_t total) {
+      if (s.varlen) {
+        std::vector<std::int64_t> dims{total, heads, s.d};
+        std::vector<std::int64_t> st{static_cast<std::int64_t>(heads) * s.d + pad, s.d, 1};
+        return HostTensor(s.dtype, dims, st);
+      }
+      std::vector<std::int64_t> dims{s.b, rows_per_batch, heads, s.d};
+      const std::int64_t row = static_cast<std::int64_t>(heads) * s.d + pad;
+      std::vector<std::int64_t> st{row * rows_per_batch, row, s.d, 1};
+      return HostTensor(s.dtype, dims, st);
+    };
+    if (s.varlen) {
+      cu_q = HostTensor(DType::i32, {s.b + 1});
+      cu_k = HostTensor(DType::i32, {s.b + 1});
+      int* cq = cu_q.view.ptr<int>();
+      int* ck = cu_k.view.ptr<int>();
+      cq[0] = ck[0] = 0;
+      int mq = 0, mk = 0;
+      for (int i = 0; i < s.b; ++i) {
+        cq[i + 1] = cq[i] + s.lens_q[i];
+        ck[i + 1] = ck[i] + s.lens_k[i];
+        mq = std::max(mq, s.lens_q[i]);
+        mk = std::max(mk, s.lens_k[i]);
+      }
+      total_q = cq[s.b];
+      total_k = ck[s.b];
+      vl = flashmonoid::Varlen{cu_q.view, cu_k.view, mq, mk};
+    } else {
+      total_q = static_cast<std::int64_t>(s.b) * s.s_q;
+      total_k = static_cast<std::int64_t>(s.b) * s.s_k;
+    }
+    q = make(s.s_q, s.h, total_q);
+    k = make(s.s_k, s.h_k, total_k);
+    v = make(s.s_k, s.h_k, total_k);
+    dout = make(s.s_q, s.h, total_q);
+    q.fill_normal();
+    k.fill_normal();
+    v.fill_normal();
+    dout.fill_normal();
+    opt.causal = s.causal;
+    opt.window_left = s.window_left;
+    opt.window_right = s.window_right;
+    opt.softcap = s.softcap;
+    opt.dropout_p = s.dropout_p;
+    opt.dropout_seed = rng()();
+    opt.dropout_offset = rng()() >> 20;
+    if (s.alibi) {
+      alibi = HostTensor(DType::f32, {s.b, s.h});
+      std::uniform_real_distribution<float> u(0.0f, 0.5f);
+      for (std::int64_t i = 0; i < alibi.numel(); ++i) alibi.set(i, u(rng()));
+      opt.alibi_slopes = alibi.view;
+    }
+  }
+
+  HostTensor new_out() const {
+    HostTensor o = shape.varlen ? HostTensor(shape.dtype, {total_q, shape.h, shape.d})
+                                : HostTensor(shape.dtype, {shape.b, shape.s_q, shape.h, shape.d});
+    o.poison();
+    return o;
+  }
+  HostTensor new_lse() const {
+    HostTensor l = shape.varlen ? HostTensor(DType::f32, {shape.h, total_q}) : HostTensor(DType::f32, {shape.b, shape.h, shape.s_q});
+    l.poison();
+    return l;
+  }
+  HostTensor new_like_kv() const {
+    HostTensor o = shape.varlen ? HostTensor(shape.dtype, {total_k, shape.h_k, shape.d})
+                                : HostTensor(shape.dtype, {shape.b, shape.s_k, shape.h_k, shape.d});
+    o.poison();
+    return o;
+  }
+  const flashmonoid::Varlen* varlen() const { return shape.varlen ? &vl : nullptr; }
+
+  // Forward with the public API (ctx selects the CPU algorithm) into fresh poisoned outputs.
+  std::pair<HostTensor, HostTensor> forward(const flashmonoid::Context& ctx) const {
+    HostTensor o = new_out(), l = new_lse();
+    if (shape.varlen)
+      flashmonoid::forward_varlen(q.view, k.view, v.view, vl, o.view, l.view, opt, ctx);
+    else
+      flashmonoid::forward(q.view, k.view, v.view, o.view, l.view, opt, ctx);
+    return {std::move(o), std::move(l)};
+  }
+  // The reference at a given precision, called directly.
+  std::pair<HostTensor, HostTensor> reference(flashmonoid::cpu::Precision prec) const {
+    HostTensor o = new_out(), l = new_lse();
+    auto p = flashmonoid::detail::make_fwd_params(q.view, k.view, v.view, o.view, l.view, opt, varlen());
+    flashmonoid::cpu::reference_forward(p, prec);
+    return {std::move(o), std::move(l)};
+  }
+
+  struct Grads {
+    HostTensor dq, dk, dv;
+  };
+  Grads backward(const HostTensor& out, const HostTensor& lse, const flashmonoid::Context& ctx) const {
+    Grads g{new_out(), new_like_kv(), new_like_kv()};
+    if (shape.varlen)
+      flashmonoid::backward_varlen(dout.view, q.view, k.view, v.view, vl, out.view, lse.view, g.dq.view, g.dk.view,
+                                   g.dv.view, opt, ctx);
+    else
+      flashmonoid::backward(dout.view, q.view, k.view, v.view, out.view, lse.view, g.dq.view, g.dk.view, g.dv.view,
+                            opt, ctx);
+    return g;
+  }
+  Grads reference_backward(const HostTensor& out, const HostTensor& lse, flashmonoid::cpu::Precision prec) const {
+    Grads g{new_out(), new_like_kv(), new_like_kv()};
+    auto p = flashmonoid::detail::make_bwd_params(dout.view, q.view, k.view, v.view, out.view, lse.view, g.dq.view,
+                                                  g.dk.view, g.dv.view, opt, varlen());
+    flashmonoid::cpu::reference_backward(p, prec);
+    return g;
+  }
+};
+
+}  // namespace fmtest

@@ -1,0 +1,236 @@
+// The oracle itself: its backward against finite differences; the merge monoid (associativity,
+// identity); extreme scores; fully masked rows.
+#include <algorithm>
+#include <functional>
+
+#include "attention_case.hpp"
+#include "flashmonoid/detail/philox.hpp"
+
+namespace fmtest {
+namespace {
+
+using flashmonoid::Context;
+using flashmonoid::CpuAlgorithm;
+using flashmonoid::cpu::Precision;
+
+// L = sum(dout ∘ out), evaluated by the reference forward in float64 (stored as fp32).
+double loss(const Problem& pb) {
+  auto [o, l] = pb.reference(Precision::f64);
+  auto ov = o.values();
+  auto dv = pb.dout.values();
+  double s = 0.0;
+  for (std::size_t i = 0; i < ov.size(); ++i) s += ov[i] * dv[i];
+  return s;
+}
+
+TEST(ReferenceBackward, MatchesFiniteDifferences) {
+  for (int variant = 0; variant < 3; ++variant) {
+    Shape s;
+    s.b = 1;
+    s.s_q = 3;
+    s.s_k = 4;
+    s.h = 2;
+    s.h_k = 1;
+    s.d = 5;
+    s.padded_strides = false;
+    s.causal = variant == 1;
+    s.softcap = variant == 2 ? 1.5f : 0.0f;
+    s.alibi = variant == 2;
+    Problem pb(s);
+    auto [o, l] = pb.reference(Precision::f64);
+    auto g = pb.reference_backward(o, l, Precision::f64);
+    const double h = 1e-2;
+    auto check = [&](HostTensor& x, const HostTensor& grad, const char* name) {
+      for (std::int64_t i = 0; i < x.numel(); ++i) {
+        const float x0 = x.get(i);
+        x.set(i, x0 + static_cast<float>(h));
+        const double up = loss(pb);
+        x.set(i, x0 - static_cast<float>(h));
+        const double down = loss(pb);
+        x.set(i, x0);
+        const double fd = (up - down) / (2 * h);
+        // Central differences: O(h^2) truncation plus fp32 output rounding over 2h.
+        EXPECT_NEAR(grad.get(i), fd, 2e-3 * std::max(1.0, std::abs(fd))) << name << "[" << i << "] variant " << variant;
+      }
+    };
+    check(pb.q, g.dq, "dq");
+    check(pb.k, g.dk, "dk");
+    check(pb.v, g.dv, "dv");
+  }
+}
+
+// Attention over keys [begin, end) of pb, unmasked: the pieces that merge must reassemble.
+std::pair<HostTensor, HostTensor> forward_on_keys(const Problem& pb, int begin, int end) {
+  const Shape& s = pb.shape;
+  const std::int64_t row = pb.k.view.stride[1];
+  TensorView k = pb.k.view, v = pb.v.view;
+  k.shape[1] = v.shape[1] = end - begin;
+  k.data = static_cast<std::uint8_t*>(k.data) + begin * row * flashmonoid::dtype_size(s.dtype);
+  v.data = static_cast<std::uint8_t*>(v.data) + begin * row * flashmonoid::dtype_size(s.dtype);
+  HostTensor o(DType::f32, {s.b, s.s_q, s.h, s.d}), l(DType::f32, {s.b, s.h, s.s_q});
+  o.poison();
+  l.poison();
+  Context ctx;
+  ctx.cpu_algorithm = CpuAlgorithm::reference;
+  HostTensor q32(DType::f32, {s.b, s.s_q, s.h, s.d});
+  for (std::int64_t i = 0; i < q32.numel(); ++i) q32.set(i, pb.q.get(i));
+  flashmonoid::forward(q32.view, k, v, o.view, l.view, pb.opt, ctx);
+  return {std::move(o), std::move(l)};
+}
+
+TEST(Merge, RandomSplitsAndBracketingsEqualTheWhole) {
+  Shape s;
+  s.b = 2;
+  s.s_q = 9;
+  s.s_k = 57;
+  s.h = 3;
+  s.h_k = 3;
+  s.d = 16;
+  s.padded_strides = true;
+  for (int trial = 0; trial < 10; ++trial) {
+    Problem pb(s);
+    auto whole = forward_on_keys(pb, 0, s.s_k);
+    // Random cut points, empty chunks allowed (their state is the identity: out 0, lse -inf).
+    std::uniform_int_distribution<int> cut(0, s.s_k);
+    std::vector<int> cuts{0, s.s_k};
+    for (int i = 0; i < 4; ++i) cuts.push_back(cut(rng()));
+    std::sort(cuts.begin(), cuts.end());
+    std::vector<std::pair<HostTensor, HostTensor>> parts;
+    for (std::size_t i = 0; i + 1 < cuts.size(); ++i) parts.push_back(forward_on_keys(pb, cuts[i], cuts[i + 1]));
+    // Random bracketing: repeatedly merge a random adjacent pair (or a random run of up to 3).
+    while (parts.size() > 1) {
+      std::uniform_int_distribution<std::size_t> pick(0, parts.size() - 2);
+      const std::size_t i = pick(rng());
+      const std::size_t n = std::min<std::size_t>(parts.size() - i, 2 + (rng()() % 2));
+      std::vector<TensorView> outs, lses;
+      for (std::size_t j = i; j < i + n; ++j) {
+        outs.push_back(parts[j].first.view);
+        lses.push_back(parts[j].second.view);
+      }
+      HostTensor o(DType::f32, {s.b, s.s_q, s.h, s.d}), l(DType::f32, {s.b, s.h, s.s_q});
+      o.poison();
+      l.poison();
+      flashmonoid::merge(outs, lses, o.view, l.view);
+      parts.erase(parts.begin() + static_cast<std::ptrdiff_t>(i), parts.begin() + static_cast<std::ptrdiff_t>(i + n));
+      parts.insert(parts.begin() + static_cast<std::ptrdiff_t>(i), {std::move(o), std::move(l)});
+    }
+    const double scale = max_abs(whole.first.values());
+    EXPECT_LE(max_abs_diff(parts[0].first.values(), whole.first.values()), 1e-6 * std::max(1.0, scale));
+    EXPECT_LE(max_abs_diff(parts[0].second.values(), whole.second.values()), 1e-6 * std::max(1.0, max_abs(whole.second.values())));
+  }
+}
+
+TEST(Merge, IdentityChangesNothing) {
+  Shape s;
+  s.b = 1;
+  s.s_q = 7;
+  s.s_k = 20;
+  s.h = 2;
+  s.h_k = 2;
+  s.d = 8;
+  Problem pb(s);
+  auto a = forward_on_keys(pb, 0, s.s_k);
+  HostTensor id_o(DType::f32, {s.b, s.s_q, s.h, s.d}), id_l(DType::f32, {s.b, s.h, s.s_q});
+  id_o.poison();  // the identity's output is never read: lse = -inf gives it weight 0
+  for (std::int64_t i = 0; i < id_l.numel(); ++i) id_l.set(i, -INFINITY);
+  for (int order = 0; order < 2; ++order) {
+    HostTensor o(DType::f32, {s.b, s.s_q, s.h, s.d}), l(DType::f32, {s.b, s.h, s.s_q});
+    std::vector<TensorView> outs{a.first.view, id_o.view}, lses{a.second.view, id_l.view};
+    if (order) {
+      std::swap(outs[0], outs[1]);
+      std::swap(lses[0], lses[1]);
+    }
+    flashmonoid::merge(outs, lses, o.view, l.view);
+    EXPECT_EQ(o.values(), a.first.values());
+    EXPECT_EQ(l.values(), a.second.values());
+  }
+}
+
+TEST(Numerics, HugeScoresStayFiniteAndExact) {
+  Shape s;
+  s.b = 1;
+  s.s_q = 33;
+  s.s_k = 70;
+  s.h = 2;
+  s.h_k = 2;
+  s.d = 32;
+  Problem pb(s);
+  // Scores of magnitude ~1e4: scale·q·k with |q·k| up to ~1e4·sqrt(d).
+  pb.opt.softmax_scale = 1.0f;
+  for (std::int64_t i = 0; i < pb.q.numel(); ++i) pb.q.set(i, pb.q.get(i) * 30.0f);
+  for (std::int64_t i = 0; i < pb.k.numel(); ++i) pb.k.set(i, pb.k.get(i) * 60.0f);
+  auto [o, l] = pb.forward(Context{});
+  auto [ro, rl] = pb.reference(Precision::f64);
+  EXPECT_GT(max_abs(rl.values()), 5e3);
+  for (double x : o.values()) ASSERT_TRUE(std::isfinite(x));
+  EXPECT_LE(max_abs_diff(o.values(), ro.values()), 1e-5 * max_abs(ro.values()));
+  EXPECT_LE(max_abs_diff(l.values(), rl.values()), 1e-6 * max_abs(rl.values()));
+  auto g = pb.backward(o, l, Context{});
+  for (auto* t : {&g.dq, &g.dk, &g.dv})
+    for (double x : t->values()) ASSERT_TRUE(std::isfinite(x));
+}
+
+TEST(Numerics, FullyMaskedRowsAreZeroWithoutNaN) {
+  for (int algo = 0; algo < 2; ++algo) {
+    Shape s;
+    s.b = 2;
+    s.s_q = 40;
+    s.s_k = 16;  // causal, bottom-right: rows 0..23 see no key
+    s.h = 2;
+    s.h_k = 1;
+    s.d = 24;
+    s.causal = true;
+    Problem pb(s);
+    Context ctx;
+    ctx.cpu_algorithm = algo ? CpuAlgorithm::reference : CpuAlgorithm::flash;
+    auto [o, l] = pb.forward(ctx);
+    auto g = pb.backward(o, l, ctx);
+    for (int b = 0; b < s.b; ++b)
+      for (int i = 0; i < s.s_q; ++i)
+        for (int hq = 0; hq < s.h; ++hq) {
+          const bool empty = i < s.s_q - s.s_k;
+          const float lse = l.get((static_cast<std::int64_t>(b) * s.h + hq) * s.s_q + i);
+          if (empty) {
+            EXPECT_EQ(lse, -INFINITY);
+          } else {
+            EXPECT_TRUE(std::isfinite(lse));
+          }
+          for (int c = 0; c < s.d; ++c) {
+            const std::int64_t idx = ((static_cast<std::int64_t>(b) * s.s_q + i) * s.h + hq) * s.d + c;
+            if (empty) {
+              EXPECT_EQ(o.get(idx), 0.0f);
+              EXPECT_EQ(g.dq.get(idx), 0.0f);
+            }
+            EXPECT_FALSE(std::isnan(o.get(idx)));
+            EXPECT_FALSE(std::isnan(g.dq.get(idx)));
+          }
+        }
+    for (auto* t : {&g.dk, &g.dv})
+      for (double x : t->values()) EXPECT_FALSE(std::isnan(x));
+  }
+}
+
+TEST(Dropout, KeepRateAndDeterminism) {
+  // The keep-mask is a pure function of (seed, offset, row, column) with P(keep) = 1 - p.
+  const float p = 0.3f;
+  const std::uint32_t t = flashmonoid::detail::dropout_threshold(p);
+  int kept = 0;
+  const int n = 200000;
+  for (int i = 0; i < n; ++i) kept += flashmonoid::detail::dropout_keep(42, 7, t, static_cast<std::uint32_t>(i / 1000), i % 1000);
+  EXPECT_NEAR(kept / static_cast<double>(n), 1.0 - p, 0.005);
+  EXPECT_EQ(flashmonoid::detail::dropout_keep(1, 2, t, 3, 4), flashmonoid::detail::dropout_keep(1, 2, t, 3, 4));
+  // Philox-4x32-10 known-answer test (Random123 kat_vectors: zero counter and key).
+  auto r = flashmonoid::detail::philox4x32_10(0, 0, 0, 0, 0, 0);
+  EXPECT_EQ(r.x[0], 0x6627e8d5u);
+  EXPECT_EQ(r.x[1], 0xe169c58du);
+  EXPECT_EQ(r.x[2], 0xbc57ac4cu);
+  EXPECT_EQ(r.x[3], 0x9b00dbd8u);
+  auto pi = flashmonoid::detail::philox4x32_10(0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u, 0xa4093822u, 0x299f31d0u);
+  EXPECT_EQ(pi.x[0], 0xd16cfe09u);
+  EXPECT_EQ(pi.x[1], 0x94fdccebu);
+  EXPECT_EQ(pi.x[2], 0x5001e420u);
+  EXPECT_EQ(pi.x[3], 0x24126ea1u);
+}
+
+}  // namespace
+}  // namespace fmtest

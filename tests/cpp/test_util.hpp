@@ -1,0 +1,108 @@
+// Shared test helpers: host tensors with fresh random data, NaN-poisoned outputs, comparisons.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "cpu/numeric.hpp"
+#include "flashmonoid/flashmonoid.hpp"
+
+namespace fmtest {
+
+using flashmonoid::DType;
+using flashmonoid::TensorView;
+
+inline std::mt19937_64& rng() {
+  static std::mt19937_64 g(std::random_device{}());
+  return g;
+}
+
+// Owns host memory and a (possibly strided) view over it.
+struct HostTensor {
+  std::vector<std::uint8_t> buf;
+  TensorView view;
+
+  HostTensor() = default;
+  HostTensor(DType t, std::vector<std::int64_t> dims, std::vector<std::int64_t> strides = {}) {
+    view.dtype = t;
+    view.device = flashmonoid::Device::cpu();
+    view.ndim = static_cast<int>(dims.size());
+    std::int64_t st = 1, span = 1;
+    for (int i = view.ndim - 1; i >= 0; --i) {
+      view.shape[i] = dims[i];
+      view.stride[i] = strides.empty() ? st : strides[i];
+      st *= dims[i];
+    }
+    for (int i = 0; i < view.ndim; ++i) span += (dims[i] - 1) * view.stride[i];
+    buf.assign(static_cast<std::size_t>(std::max<std::int64_t>(span, 1)) * flashmonoid::dtype_size(t), 0);
+    view.data = buf.data();
+  }
+  // Byte offset of a logical index into buf.
+  std::int64_t offset(std::int64_t linear) const {
+    std::int64_t off = 0;
+    for (int i = view.ndim - 1; i >= 0; --i) {
+      off += (linear % view.shape[i]) * view.stride[i];
+      linear /= view.shape[i];
+    }
+    return off;
+  }
+  float get(std::int64_t linear) const { return flashmonoid::cpu::load(view.data, view.dtype, offset(linear)); }
+  void set(std::int64_t linear, float x) { flashmonoid::cpu::store(view.data, view.dtype, offset(linear), x); }
+  std::int64_t numel() const { return view.numel(); }
+  std::vector<double> values() const {
+    std::vector<double> v(numel());
+    for (std::int64_t i = 0; i < numel(); ++i) v[i] = get(i);
+    return v;
+  }
+  void fill_normal(double stddev = 1.0) {
+    std::normal_distribution<float> n(0.0f, static_cast<float>(stddev));
+    for (std::int64_t i = 0; i < numel(); ++i) set(i, n(rng()));
+  }
+  void poison() {
+    for (std::int64_t i = 0; i < numel(); ++i) set(i, std::numeric_limits<float>::quiet_NaN());
+  }
+};
+
+// Max |a - b| over elements, treating equal infinities as 0 and any NaN as infinite error.
+inline double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b) {
+  double m = 0.0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (std::isnan(a[i]) || std::isnan(b[i])) return std::numeric_limits<double>::infinity();
+    if (std::isinf(a[i]) || std::isinf(b[i])) {
+      if (a[i] != b[i]) return std::numeric_limits<double>::infinity();
+      continue;
+    }
+    m = std::max(m, std::abs(a[i] - b[i]));
+  }
+  return m;
+}
+
+inline double max_abs(const std::vector<double>& a) {
+  double m = 0.0;
+  for (double x : a)
+    if (std::isfinite(x)) m = std::max(m, std::abs(x));
+  return m;
+}
+
+// The FlashAttention rule: fp32 within rel_fp32 of the float64 reference (relative to the
+// largest reference magnitude); fp16/bf16 within 2x the error of the same math in that dtype.
+inline void expect_close(const char* what, DType dtype, const std::vector<double>& got, const std::vector<double>& ref,
+                         const std::vector<double>& lowp, double rel_fp32 = 1e-5) {
+  const double err = max_abs_diff(got, ref);
+  const double scale = std::max(max_abs(ref), 1e-30);
+  if (dtype == DType::f32) {
+    EXPECT_LE(err, rel_fp32 * scale) << what << ": fp32 max error " << err << " vs reference magnitude " << scale;
+  } else {
+    // A tiny absolute floor only for the case where the low-precision math is exact (e.g. one key).
+    const double budget = 2.0 * max_abs_diff(lowp, ref) + 1e-6 * scale;
+    EXPECT_LE(err, budget) << what << ": max error " << err << " > 2x the " << flashmonoid::to_string(dtype)
+                           << " reference's error (" << max_abs_diff(lowp, ref) << ")";
+  }
+}
+
+}  // namespace fmtest
