@@ -1,0 +1,129 @@
+"""Calls into flashmonoid._C for any DLPack array family: NumPy, torch, CuPy.
+
+The C++ API never allocates and never picks a stream, so this module does both, in the family of
+the inputs: outputs and workspace come from that family's allocator (torch's caching allocator for
+torch tensors), and CUDA work goes on the family's current stream of the inputs' device.
+"""
+
+import os
+
+import numpy as np
+
+from . import _C
+
+_cpu_algorithm = _C.CpuAlgorithm.__members__[os.environ.get("FLASHMONOID_CPU_ALGORITHM", "flash")]
+
+
+def set_cpu_algorithm(name):
+    """"flash" (tiled, the default) or "reference" (the float64 oracle) for CPU calls."""
+    global _cpu_algorithm
+    _cpu_algorithm = _C.CpuAlgorithm.__members__[name]
+
+
+def get_cpu_algorithm():
+    return _cpu_algorithm.name
+
+
+def family(x):
+    """"torch", "numpy" or "cupy": which allocator and stream go with x."""
+    module = type(x).__module__
+    if module.startswith("torch"):
+        return "torch"
+    if module.startswith("cupy"):
+        return "cupy"
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    raise TypeError(f"flashmonoid: expected a NumPy array, a torch tensor or a CuPy array, got {type(x).__name__}")
+
+
+def is_cuda(x):
+    f = family(x)
+    return (f == "torch" and x.is_cuda) or f == "cupy"
+
+
+def empty(like, shape, dtype=None):
+    """Uninitialised array of the family and device of `like`; dtype None = like's, "float32"."""
+    f = family(like)
+    if f == "torch":
+        import torch
+
+        dt = like.dtype if dtype is None else getattr(torch, dtype)
+        return torch.empty(shape, dtype=dt, device=like.device)
+    if f == "cupy":
+        import cupy
+
+        with like.device:
+            return cupy.empty(shape, dtype=like.dtype if dtype is None else dtype)
+    return np.empty(shape, dtype=like.dtype if dtype is None else dtype)
+
+
+def _stream(x):
+    f = family(x)
+    if f == "torch" and x.is_cuda:
+        import torch
+
+        return torch.cuda.current_stream(x.device).cuda_stream
+    if f == "cupy":
+        import cupy
+
+        with x.device:
+            return cupy.cuda.get_current_stream().ptr
+    return 0
+
+
+def context(x, num_splits=0):
+    return _C.Context(stream=_stream(x), num_splits=num_splits, cpu_algorithm=_cpu_algorithm)
+
+
+def _workspace(like, nbytes):
+    if nbytes == 0:
+        return None
+    f = family(like)
+    if f == "torch":
+        import torch
+
+        return torch.empty(nbytes, dtype=torch.uint8, device=like.device)
+    return empty(like, (nbytes,), "uint8")
+
+
+def _on_device(x):
+    """The torch device guard for x: launches and workspace follow the inputs' GPU."""
+    if family(x) == "torch" and x.is_cuda:
+        import torch
+
+        return torch.cuda.device(x.device)
+    if family(x) == "cupy":
+        return x.device
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def forward(q, k, v, out, lse, options, alibi_slopes=None, varlen=None, num_splits=0):
+    """out, lse <- attention. varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
+    with _on_device(q):
+        ctx = context(q, num_splits)
+        ws = None
+        if is_cuda(q):
+            ws = _workspace(q, _C.forward_workspace_size(q, k, options, *(varlen or ())))
+        if varlen is None:
+            _C.forward(q, k, v, out, lse, options, ctx, alibi_slopes, ws)
+        else:
+            _C.forward_varlen(q, k, v, *varlen, out, lse, options, ctx, alibi_slopes, ws)
+
+
+def backward(dout, q, k, v, out, lse, dq, dk, dv, options, alibi_slopes=None, varlen=None):
+    with _on_device(q):
+        ctx = context(q)
+        ws = None
+        if is_cuda(q):
+            ws = _workspace(q, _C.backward_workspace_size(q, k, options, *(varlen or ())))
+        if varlen is None:
+            _C.backward(dout, q, k, v, out, lse, dq, dk, dv, options, ctx, alibi_slopes, ws)
+        else:
+            _C.backward_varlen(dout, q, k, v, *varlen, out, lse, dq, dk, dv, options, ctx, alibi_slopes, ws)
+
+
+def merge(outs, lses, out, lse):
+    with _on_device(out):
+        _C.merge(list(outs), list(lses), out, lse, context(out))

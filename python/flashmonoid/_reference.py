@@ -1,0 +1,159 @@
+"""Attention written out in torch, in the dtype of its inputs (float64 in practice).
+
+It backs the float64 case of the torch ops (the C++ API takes fp32/fp16/bf16), so that
+torch.autograd.gradcheck can check the registered autograd formula in float64: gradcheck then
+compares this backward against finite differences of this forward. The C++ kernels themselves are
+checked against an independent float64 reference in tests/python. It materialises the
+(h, s_q, s_k) scores one sequence at a time: for small inputs only.
+
+Semantics are those of include/flashmonoid/options.hpp and detail/mask.hpp: bottom-right aligned
+causal/window masks, softcap, ALiBi, the Philox dropout mask of detail/philox.hpp, and a row with
+no visible key gives out = 0 and lse = -inf.
+"""
+
+import math
+
+import torch
+
+from . import _philox
+
+
+def band(s_q, s_k, causal, window_left, window_right, device):
+    """(s_q, s_k) bool: True where query i sees key j."""
+    if causal:
+        window_right = 0
+    i = torch.arange(s_q, device=device)[:, None]
+    j = torch.arange(s_k, device=device)[None, :]
+    c = i + (s_k - s_q)
+    visible = torch.ones(s_q, s_k, dtype=torch.bool, device=device)
+    if window_right >= 0:
+        visible &= j <= c + window_right
+    if window_left >= 0:
+        visible &= j >= c - window_left
+    return visible
+
+
+class _Seq:
+    """Where one sequence sits in the batch: for ALiBi's batch index and dropout's row ids."""
+
+    def __init__(self, b, row0, total_q):
+        self.b, self.row0, self.total_q = b, row0, total_q
+
+
+def _probabilities(q, k, seq, o):
+    """P (h, s_q, s_k), lse (h, s_q), tanh of the capped scores (or None) and the dropout factor.
+
+    q (s_q, h, d), k (s_k, h_k, d). The dropout factor is keep / (1 - p), or None without dropout.
+    """
+    s_q, h, _ = q.shape
+    s_k, h_k, _ = k.shape
+    kk = k.repeat_interleave(h // h_k, dim=1)
+    s = torch.einsum("ihd,jhd->hij", q, kk) * o["scale"]
+    t = None
+    if o["softcap"] > 0:
+        t = torch.tanh(s / o["softcap"])
+        s = o["softcap"] * t
+    i = torch.arange(s_q, device=q.device)[:, None]
+    j = torch.arange(s_k, device=q.device)[None, :]
+    if o["alibi"] is not None:
+        slopes = o["alibi"][seq.b] if o["alibi"].dim() == 2 else o["alibi"]
+        s = s - slopes.to(s.dtype)[:, None, None] * (i + (s_k - s_q) - j).abs().to(s.dtype)
+    visible = band(s_q, s_k, o["causal"], o["window_left"], o["window_right"], q.device)
+    s = s.masked_fill(~visible, -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    empty = torch.isneginf(lse)[..., None]
+    p = torch.where(empty, torch.zeros((), dtype=s.dtype, device=s.device), torch.exp(s - lse[..., None]))
+    drop = None
+    if o["dropout_p"] > 0:
+        heads = torch.arange(h)[:, None]
+        rows = (heads * seq.total_q + seq.row0 + torch.arange(s_q)[None, :]).reshape(-1).numpy()
+        keep = _philox.keep_mask(o["seed"], o["offset"], o["dropout_p"], rows, s_k).reshape(h, s_q, s_k)
+        drop = torch.from_numpy(keep).to(device=q.device, dtype=s.dtype) / (1.0 - o["dropout_p"])
+    return p, lse, t, drop
+
+
+def _forward_seq(q, k, v, seq, o):
+    p, lse, _, drop = _probabilities(q, k, seq, o)
+    vv = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    pd = p if drop is None else p * drop
+    return torch.einsum("hij,jhd->ihd", pd, vv), lse.float()
+
+
+def _backward_seq(dout, q, k, v, out, seq, o):
+    h, h_k = q.shape[1], k.shape[1]
+    g = h // h_k
+    p, _, t, drop = _probabilities(q, k, seq, o)
+    kk = k.repeat_interleave(g, dim=1)
+    vv = v.repeat_interleave(g, dim=1)
+    pd = p if drop is None else p * drop
+    dv = torch.einsum("hij,ihd->jhd", pd, dout)
+    dp = torch.einsum("ihd,jhd->hij", dout, vv)
+    if drop is not None:
+        dp = dp * drop
+    # D_i = dO_i . O_i = sum_j P_ij dP_ij, also with dropout (O already holds the kept, rescaled P).
+    d = (dout * out).sum(-1).transpose(0, 1)
+    ds = p * (dp - d[..., None])
+    if t is not None:
+        ds = ds * (1 - t * t)
+    ds = ds * o["scale"]
+    dq = torch.einsum("hij,jhd->ihd", ds, kk)
+    dk = torch.einsum("hij,ihd->jhd", ds, q)
+    s_k, d_k = k.shape[0], k.shape[2]
+    return dq, dk.reshape(s_k, h_k, g, d_k).sum(2), dv.reshape(s_k, h_k, g, v.shape[2]).sum(2)
+
+
+def forward(q, k, v, o):
+    """q (b, s_q, h, d) -> out like q, lse float32 (b, h, s_q)."""
+    b, s_q = q.shape[:2]
+    outs, lses = zip(*(_forward_seq(q[i], k[i], v[i], _Seq(i, i * s_q, b * s_q), o) for i in range(b)))
+    return torch.stack(outs), torch.stack(lses)
+
+
+def backward(dout, q, k, v, out, o):
+    b, s_q = q.shape[:2]
+    grads = [_backward_seq(dout[i], q[i], k[i], v[i], out[i], _Seq(i, i * s_q, b * s_q), o) for i in range(b)]
+    return tuple(torch.stack(x) for x in zip(*grads))
+
+
+def _segments(cu_seqlens_q, cu_seqlens_k):
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    return [(b, cq[b], cq[b + 1], ck[b], ck[b + 1]) for b in range(len(cq) - 1)]
+
+
+def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, o):
+    """q (total_q, h, d) -> out like q, lse float32 (h, total_q)."""
+    out = torch.zeros_like(q)
+    lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32, device=q.device)
+    for b, q0, q1, k0, k1 in _segments(cu_seqlens_q, cu_seqlens_k):
+        out[q0:q1], lse[:, q0:q1] = _forward_seq(q[q0:q1], k[k0:k1], v[k0:k1], _Seq(b, q0, q.shape[0]), o)
+    return out, lse
+
+
+def backward_varlen(dout, q, k, v, out, cu_seqlens_q, cu_seqlens_k, o):
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for b, q0, q1, k0, k1 in _segments(cu_seqlens_q, cu_seqlens_k):
+        dq[q0:q1], dk[k0:k1], dv[k0:k1] = _backward_seq(
+            dout[q0:q1], q[q0:q1], k[k0:k1], v[k0:k1], out[q0:q1], _Seq(b, q0, q.shape[0]), o)
+    return dq, dk, dv
+
+
+def probabilities(q, k, o, cu_seqlens_q=None, cu_seqlens_k=None):
+    """The softmax probabilities, dropped elements negated (flash_attn's S_dmask convention).
+
+    Batched: (b, h, s_q, s_k). Varlen: (b, h, max_seqlen_q, max_seqlen_k), zero-padded.
+    """
+    if cu_seqlens_q is None:
+        b, s_q = q.shape[:2]
+        segs = [(i, i * s_q, (i + 1) * s_q, 0, k.shape[1]) for i in range(b)]
+        qs, ks, total = (lambda i, a, z: q[i]), (lambda i, a, z: k[i]), b * s_q
+    else:
+        segs = _segments(cu_seqlens_q, cu_seqlens_k)
+        qs, ks, total = (lambda i, a, z: q[a:z]), (lambda i, a, z: k[a:z]), q.shape[0]
+    mats = []
+    for b, q0, q1, k0, k1 in segs:
+        p, _, _, drop = _probabilities(qs(b, q0, q1), ks(b, k0, k1), _Seq(b, q0, total), o)
+        mats.append(p if drop is None else torch.where(drop > 0, p, -p))
+    s_q = max(m.shape[1] for m in mats)
+    s_k = max(m.shape[2] for m in mats)
+    padded = [torch.nn.functional.pad(m, (0, s_k - m.shape[2], 0, s_q - m.shape[1])) for m in mats]
+    return torch.stack(padded)

@@ -1,0 +1,255 @@
+"""flashmonoid as torch.library custom ops: autograd, torch.compile and fake tensors.
+
+Ops (all under the ``flashmonoid`` namespace, see ``torch.ops.flashmonoid``):
+
+  fwd(q, k, v, ...) -> (out, lse)             q (b, s_q, h, d); lse float32 (b, h, s_q)
+  bwd(dout, q, k, v, out, lse, ...) -> (dq, dk, dv)
+  fwd_varlen / bwd_varlen                     packed q (total_q, h, d); lse (h, total_q)
+  merge(outs, lses) -> (out, lse)
+
+Each has a fake (meta) implementation, so torch.compile(fullgraph=True) traces through them
+without graph breaks, and fwd / fwd_varlen have a registered autograd formula that calls the bwd
+ops. lse is returned for inspection and merging but is not differentiable (as in flash-attn): its
+gradient would need the softmax probabilities, which the kernels never materialise. merge is not
+differentiable either.
+
+Dtypes: float32, float16 and bfloat16 run in the C++ library (CPU or CUDA). float64 runs an
+exact float64 torch implementation of the same semantics (flashmonoid._reference), including the
+same Philox dropout mask; it exists so that torch.autograd.gradcheck can check the autograd wiring
+(GQA reduction, saved tensors, masks, softcap, ALiBi, dropout) in float64. It materialises the
+scores and is meant for small inputs; the C++ kernels are checked in fp32 against a float64
+reference by the tests.
+
+Dropout: the keep-mask is a function of (seed, offset); the public wrappers draw a fresh seed
+from torch's default CPU generator (so torch.manual_seed makes runs reproducible) and pass it to
+the ops as a CPU int64 tensor ``rng = [seed, offset]``, saved for the backward.
+"""
+
+import math
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _backend, _C, _reference
+
+
+def _options(softmax_scale, causal, window_left, window_right, softcap, dropout_p, rng, deterministic=False):
+    seed, offset = (0, 0) if rng is None else (int(rng[0]), int(rng[1]))
+    return _C.Options(softmax_scale=softmax_scale, causal=causal, window_left=window_left,
+                      window_right=window_right, softcap=softcap, dropout_p=dropout_p,
+                      dropout_seed=seed, dropout_offset=offset, deterministic=deterministic)
+
+
+def _math_options(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng):
+    seed, offset = (0, 0) if rng is None else (int(rng[0]), int(rng[1]))
+    return dict(scale=softmax_scale, causal=causal, window_left=window_left, window_right=window_right,
+                softcap=softcap, alibi=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset)
+
+
+def _c(x):
+    """A view the C++ API accepts: detached (DLPack refuses tensors that require grad) and with a
+    contiguous last dimension (the only layout rule of the API; expanded gradients break it)."""
+    if x is None:
+        return None
+    x = x.detach()
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def new_rng(dropout_p):
+    """[seed, offset] for a dropout call, or None without dropout."""
+    if dropout_p <= 0:
+        return None
+    return torch.stack([torch.randint(0, 2**62, (), dtype=torch.int64), torch.zeros((), dtype=torch.int64)])
+
+
+# ---------------------------------------------------------------------------------------------
+# Batched (b, s, h, d)
+
+
+@torch.library.custom_op("flashmonoid::fwd", mutates_args=())
+def fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, window_left: int, window_right: int,
+        softcap: float, alibi_slopes: Optional[Tensor], dropout_p: float, rng: Optional[Tensor],
+        deterministic: bool) -> Tuple[Tensor, Tensor]:
+    if q.dtype == torch.float64:
+        o = _math_options(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng)
+        return _reference.forward(q, k, v, o)
+    b, s_q, h, _ = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, s_q), dtype=torch.float32, device=q.device)
+    opts = _options(softmax_scale, causal, window_left, window_right, softcap, dropout_p, rng)
+    _backend.forward(_c(q), _c(k), _c(v), out, lse, opts, _c(alibi_slopes))
+    return out, lse
+
+
+@fwd.register_fake
+def _(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng,
+      deterministic):
+    b, s_q, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, s_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashmonoid::bwd", mutates_args=())
+def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: float,
+        causal: bool, window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
+        dropout_p: float, rng: Optional[Tensor], deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    if q.dtype == torch.float64:
+        o = _math_options(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng)
+        return _reference.backward(dout, q, k, v, out, o)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    opts = _options(softmax_scale, causal, window_left, window_right, softcap, dropout_p, rng, deterministic)
+    _backend.backward(_c(dout), _c(q), _c(k), _c(v), _c(out), _c(lse), dq, dk, dv, opts, _c(alibi_slopes))
+    return dq, dk, dv
+
+
+@bwd.register_fake
+def _(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+      dropout_p, rng, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+_N_OPTION_ARGS = 9  # softmax_scale ... deterministic: the non-tensor tail of fwd's arguments
+
+
+def _setup_fwd(ctx, inputs, output):
+    q, k, v, *options = inputs
+    out, lse = output
+    ctx.options = options
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward_fwd(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    scale, causal, wl, wr, softcap, alibi, p, rng, deterministic = ctx.options
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, scale, causal, wl, wr, softcap, alibi, p, rng, deterministic)
+    return (dq, dk, dv) + (None,) * _N_OPTION_ARGS
+
+
+torch.library.register_autograd("flashmonoid::fwd", _backward_fwd, setup_context=_setup_fwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed variable-length (total, h, d)
+
+
+@torch.library.custom_op("flashmonoid::fwd_varlen", mutates_args=())
+def fwd_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+               max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int, window_right: int,
+               softcap: float, alibi_slopes: Optional[Tensor], dropout_p: float, rng: Optional[Tensor],
+               deterministic: bool) -> Tuple[Tensor, Tensor]:
+    if q.dtype == torch.float64:
+        o = _math_options(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng)
+        return _reference.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, o)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    opts = _options(softmax_scale, causal, window_left, window_right, softcap, dropout_p, rng)
+    varlen = (_c(cu_seqlens_q), _c(cu_seqlens_k), max_seqlen_q, max_seqlen_k)
+    _backend.forward(_c(q), _c(k), _c(v), out, lse, opts, _c(alibi_slopes), varlen)
+    return out, lse
+
+
+@fwd_varlen.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+      window_right, softcap, alibi_slopes, dropout_p, rng, deterministic):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashmonoid::bwd_varlen", mutates_args=())
+def bwd_varlen(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+               max_seqlen_q: int, max_seqlen_k: int, out: Tensor, lse: Tensor, softmax_scale: float, causal: bool,
+               window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
+               dropout_p: float, rng: Optional[Tensor], deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    if q.dtype == torch.float64:
+        o = _math_options(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng)
+        return _reference.backward_varlen(dout, q, k, v, out, cu_seqlens_q, cu_seqlens_k, o)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    opts = _options(softmax_scale, causal, window_left, window_right, softcap, dropout_p, rng, deterministic)
+    varlen = (_c(cu_seqlens_q), _c(cu_seqlens_k), max_seqlen_q, max_seqlen_k)
+    _backend.backward(_c(dout), _c(q), _c(k), _c(v), _c(out), _c(lse), dq, dk, dv, opts, _c(alibi_slopes), varlen)
+    return dq, dk, dv
+
+
+@bwd_varlen.register_fake
+def _(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse, softmax_scale, causal,
+      window_left, window_right, softcap, alibi_slopes, dropout_p, rng, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_fwd_varlen(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, *options = inputs
+    out, lse = output
+    ctx.varlen = (max_q, max_k)
+    ctx.options = options
+    ctx.save_for_backward(q, k, v, cu_q, cu_k, out, lse)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward_fwd_varlen(ctx, dout, dlse):
+    q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
+    max_q, max_k = ctx.varlen
+    scale, causal, wl, wr, softcap, alibi, p, rng, deterministic = ctx.options
+    dq, dk, dv = bwd_varlen(dout, q, k, v, cu_q, cu_k, max_q, max_k, out, lse, scale, causal, wl, wr, softcap,
+                            alibi, p, rng, deterministic)
+    return (dq, dk, dv) + (None,) * (4 + _N_OPTION_ARGS)
+
+
+torch.library.register_autograd("flashmonoid::fwd_varlen", _backward_fwd_varlen, setup_context=_setup_fwd_varlen)
+
+
+# ---------------------------------------------------------------------------------------------
+# Merge of partial results over disjoint key sets
+
+
+@torch.library.custom_op("flashmonoid::merge", mutates_args=())
+def merge(outs: List[Tensor], lses: List[Tensor]) -> Tuple[Tensor, Tensor]:
+    out = torch.empty(outs[0].shape, dtype=outs[0].dtype, device=outs[0].device)
+    lse = torch.empty(lses[0].shape, dtype=torch.float32, device=lses[0].device)
+    if out.dtype == torch.float64:
+        # The monoid's merge in float64 torch math: weights exp(lse_i - lse); a part at -inf adds 0.
+        stacked = torch.stack([x.double() for x in lses])
+        lse_all = torch.logsumexp(stacked, dim=0)
+        w = torch.where(torch.isneginf(lse_all), torch.zeros_like(stacked), torch.exp(stacked - lse_all))
+        # lse (b, h, s) or (h, total) against out (b, s, h, d) or (total, h, d).
+        out.copy_(sum(wi.transpose(-1, -2)[..., None] * oi for wi, oi in zip(w, outs)))
+        lse.copy_(lse_all)
+        return out, lse
+    _backend.merge([_c(o) for o in outs], [_c(x) for x in lses], out, lse)
+    return out, lse
+
+
+@merge.register_fake
+def _(outs, lses):
+    return outs[0].new_empty(outs[0].shape), lses[0].new_empty(lses[0].shape, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Python-level entry points with defaults resolved (used by flashmonoid.attention and friends)
+
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None,
+              dropout_p=0.0, deterministic=False, rng=None):
+    """(out, lse) for torch tensors, differentiable in q, k and v."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if rng is None:
+        rng = new_rng(dropout_p)
+    return fwd(q, k, v, scale, bool(causal), int(window[0]), int(window[1]), float(softcap), alibi_slopes,
+               float(dropout_p), rng, bool(deterministic))
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                     softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+                     deterministic=False, rng=None):
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if rng is None:
+        rng = new_rng(dropout_p)
+    return fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale,
+                      bool(causal), int(window[0]), int(window[1]), float(softcap), alibi_slopes, float(dropout_p),
+                      rng, bool(deterministic))
+
+
+__all__ = ["fwd", "bwd", "fwd_varlen", "bwd_varlen", "merge", "attention", "attention_varlen", "new_rng"]

@@ -1,0 +1,291 @@
+// flashmonoid._C: the C++ API seen from Python, and nothing more.
+//
+// Arrays arrive through DLPack (nb::ndarray), so NumPy, torch (CPU and CUDA) and CuPy arrays are
+// viewed in place, never copied. The Python side allocates every output and the workspace, and
+// passes the caller's CUDA stream as an integer; this file only converts and forwards, and the GIL
+// is released while the library runs.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "flashmonoid/flashmonoid.hpp"
+
+namespace nb = nanobind;
+namespace fm = flashmonoid;
+
+namespace {
+
+// Read-only arrays are accepted so that NumPy inputs marked non-writeable still work; the library
+// only writes into the outputs, which the Python side allocates fresh.
+using Array = nb::ndarray<nb::ro>;
+using OptArray = std::optional<Array>;
+
+fm::DType to_dtype(const nb::dlpack::dtype& t, const char* name) {
+  using Code = nb::dlpack::dtype_code;
+  if (t.lanes == 1) {
+    if (t.code == static_cast<std::uint8_t>(Code::Float) && t.bits == 32) return fm::DType::f32;
+    if (t.code == static_cast<std::uint8_t>(Code::Float) && t.bits == 16) return fm::DType::f16;
+    if (t.code == static_cast<std::uint8_t>(Code::Bfloat) && t.bits == 16) return fm::DType::bf16;
+    if (t.code == static_cast<std::uint8_t>(Code::Int) && t.bits == 32) return fm::DType::i32;
+  }
+  throw fm::Error(name, "dtype must be float32, float16, bfloat16 (or int32 for cu_seqlens), got DLPack code " +
+                            std::to_string(t.code) + " with " + std::to_string(t.bits) + " bits");
+}
+
+fm::Device to_device(const Array& a, const char* name) {
+  switch (a.device_type()) {
+    case nb::device::cpu::value:
+      return fm::Device::cpu();
+    // Managed memory is addressable from the device it was attached to; treat it as that GPU.
+    case nb::device::cuda::value:
+    case nb::device::cuda_managed::value:
+      return fm::Device::cuda(a.device_id());
+    default:
+      throw fm::Error(name, "arrays must live on the CPU or a CUDA device (DLPack device type " +
+                                std::to_string(a.device_type()) + ")");
+  }
+}
+
+// A TensorView over the array's memory; shape and strides are already in elements in DLPack.
+fm::TensorView view(const Array& a, const char* name) {
+  if (a.ndim() > static_cast<std::size_t>(fm::TensorView::kMaxDims))
+    throw fm::Error(name, "has " + std::to_string(a.ndim()) + " dimensions; at most " +
+                              std::to_string(fm::TensorView::kMaxDims) + " are supported");
+  fm::TensorView t;
+  t.data = const_cast<void*>(a.data());
+  t.dtype = to_dtype(a.dtype(), name);
+  t.device = to_device(a, name);
+  t.ndim = static_cast<int>(a.ndim());
+  for (int i = 0; i < t.ndim; ++i) {
+    t.shape[i] = static_cast<std::int64_t>(a.shape(i));
+    t.stride[i] = a.stride(i);
+  }
+  return t;
+}
+
+fm::TensorView view(const OptArray& a, const char* name) { return a ? view(*a, name) : fm::TensorView{}; }
+
+fm::Options with_alibi(fm::Options o, const OptArray& alibi_slopes) {
+  o.alibi_slopes = view(alibi_slopes, "alibi_slopes");
+  return o;
+}
+
+fm::Context with_workspace(fm::Context c, const OptArray& workspace) {
+  if (workspace) {
+    c.workspace = const_cast<void*>(workspace->data());
+    c.workspace_bytes = workspace->nbytes();
+  }
+  return c;
+}
+
+fm::Varlen make_varlen(const Array& cu_seqlens_q, const Array& cu_seqlens_k, std::int64_t max_seqlen_q,
+                       std::int64_t max_seqlen_k) {
+  return fm::Varlen{view(cu_seqlens_q, "cu_seqlens_q"), view(cu_seqlens_k, "cu_seqlens_k"), max_seqlen_q,
+                    max_seqlen_k};
+}
+
+// Raised for fm::NotSupported: a NotImplementedError (the inputs are fine, this build or device
+// cannot run them) that is also a ValueError, as NotSupported is an Error in C++.
+PyObject* g_not_supported = nullptr;
+
+}  // namespace
+
+NB_MODULE(_C, m) {
+  m.doc() = "flashmonoid C++ API (private; use the flashmonoid package)";
+
+  nb::object bases = nb::make_tuple(nb::handle(PyExc_NotImplementedError), nb::handle(PyExc_ValueError));
+  g_not_supported = PyErr_NewExceptionWithDoc(
+      "flashmonoid._C.NotSupportedError",
+      "Valid inputs that no backend of this build can run (flashmonoid::NotSupported).", bases.ptr(), nullptr);
+  m.attr("NotSupportedError") = nb::handle(g_not_supported);
+
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const fm::NotSupported& e) {
+      PyErr_SetString(g_not_supported, e.what());
+    } catch (const fm::Error& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const fm::DeviceError& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    }
+  });
+
+  nb::enum_<fm::CpuAlgorithm>(m, "CpuAlgorithm")
+      .value("flash", fm::CpuAlgorithm::flash)
+      .value("reference", fm::CpuAlgorithm::reference);
+
+  // alibi_slopes is a view and is passed with each call instead, so that its array stays owned
+  // by the Python caller for exactly the duration of the call.
+  nb::class_<fm::Options>(m, "Options")
+      .def(
+          "__init__",
+          [](fm::Options* o, std::optional<float> softmax_scale, bool causal, int window_left, int window_right,
+             float softcap, float dropout_p, std::uint64_t dropout_seed, std::uint64_t dropout_offset,
+             bool deterministic) {
+            new (o) fm::Options{};
+            o->softmax_scale = softmax_scale;
+            o->causal = causal;
+            o->window_left = window_left;
+            o->window_right = window_right;
+            o->softcap = softcap;
+            o->dropout_p = dropout_p;
+            o->dropout_seed = dropout_seed;
+            o->dropout_offset = dropout_offset;
+            o->deterministic = deterministic;
+          },
+          nb::kw_only(), nb::arg("softmax_scale") = nb::none(), nb::arg("causal") = false,
+          nb::arg("window_left") = -1, nb::arg("window_right") = -1, nb::arg("softcap") = 0.0f,
+          nb::arg("dropout_p") = 0.0f, nb::arg("dropout_seed") = 0, nb::arg("dropout_offset") = 0,
+          nb::arg("deterministic") = false)
+      .def_rw("softmax_scale", &fm::Options::softmax_scale)
+      .def_rw("causal", &fm::Options::causal)
+      .def_rw("window_left", &fm::Options::window_left)
+      .def_rw("window_right", &fm::Options::window_right)
+      .def_rw("softcap", &fm::Options::softcap)
+      .def_rw("dropout_p", &fm::Options::dropout_p)
+      .def_rw("dropout_seed", &fm::Options::dropout_seed)
+      .def_rw("dropout_offset", &fm::Options::dropout_offset)
+      .def_rw("deterministic", &fm::Options::deterministic);
+
+  // The stream is a cudaStream_t passed as an integer (torch: torch.cuda.current_stream().cuda_stream,
+  // CuPy: cupy.cuda.get_current_stream().ptr); 0 is the legacy default stream.
+  nb::class_<fm::Context>(m, "Context")
+      .def(
+          "__init__",
+          [](fm::Context* c, std::uintptr_t stream, int num_splits, fm::CpuAlgorithm cpu_algorithm, int num_threads) {
+            new (c) fm::Context{};
+            c->stream = reinterpret_cast<void*>(stream);
+            c->num_splits = num_splits;
+            c->cpu_algorithm = cpu_algorithm;
+            c->num_threads = num_threads;
+          },
+          nb::kw_only(), nb::arg("stream") = 0, nb::arg("num_splits") = 0,
+          nb::arg("cpu_algorithm") = fm::CpuAlgorithm::flash, nb::arg("num_threads") = 0)
+      .def_prop_ro("stream", [](const fm::Context& c) { return reinterpret_cast<std::uintptr_t>(c.stream); })
+      .def_rw("num_splits", &fm::Context::num_splits)
+      .def_rw("cpu_algorithm", &fm::Context::cpu_algorithm)
+      .def_rw("num_threads", &fm::Context::num_threads);
+
+  m.def(
+      "forward",
+      [](const Array& q, const Array& k, const Array& v, const Array& out, const Array& lse, const fm::Options& options,
+         const fm::Context& ctx, const OptArray& alibi_slopes, const OptArray& workspace) {
+        auto tq = view(q, "q"), tk = view(k, "k"), tv = view(v, "v"), to = view(out, "out"), tl = view(lse, "lse");
+        auto o = with_alibi(options, alibi_slopes);
+        auto c = with_workspace(ctx, workspace);
+        nb::gil_scoped_release release;
+        fm::forward(tq, tk, tv, to, tl, o, c);
+      },
+      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("options"),
+      nb::arg("ctx"), nb::arg("alibi_slopes").none() = nb::none(), nb::arg("workspace").none() = nb::none());
+
+  m.def(
+      "forward_varlen",
+      [](const Array& q, const Array& k, const Array& v, const Array& cu_seqlens_q, const Array& cu_seqlens_k,
+         std::int64_t max_seqlen_q, std::int64_t max_seqlen_k, const Array& out, const Array& lse,
+         const fm::Options& options, const fm::Context& ctx, const OptArray& alibi_slopes, const OptArray& workspace) {
+        auto tq = view(q, "q"), tk = view(k, "k"), tv = view(v, "v"), to = view(out, "out"), tl = view(lse, "lse");
+        auto vl = make_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+        auto o = with_alibi(options, alibi_slopes);
+        auto c = with_workspace(ctx, workspace);
+        nb::gil_scoped_release release;
+        fm::forward_varlen(tq, tk, tv, vl, to, tl, o, c);
+      },
+      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"),
+      nb::arg("max_seqlen_q"), nb::arg("max_seqlen_k"), nb::arg("out"), nb::arg("lse"), nb::arg("options"),
+      nb::arg("ctx"), nb::arg("alibi_slopes").none() = nb::none(), nb::arg("workspace").none() = nb::none());
+
+  m.def(
+      "backward",
+      [](const Array& dout, const Array& q, const Array& k, const Array& v, const Array& out, const Array& lse,
+         const Array& dq, const Array& dk, const Array& dv, const fm::Options& options, const fm::Context& ctx,
+         const OptArray& alibi_slopes, const OptArray& workspace) {
+        auto tdo = view(dout, "dout"), tq = view(q, "q"), tk = view(k, "k"), tv = view(v, "v");
+        auto to = view(out, "out"), tl = view(lse, "lse");
+        auto tdq = view(dq, "dq"), tdk = view(dk, "dk"), tdv = view(dv, "dv");
+        auto o = with_alibi(options, alibi_slopes);
+        auto c = with_workspace(ctx, workspace);
+        nb::gil_scoped_release release;
+        fm::backward(tdo, tq, tk, tv, to, tl, tdq, tdk, tdv, o, c);
+      },
+      nb::arg("dout"), nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("dq"),
+      nb::arg("dk"), nb::arg("dv"), nb::arg("options"), nb::arg("ctx"), nb::arg("alibi_slopes").none() = nb::none(),
+      nb::arg("workspace").none() = nb::none());
+
+  m.def(
+      "backward_varlen",
+      [](const Array& dout, const Array& q, const Array& k, const Array& v, const Array& cu_seqlens_q,
+         const Array& cu_seqlens_k, std::int64_t max_seqlen_q, std::int64_t max_seqlen_k, const Array& out,
+         const Array& lse, const Array& dq, const Array& dk, const Array& dv, const fm::Options& options,
+         const fm::Context& ctx, const OptArray& alibi_slopes, const OptArray& workspace) {
+        auto tdo = view(dout, "dout"), tq = view(q, "q"), tk = view(k, "k"), tv = view(v, "v");
+        auto to = view(out, "out"), tl = view(lse, "lse");
+        auto tdq = view(dq, "dq"), tdk = view(dk, "dk"), tdv = view(dv, "dv");
+        auto vl = make_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+        auto o = with_alibi(options, alibi_slopes);
+        auto c = with_workspace(ctx, workspace);
+        nb::gil_scoped_release release;
+        fm::backward_varlen(tdo, tq, tk, tv, vl, to, tl, tdq, tdk, tdv, o, c);
+      },
+      nb::arg("dout"), nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"),
+      nb::arg("max_seqlen_q"), nb::arg("max_seqlen_k"), nb::arg("out"), nb::arg("lse"), nb::arg("dq"),
+      nb::arg("dk"), nb::arg("dv"), nb::arg("options"), nb::arg("ctx"), nb::arg("alibi_slopes").none() = nb::none(),
+      nb::arg("workspace").none() = nb::none());
+
+  m.def(
+      "merge",
+      [](const std::vector<Array>& outs, const std::vector<Array>& lses, const Array& out, const Array& lse,
+         const fm::Context& ctx) {
+        std::vector<fm::TensorView> vo, vl;
+        for (const auto& a : outs) vo.push_back(view(a, "outs"));
+        for (const auto& a : lses) vl.push_back(view(a, "lses"));
+        auto to = view(out, "out"), tl = view(lse, "lse");
+        nb::gil_scoped_release release;
+        fm::merge(vo, vl, to, tl, ctx);
+      },
+      nb::arg("outs"), nb::arg("lses"), nb::arg("out"), nb::arg("lse"), nb::arg("ctx"));
+
+  // Size and support queries read only shapes, dtypes and devices; alibi_slopes is irrelevant to them.
+  auto varlen_of = [](const OptArray& cu_q, const OptArray& cu_k, std::int64_t max_q, std::int64_t max_k) {
+    return cu_q ? std::optional<fm::Varlen>(make_varlen(*cu_q, *cu_k, max_q, max_k)) : std::nullopt;
+  };
+  m.def(
+      "forward_workspace_size",
+      [varlen_of](const Array& q, const Array& k, const fm::Options& options, const OptArray& cu_seqlens_q,
+                  const OptArray& cu_seqlens_k, std::int64_t max_seqlen_q, std::int64_t max_seqlen_k) {
+        auto vl = varlen_of(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+        return fm::forward_workspace_size(view(q, "q"), view(k, "k"), options, vl ? &*vl : nullptr);
+      },
+      nb::arg("q"), nb::arg("k"), nb::arg("options"), nb::arg("cu_seqlens_q").none() = nb::none(),
+      nb::arg("cu_seqlens_k").none() = nb::none(), nb::arg("max_seqlen_q") = 0, nb::arg("max_seqlen_k") = 0);
+  m.def(
+      "backward_workspace_size",
+      [varlen_of](const Array& q, const Array& k, const fm::Options& options, const OptArray& cu_seqlens_q,
+                  const OptArray& cu_seqlens_k, std::int64_t max_seqlen_q, std::int64_t max_seqlen_k) {
+        auto vl = varlen_of(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+        return fm::backward_workspace_size(view(q, "q"), view(k, "k"), options, vl ? &*vl : nullptr);
+      },
+      nb::arg("q"), nb::arg("k"), nb::arg("options"), nb::arg("cu_seqlens_q").none() = nb::none(),
+      nb::arg("cu_seqlens_k").none() = nb::none(), nb::arg("max_seqlen_q") = 0, nb::arg("max_seqlen_k") = 0);
+
+  m.def(
+      "supports",
+      [](const Array& q, const Array& k, const fm::Options& options) {
+        auto s = fm::supports(view(q, "q"), view(k, "k"), options);
+        return std::make_pair(s.ok, s.reason);
+      },
+      nb::arg("q"), nb::arg("k"), nb::arg("options"),
+      "(ok, reason): whether a backend of this build runs these inputs on their device, and why not.");
+
+  m.def("cuda_available", &fm::cuda_available);
+  m.attr("__version__") = FLASHMONOID_VERSION;
+}
