@@ -1,0 +1,361 @@
+"""Drop-in for flash-attn 2.x's ``flash_attn.flash_attn_interface``: same functions, argument
+names, defaults, layouts and return conventions, so that code written for flash-attn runs after
+changing the import to ``from flashmonoid.flash_attn_interface import flash_attn_func``.
+
+Behaviour that differs, on purpose:
+  * A query row that sees no key (e.g. causal with seqlen_q > seqlen_k) has out = 0, as in
+    flash-attn, but softmax_lse = -inf where flash-attn reports +inf. -inf is log(0), the true
+    log-sum-exp of an empty row and the identity of flashmonoid.merge, so partial results combine
+    exactly; code that tests ``lse == inf`` for empty rows must test ``isinf(lse)`` instead.
+  * More inputs run: CPU tensors, float32 (and float64 through an exact torch implementation,
+    for gradcheck), head dims that flash-attn pads to a multiple of 8. What this build cannot run
+    raises flashmonoid.NotSupportedError (a NotImplementedError) naming the reason.
+  * Dropout draws its Philox seed from torch's default CPU generator; the mask is flashmonoid's
+    (detail/philox.hpp), not flash-attn's, so the same seed drops different elements.
+  * return_attn_probs: S_dmask is (batch, nheads, seqlen_q, seqlen_k) (flash-attn pads both
+    lengths to multiples of 128 on CUDA), or for varlen (batch, nheads, max_seqlen_q,
+    max_seqlen_k), zero-padded; computed by materialising the scores (testing only, as upstream).
+    As upstream, it is an empty tensor when dropout_p == 0.
+  * softmax_lse carries no gradient (upstream ignores it in backward too).
+  * flash_attn_with_kvcache runs one attention call per sequence of the batch and reads
+    cache_seqlens on the host; paged KV (block_table) and rotary embedding are not built yet and
+    raise NotImplementedError.
+
+Invalid input raises RuntimeError with flash-attn's message (torch's TORCH_CHECK raises
+RuntimeError there), e.g. "query and key must have the same dtype".
+"""
+
+from typing import Optional, Union
+
+import torch
+
+from . import _reference, torch_ops
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _require(cond, message):
+    if not cond:
+        raise RuntimeError(message)
+
+
+def _check_common(q, k, v, alibi_slopes, dropout_p, batch_size, num_heads):
+    _require(q.dtype in _DTYPES, "FlashAttention only support fp16 and bf16 data type")
+    _require(k.dtype == q.dtype, "query and key must have the same dtype")
+    _require(v.dtype == q.dtype, "query and value must have the same dtype")
+    _require(dropout_p < 1.0, "Expected p_dropout < 1.f to be true, but got false.")
+    _require(batch_size > 0, "batch size must be positive")
+    if alibi_slopes is not None:
+        _require(alibi_slopes.dtype == torch.float32, "ALiBi slopes must have dtype fp32")
+        _require(alibi_slopes.stride(-1) == 1, "ALiBi slopes tensor must have contiguous last dimension")
+        _require(tuple(alibi_slopes.shape) in ((num_heads,), (batch_size, num_heads)),
+                 "Expected alibi_slopes.sizes() == torch::IntArrayRef({num_heads}) || alibi_slopes.sizes() == "
+                 "torch::IntArrayRef({batch_size, num_heads}) to be true, but got false.")
+
+
+def _check_batched(q, k, v, alibi_slopes, dropout_p):
+    _require(q.dim() == 4, "q must have shape (batch_size, seqlen_q, num_heads, head_size)")
+    batch_size, _, num_heads, head_size = q.shape
+    _require(k.dim() == 4 and v.dim() == 4, "k must have shape (batch_size, seqlen_k, num_heads_k, head_size)")
+    _check_common(q, k, v, alibi_slopes, dropout_p, batch_size, num_heads)
+    seqlen_k, num_heads_k = k.shape[1], k.shape[2]
+    _require(num_heads % num_heads_k == 0, "Number of heads in key/value must divide number of heads in query")
+    _require(tuple(k.shape) == (batch_size, seqlen_k, num_heads_k, head_size),
+             "k must have shape (batch_size, seqlen_k, num_heads_k, head_size)")
+    _require(tuple(v.shape) == (batch_size, seqlen_k, num_heads_k, head_size),
+             "v must have shape (batch_size, seqlen_k, num_heads_k, head_size)")
+
+
+def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_p):
+    _require(cu_seqlens_q.dtype == torch.int32, "cu_seqlens_q must have dtype int32")
+    _require(cu_seqlens_k.dtype == torch.int32, "cu_seqlens_k must have dtype int32")
+    _require(cu_seqlens_q.is_contiguous(), "cu_seqlens_q must be contiguous")
+    _require(cu_seqlens_k.is_contiguous(), "cu_seqlens_k must be contiguous")
+    _require(q.dim() == 3, "q must have shape (total_q, num_heads, head_size)")
+    total_q, num_heads, head_size = q.shape
+    batch_size = cu_seqlens_q.numel() - 1
+    _require(k.dim() == 3 and v.dim() == 3, "k must have shape (total_k, num_heads_k, head_size)")
+    _check_common(q, k, v, alibi_slopes, dropout_p, batch_size, num_heads)
+    total_k, num_heads_k = k.shape[0], k.shape[1]
+    _require(num_heads % num_heads_k == 0, "Number of heads in key/value must divide number of heads in query")
+    _require(tuple(k.shape) == (total_k, num_heads_k, head_size),
+             "k must have shape (total_k, num_heads_k, head_size)")
+    _require(tuple(v.shape) == (total_k, num_heads_k, head_size),
+             "v must have shape (total_k, num_heads_k, head_size)")
+    _require(tuple(cu_seqlens_q.shape) == (batch_size + 1,), "cu_seqlens_q must have shape (batch_size + 1)")
+    _require(tuple(cu_seqlens_k.shape) == (batch_size + 1,), "cu_seqlens_k must have shape (batch_size + 1)")
+
+
+def _s_dmask(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng, cu_q=None, cu_k=None):
+    if dropout_p <= 0:
+        return torch.empty((0,), dtype=q.dtype, device=q.device)
+    o = dict(scale=softmax_scale, causal=causal, window_left=window_size[0], window_right=window_size[1],
+             softcap=softcap, alibi=alibi_slopes, dropout_p=dropout_p, seed=int(rng[0]), offset=int(rng[1]))
+    with torch.no_grad():
+        p = _reference.probabilities(q.detach().float(), k.detach().float(), o, cu_q, cu_k)
+    return p.to(q.dtype)
+
+
+def _scale(q, softmax_scale):
+    return q.shape[-1] ** (-0.5) if softmax_scale is None else softmax_scale
+
+
+def _attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+          return_attn_probs):
+    _check_batched(q, k, v, alibi_slopes, dropout_p)
+    softmax_scale = _scale(q, softmax_scale)
+    rng = torch_ops.new_rng(dropout_p)
+    out, lse = torch_ops.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window_size,
+                                   softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                                   deterministic=deterministic, rng=rng)
+    if not return_attn_probs:
+        return out
+    return out, lse, _s_dmask(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng)
+
+
+def _attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                 window_size, softcap, alibi_slopes, deterministic, return_attn_probs):
+    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_p)
+    softmax_scale = _scale(q, softmax_scale)
+    rng = torch_ops.new_rng(dropout_p)
+    out, lse = torch_ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                          causal=causal, softmax_scale=softmax_scale, window=window_size,
+                                          softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                                          deterministic=deterministic, rng=rng)
+    if not return_attn_probs:
+        return out
+    return out, lse, _s_dmask(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng,
+                              cu_seqlens_q, cu_seqlens_k)
+
+
+def flash_attn_qkvpacked_func(
+    qkv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """qkv (batch_size, seqlen, 3, nheads, headdim) -> out (batch_size, seqlen, nheads, headdim);
+    with return_attn_probs, (out, softmax_lse (batch_size, nheads, seqlen), S_dmask)."""
+    _require(qkv.dim() == 5 and qkv.shape[2] == 3, "qkv must have shape (batch_size, seqlen, 3, nheads, headdim)")
+    q, k, v = qkv.unbind(dim=2)
+    return _attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                 return_attn_probs)
+
+
+def flash_attn_kvpacked_func(
+    q,
+    kv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """q (batch_size, seqlen_q, nheads, headdim), kv (batch_size, seqlen_k, 2, nheads_k, headdim)."""
+    _require(kv.dim() == 5 and kv.shape[2] == 2, "kv must have shape (batch_size, seqlen_k, 2, nheads_k, headdim)")
+    k, v = kv.unbind(dim=2)
+    return _attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                 return_attn_probs)
+
+
+def flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """q (batch_size, seqlen_q, nheads, headdim), k and v (batch_size, seqlen_k, nheads_k, headdim),
+    nheads % nheads_k == 0. Masks are aligned to the bottom-right corner; query i sees keys
+    [i + seqlen_k - seqlen_q - window_size[0], i + seqlen_k - seqlen_q + window_size[1]]."""
+    return _attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                 return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """qkv (total, 3, nheads, headdim), cu_seqlens int32 (batch_size + 1,); lse (nheads, total)."""
+    _require(qkv.dim() == 4 and qkv.shape[1] == 3, "qkv must have shape (total, 3, nheads, headdim)")
+    q, k, v = qkv.unbind(dim=1)
+    return _attn_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
+                        window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(
+    q,
+    kv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """q (total_q, nheads, headdim), kv (total_k, 2, nheads_k, headdim)."""
+    _require(kv.dim() == 4 and kv.shape[1] == 2, "kv must have shape (total_k, 2, nheads_k, headdim)")
+    k, v = kv.unbind(dim=1)
+    return _attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                        causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
+    """q (total_q, nheads, headdim), k and v (total_k, nheads_k, headdim), cu_seqlens_q/k int32
+    (batch_size + 1,). softmax_lse is (nheads, total_q). block_table (paged KV) is not built yet."""
+    if block_table is not None:
+        raise NotImplementedError("flashmonoid: block_table: paged KV cache is not supported yet")
+    return _attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                        causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens: Optional[Union[(int, torch.Tensor)]] = None,
+    cache_batch_idx: Optional[torch.Tensor] = None,
+    cache_leftpad: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+):
+    """Attention of q (batch_size, seqlen, nheads, headdim) over the first cache_seqlens[b] rows of
+    k_cache[cache_batch_idx[b]] (from cache_leftpad[b]), after writing k, v (if given) into the
+    cache in place at cache_seqlens[b]. No backward, as upstream. num_splits is a hint only: each
+    call picks its own split."""
+    assert k_cache.stride(-1) == 1, "k_cache must have contiguous last dimension"
+    assert v_cache.stride(-1) == 1, "v_cache must have contiguous last dimension"
+    if block_table is not None:
+        raise NotImplementedError("flashmonoid: block_table: paged KV cache is not supported yet")
+    if rotary_cos is not None or rotary_sin is not None:
+        raise NotImplementedError("flashmonoid: rotary_cos/rotary_sin: rotary embedding in the KV cache call is "
+                                  "not supported yet; apply it to q and k before the call")
+    _require(q.dim() == 4, "q must have shape (batch_size, seqlen_q, num_heads, head_size)")
+    batch_size, seqlen_q, num_heads, head_size = q.shape
+    _require(q.dtype in _DTYPES, "FlashAttention only support fp16 and bf16 data type")
+    _require(k_cache.dtype == q.dtype, "query and key must have the same dtype")
+    _require(v_cache.dtype == q.dtype, "query and value must have the same dtype")
+    _require(batch_size > 0, "batch size must be positive")
+    seqlen_cache, num_heads_k = k_cache.shape[1], k_cache.shape[2]
+    _require(num_heads % num_heads_k == 0, "Number of heads in key/value must divide number of heads in query")
+    _require(tuple(k_cache.shape[1:]) == (seqlen_cache, num_heads_k, head_size),
+             "kcache must have shape (batch_size_c, seqlen_k, num_heads_k, head_size_og)")
+    _require(tuple(v_cache.shape) == tuple(k_cache.shape),
+             "vcache must have shape (batch_size_c, seqlen_k, num_heads_k, head_size_og)")
+    if alibi_slopes is not None:
+        _check_common(q, k_cache, v_cache, alibi_slopes, 0.0, batch_size, num_heads)
+    if k is not None:
+        _require(v is not None, "If key is supplied, value must also be passed in")
+        _require(cache_seqlens is not None, "If key is supplied, seqlens_k must also be passed in")
+        _require(k.dtype == q.dtype, "Key must have the same dtype as query")
+        _require(v.dtype == q.dtype, "Value must have the same dtype as query")
+        _require(k.dim() == 4 and tuple(k.shape) == (batch_size, k.shape[1], num_heads_k, head_size),
+                 "k must have shape (batch_size, seqlen_knew, num_heads_k, head_size_og)")
+        _require(tuple(v.shape) == tuple(k.shape), "v must have shape (batch_size, seqlen_knew, num_heads_k, head_size_og)")
+        _require(k.shape[1] <= seqlen_cache, "If key is supplied, it must have seqlen <= the seqlen of the KV cache")
+
+    if cache_seqlens is None:
+        lens = [seqlen_cache] * batch_size
+    elif isinstance(cache_seqlens, int):
+        lens = [cache_seqlens] * batch_size
+    else:
+        _require(cache_seqlens.dtype == torch.int32, "seqlens_k must have dtype int32")
+        _require(tuple(cache_seqlens.shape) == (batch_size,), "seqlens_k must have shape (batch_size)")
+        lens = [int(x) for x in cache_seqlens.tolist()]
+    if cache_batch_idx is not None:
+        _require(cache_batch_idx.dtype == torch.int32, "cache_batch_idx must have dtype int32")
+        rows = [int(x) for x in cache_batch_idx.tolist()]
+    else:
+        rows = list(range(batch_size))
+    if cache_leftpad is not None:
+        _require(cache_leftpad.dtype == torch.int32, "leftpad_k must have dtype int32")
+        _require(tuple(cache_leftpad.shape) == (batch_size,), "leftpad_k must have shape (batch_size)")
+        starts = [int(x) for x in cache_leftpad.tolist()]
+    else:
+        starts = [0] * batch_size
+
+    softmax_scale = _scale(q, softmax_scale)
+    out = torch.empty_like(q)
+    lse = torch.empty((batch_size, num_heads, seqlen_q), dtype=torch.float32, device=q.device)
+    with torch.no_grad():
+        for b in range(batch_size):
+            end = lens[b]
+            if k is not None:
+                new = k.shape[1]
+                if end + new > seqlen_cache:
+                    raise ValueError(f"flashmonoid: cache_seqlens: sequence {b} holds {end} keys; appending {new} "
+                                     f"overflows the cache of {seqlen_cache}")
+                k_cache[rows[b], end:end + new] = k[b]
+                v_cache[rows[b], end:end + new] = v[b]
+                end += new
+            slopes = alibi_slopes[b:b + 1] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+            o, l = torch_ops.attention(q[b:b + 1], k_cache[rows[b]:rows[b] + 1, starts[b]:end],
+                                       v_cache[rows[b]:rows[b] + 1, starts[b]:end], causal=causal,
+                                       softmax_scale=softmax_scale, window=window_size, softcap=softcap,
+                                       alibi_slopes=slopes)
+            out[b:b + 1] = o
+            lse[b:b + 1] = l
+    return (out, lse) if return_softmax_lse else out
+
+
+__all__ = [
+    "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
+    "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache",
+]

@@ -1,0 +1,152 @@
+"""Route torch.nn.functional.scaled_dot_product_attention to flashmonoid where it can run the call.
+
+    with flashmonoid.sdpa.override():        # or flashmonoid.sdpa.enable() ... disable()
+        y = model(x)
+    flashmonoid.sdpa.stats()                   # {"routed": n, "fallback": m}
+
+Routed: 4-d (batch, heads, seq, head_dim) float32/float16/bfloat16 tensors on a device this build
+supports, key and value with the same head dim as the query, with is_causal, scale, dropout_p,
+enable_gqa, and attn_mask either None or a boolean mask that is a band (causal or sliding window,
+the same for every batch entry and head) in which every query sees at least one key. Everything
+else (float masks, masks of other shapes, nested tensors, float64, ...) falls back to PyTorch.
+
+SDPA aligns is_causal to the top-left corner and flashmonoid to the bottom-right. A top-left
+causal mask is the bottom-right window (-1, seq_q - seq_k) when seq_q >= seq_k; is_causal with
+seq_q < seq_k falls back. With dropout_p > 0 the two draw different (equally distributed) masks.
+
+Only callers that look the function up at call time (``F.scaled_dot_product_attention(...)``) are
+routed; a module that did ``from torch.nn.functional import scaled_dot_product_attention`` before
+enable() keeps PyTorch's. Each decision is logged at DEBUG level on the logger "flashmonoid.sdpa"
+(outside torch.compile tracing).
+"""
+
+import contextlib
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from . import _C, torch_ops
+
+log = logging.getLogger(__name__)
+
+_original = F.scaled_dot_product_attention
+_counts = {"routed": 0, "fallback": 0}
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def stats():
+    """Calls routed to flashmonoid and calls left to PyTorch since the last reset_stats()."""
+    return dict(_counts)
+
+
+def reset_stats():
+    _counts["routed"] = _counts["fallback"] = 0
+
+
+def _band_of(mask, s_q, s_k):
+    """(window_left, window_right) when the boolean mask is a bottom-right band seen by every row,
+    else a string saying why not. Reads the mask's values (a device sync for CUDA masks)."""
+    m = mask
+    while m.dim() > 2:
+        if m.shape[0] != 1:
+            return "the mask differs across batch entries or heads"
+        m = m[0]
+    m = m.expand(s_q, s_k)
+    if not bool(m.any(dim=-1).all()):
+        return "a query row sees no key (SDPA gives NaN there, flashmonoid 0)"
+    i = torch.arange(s_q, device=m.device)[:, None]
+    j = torch.arange(s_k, device=m.device)[None, :]
+    offset = j - (i + (s_k - s_q))  # key position relative to the bottom-right diagonal
+    right, left = int(offset[m].max()), int((-offset)[m].max())
+    if right < 0 or left < 0:
+        return "the band does not contain the diagonal"
+    if not torch.equal((offset <= right) & (offset >= -left), m):
+        return "the mask is not a causal or sliding-window band"
+    return (left, right)
+
+
+def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """(window, reason): a window to route with, or None and why the call falls back."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.is_nested or t.dim() != 4:
+            return None, f"{name} is not a 4-d dense tensor"
+        if t.dtype not in _SUPPORTED_DTYPES:
+            return None, f"dtype {t.dtype} is not routed"
+    if not (query.dtype == key.dtype == value.dtype and query.device == key.device == value.device):
+        return None, "query, key and value differ in dtype or device"
+    b, h, s_q, d = query.shape
+    if key.shape[0] != b or value.shape[:3] != key.shape[:3] or key.shape[3] != d or value.shape[3] != d:
+        return None, "shapes are not (b, h, s, d) with one head dim"
+    h_k = key.shape[1]
+    if h_k != h and not (enable_gqa and h % h_k == 0):
+        return None, "key heads differ from query heads without enable_gqa"
+    if not 0.0 <= dropout_p < 1.0:
+        return None, "dropout_p is outside [0, 1)"
+    window = (-1, -1)
+    if attn_mask is not None:
+        if is_causal:
+            return None, "attn_mask together with is_causal"
+        if attn_mask.dtype != torch.bool:
+            return None, "a float (additive) attn_mask"
+        if torch.compiler.is_compiling():
+            return None, "a boolean attn_mask under torch.compile (its values are data)"
+        band = _band_of(attn_mask, s_q, key.shape[2])
+        if isinstance(band, str):
+            return None, band
+        window = band
+    elif is_causal:
+        if s_q < key.shape[2]:
+            return None, "is_causal with seq_q < seq_k (top-left alignment)"
+        window = (-1, s_q - key.shape[2])
+    ok, reason = _C.supports(query.detach().transpose(1, 2), key.detach().transpose(1, 2),
+                             _C.Options(window_left=window[0], window_right=window[1], dropout_p=dropout_p))
+    if not ok:
+        return None, reason
+    return window, ""
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):
+    """torch.nn.functional.scaled_dot_product_attention, run by flashmonoid where it can."""
+    window, reason = _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    compiling = torch.compiler.is_compiling()
+    if window is None:
+        if not compiling:
+            _counts["fallback"] += 1
+            log.debug("sdpa -> torch: %s", reason)
+        return _original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                         scale=scale, enable_gqa=enable_gqa)
+    if not compiling:
+        _counts["routed"] += 1
+        log.debug("sdpa -> flashmonoid: q %s, k %s, %s, window %s, dropout_p %s", tuple(query.shape),
+                  tuple(key.shape), query.dtype, window, dropout_p)
+    # (b, h, s, d) -> (b, s, h, d): views, the head dim stays contiguous.
+    out, _ = torch_ops.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                 softmax_scale=scale, window=window, dropout_p=dropout_p)
+    return out.transpose(1, 2)
+
+
+def enable():
+    """Route F.scaled_dot_product_attention through flashmonoid until disable()."""
+    F.scaled_dot_product_attention = scaled_dot_product_attention
+
+
+def disable():
+    F.scaled_dot_product_attention = _original
+
+
+def is_enabled():
+    return F.scaled_dot_product_attention is scaled_dot_product_attention
+
+
+@contextlib.contextmanager
+def override():
+    """Context manager form of enable()/disable(); restores the previous state on exit."""
+    was = is_enabled()
+    enable()
+    try:
+        yield
+    finally:
+        if not was:
+            disable()
