@@ -1,6 +1,7 @@
 // CPU flash forward: for each (batch, head, block of kBlockM query rows) a fold of the
 // online-softmax monoid (detail/monoid.hpp) over blocks of kBlockN keys. Per thread the only
-// scores alive are one (kBlockM, kBlockN) tile; extra memory is the per-thread tiles, O(kBlockM·d).
+// scores alive are one (kBlockM, kBlockN) tile. Extra memory: K and V packed to fp32 once
+// (O(total_k·h_k·d)) and the per-thread tiles (O(kBlockM·d)).
 #include <omp.h>
 
 #include <algorithm>
@@ -46,21 +47,60 @@ Tasks make_tasks(const FwdParams& p) {
   return t;
 }
 
+// K and V of every (batch, KV head) converted to fp32 once, in the layouts the products read:
+// Kᵀ tiles (d, kBlockN) and V tiles (kBlockN, dp), zero-padded. Repacking them for every query
+// block took 40% of the forward's time at d = 64 (perf, s = 4k); packing once costs O(total_k·h_k·d)
+// memory, the O(N·d) that the issue allows, and GQA groups share it.
+struct PackedKV {
+  int d = 0, dp = 0;
+  std::vector<std::int64_t> first;  // (batch + 1) first key block of batch entry b
+  std::vector<float> kt, v;
+
+  std::int64_t tile(int b, std::int64_t block, int hk, int h_k) const { return (first[b] + block) * h_k + hk; }
+  const float* kt_tile(std::int64_t t) const { return kt.data() + t * d * kBlockN; }
+  const float* v_tile(std::int64_t t) const { return v.data() + t * kBlockN * dp; }
+};
+
+PackedKV pack_kv(const FwdParams& p, int threads) {
+  PackedKV kv;
+  kv.d = p.d;
+  kv.dp = tiles::round_up(p.d, kLanes);
+  kv.first.assign(p.batch + 1, 0);
+  for (int b = 0; b < p.batch; ++b) kv.first[b + 1] = kv.first[b] + (seq_info(p, b).len_k + kBlockN - 1) / kBlockN;
+  const std::int64_t tiles_total = kv.first.back() * p.h_k;
+  kv.kt.resize(static_cast<std::size_t>(tiles_total) * p.d * kBlockN);
+  kv.v.resize(static_cast<std::size_t>(tiles_total) * kBlockN * kv.dp);
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> row(p.d);
+#pragma omp for schedule(static)
+    for (std::int64_t t = 0; t < tiles_total; ++t) {
+      const std::int64_t block_global = t / p.h_k;
+      const int hk = static_cast<int>(t % p.h_k);
+      const int b = static_cast<int>(std::upper_bound(kv.first.begin(), kv.first.end(), block_global) - kv.first.begin()) - 1;
+      const SeqInfo si = seq_info(p, b);
+      const std::int64_t j0 = (block_global - kv.first[b]) * kBlockN;
+      const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, si.len_k - j0));
+      tiles::load_tile_transposed(p.k, p.dtype, p.k_stride, b, si.k_row0 + j0, hk, n, p.d, kBlockN, 1.0f, row.data(),
+                                  kv.kt.data() + t * p.d * kBlockN);
+      tiles::load_tile(p.v, p.dtype, p.v_stride, b, si.k_row0 + j0, hk, n, kBlockN, p.d, kv.dp, 1.0f,
+                       kv.v.data() + t * kBlockN * kv.dp);
+    }
+  }
+  return kv;
+}
+
 // One thread's tiles. dp = d rounded up to the 8-wide vector.
 struct Workspace {
   int d, dp;
   std::vector<float> q;   // (kBlockM, d)   scale · Q
-  std::vector<float> kt;  // (d, kBlockN)   Kᵀ
-  std::vector<float> v;   // (kBlockN, dp)  V, zero-padded columns
   std::vector<float> s;   // (kBlockM, kBlockN) scores, then probabilities
   std::vector<float> o;   // (kBlockM, dp)  unnormalised output
-  std::vector<float> row; // (dp)           staging row
   std::vector<RowState> state;  // (kBlockM)
   std::vector<float> alpha;     // (kBlockM)  rescale of o for the current key block
   explicit Workspace(int d_)
-      : d(d_), dp(tiles::round_up(d_, kLanes)), q(kBlockM * d), kt(static_cast<std::size_t>(d) * kBlockN),
-        v(static_cast<std::size_t>(kBlockN) * dp), s(kBlockM * kBlockN), o(static_cast<std::size_t>(kBlockM) * dp),
-        row(dp), state(kBlockM), alpha(kBlockM) {}
+      : d(d_), dp(tiles::round_up(d_, kLanes)), q(kBlockM * d), s(kBlockM * kBlockN),
+        o(static_cast<std::size_t>(kBlockM) * dp), state(kBlockM), alpha(kBlockM) {}
 };
 
 // Score transforms in the order detail/mask.hpp defines them, on row i (in the sequence) of the
@@ -89,7 +129,7 @@ void apply_dropout(const FwdParams& p, std::uint32_t row_id, std::int64_t j0, in
   }
 }
 
-void query_block(const FwdParams& p, int b, int hq, int qb, Workspace& ws) {
+void query_block(const FwdParams& p, const PackedKV& kv, int b, int hq, int qb, Workspace& ws) {
   const SeqInfo si = seq_info(p, b);
   const detail::Band band = band_of(p, si);
   const int hk = hq / p.group();
@@ -107,12 +147,10 @@ void query_block(const FwdParams& p, int b, int hq, int qb, Workspace& ws) {
   const std::int64_t k_end = std::min<std::int64_t>(band.key_end(i0 + m, si.len_k), si.len_k);
   for (std::int64_t j0 = k_begin; j0 < k_end; j0 += kBlockN) {
     const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, si.len_k - j0));
-    tiles::load_tile_transposed(p.k, p.dtype, p.k_stride, b, si.k_row0 + j0, hk, n, d, kBlockN, 1.0f,
-                                ws.row.data(), ws.kt.data());
-    tiles::load_tile(p.v, p.dtype, p.v_stride, b, si.k_row0 + j0, hk, n, n, d, dp, 1.0f, ws.v.data());
+    const std::int64_t tile = kv.tile(b, j0 / kBlockN, hk, p.h_k);
 
     // S (m, kBlockN) = (scale · Q) (m, d) · Kᵀ (d, kBlockN)
-    tiles::gemm<false>(m, kBlockN, d, ws.q.data(), d, ws.kt.data(), kBlockN, ws.s.data(), kBlockN);
+    tiles::gemm<false>(m, kBlockN, d, ws.q.data(), d, kv.kt_tile(tile), kBlockN, ws.s.data(), kBlockN);
 
     const bool needs_mask = band.tile_needs_mask(i0, i0 + m, j0, j0 + n, si.len_k);
     for (int r = 0; r < m; ++r) {
@@ -135,7 +173,7 @@ void query_block(const FwdParams& p, int b, int hq, int qb, Workspace& ws) {
     for (int r = 0; r < m; ++r)
       if (ws.alpha[r] != 1.0f) tiles::scale_row(ws.o.data() + r * dp, dp, ws.alpha[r]);
     // O (m, dp) += P (m, n) · V (n, dp)
-    tiles::gemm<true>(m, dp, n, ws.s.data(), kBlockN, ws.v.data(), dp, ws.o.data(), dp);
+    tiles::gemm<true>(m, dp, n, ws.s.data(), kBlockN, kv.v_tile(tile), dp, ws.o.data(), dp);
   }
 
   for (int r = 0; r < m; ++r) {
@@ -152,6 +190,7 @@ void query_block(const FwdParams& p, int b, int hq, int qb, Workspace& ws) {
 void flash_forward(const FwdParams& p, int num_threads) {
   const Tasks tasks = make_tasks(p);
   const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
+  const PackedKV kv = pack_kv(p, threads);
 #pragma omp parallel num_threads(threads)
   {
     Workspace ws(p.d);
@@ -160,7 +199,7 @@ void flash_forward(const FwdParams& p, int num_threads) {
     for (std::int64_t t = 0; t < tasks.total(); ++t) {
       const int b = static_cast<int>(std::upper_bound(tasks.first.begin(), tasks.first.end(), t) - tasks.first.begin()) - 1;
       const std::int64_t rest = t - tasks.first[b];
-      query_block(p, b, static_cast<int>(rest / tasks.blocks[b]), static_cast<int>(rest % tasks.blocks[b]), ws);
+      query_block(p, kv, b, static_cast<int>(rest / tasks.blocks[b]), static_cast<int>(rest % tasks.blocks[b]), ws);
     }
   }
 }
