@@ -44,6 +44,7 @@ def cuda_available():
 
 
 def _check_ndim(x, name, ndim, layout):
+    _backend.family(x)  # TypeError for anything that is not an array of a known family
     if x.ndim != ndim:
         raise ValueError(f"flashmonoid: {name}: must have {ndim} dimensions {layout}, got shape {tuple(x.shape)}")
 
