@@ -1,0 +1,212 @@
+"""torch integration: autograd, gradcheck, torch.compile, CUDA. Skipped without torch."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flashmonoid as fm  # noqa: E402
+from flashmonoid import torch_ops  # noqa: E402
+
+from torch_reference import attention as ref_attention, rel_err  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available() and fm.cuda_available()
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not HAS_CUDA, reason="needs a CUDA GPU (sm80+) and a flashmonoid build with CUDA"))]
+
+CASES = [
+    dict(),
+    dict(causal=True),
+    dict(window=(3, 2)),
+    dict(softcap=3.0, causal=True),
+    dict(alibi=True),
+    dict(softmax_scale=0.2, window=(4, -1)),
+]
+
+
+def ids(c):
+    return ",".join(f"{k}={v}" for k, v in c.items()) or "plain"
+
+
+def inputs(b, s_q, s_k, h, h_k, d, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *shape: torch.randn(*shape, generator=g).to(dtype=dtype, device=device).requires_grad_()
+    return mk(b, s_q, h, d), mk(b, s_k, h_k, d), mk(b, s_k, h_k, d)
+
+
+def with_alibi(case, h, device):
+    case = dict(case)
+    if case.pop("alibi", False):
+        case["alibi_slopes"] = torch.tensor([2.0 ** -(i + 1) for i in range(h)], device=device)
+    return case
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", CASES, ids=ids)
+@pytest.mark.parametrize("s_q,s_k", [(16, 16), (9, 21), (21, 9)])
+def test_autograd_fp32_against_float64(device, case, s_q, s_k):
+    h, h_k, d = 4, 2, 32
+    case = with_alibi(case, h, device)
+    q, k, v = inputs(2, s_q, s_k, h, h_k, d, torch.float32, device)
+    out = fm.attention(q, k, v, **case)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref = ref_attention(q, k, v, **case)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout.double())
+    assert rel_err(out, ref) <= 1e-5
+    for g, r in zip(grads, ref_grads):
+        assert g.shape == r.shape and g.dtype == torch.float32
+        assert rel_err(g, r) <= 1e-4
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_varlen_autograd_against_float64(device):
+    lens_q, lens_k = [5, 1, 8], [7, 3, 8]
+    cu = lambda lens: torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=device)
+    cu_q, cu_k = cu(lens_q), cu(lens_k)
+    g = torch.Generator().manual_seed(0)
+    mk = lambda n, h: torch.randn(n, h, 16, generator=g).to(device).requires_grad_()
+    q, k, v = mk(sum(lens_q), 4), mk(sum(lens_k), 2), mk(sum(lens_k), 2)
+    out, lse = fm.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True, return_lse=True)
+    assert lse.shape == (4, sum(lens_q))
+    out.square().sum().backward()
+    for b in range(3):
+        sq, sk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        qb, kb, vb = (x.detach()[None, s].clone().requires_grad_() for x, s in ((q, sq), (k, sk), (v, sk)))
+        ref = ref_attention(qb, kb, vb, causal=True)
+        ref.square().sum().backward()
+        assert rel_err(out[sq], ref[0]) <= 1e-5
+        for x, xb, s in ((q, qb, sq), (k, kb, sk), (v, vb, sk)):
+            assert rel_err(x.grad[s], xb.grad[0]) <= 1e-4
+
+
+def test_lse_is_returned_but_not_differentiable():
+    q, k, v = inputs(1, 4, 4, 2, 2, 8, torch.float32, "cpu")
+    out, lse = fm.attention(q, k, v, return_lse=True)
+    assert not lse.requires_grad and out.requires_grad
+
+
+@pytest.mark.parametrize("case", [dict(), dict(causal=True), dict(window=(2, 1), softcap=2.0), dict(alibi=True),
+                                  dict(dropout_p=0.25)], ids=ids)
+def test_gradcheck_float64(case):
+    case = with_alibi(case, 4, "cpu")
+    q, k, v = inputs(2, 5, 6, 4, 2, 8, torch.float64, "cpu")
+    rng = torch.tensor([7, 0]) if case.get("dropout_p") else None
+
+    def f(q, k, v):
+        return torch_ops.attention(q, k, v, rng=rng, **case)[0]
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_gradcheck_float64_varlen():
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(7, h, 8, generator=g, dtype=torch.float64).requires_grad_() for h in (2, 1, 1))
+    f = lambda q, k, v: torch_ops.attention_varlen(q, k, v, cu, cu, 4, 4, causal=True)[0]
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropout_mask_matches_the_float64_path(device):
+    """The C++ kernels (fp32) and the package's float64 path drop the same elements."""
+    q, k, v = inputs(2, 7, 9, 2, 2, 16, torch.float32, device)
+    rng = torch.tensor([99, 3])
+    out = torch_ops.attention(q, k, v, dropout_p=0.3, rng=rng)[0]
+    ref = torch_ops.attention(q.double(), k.double(), v.double(), dropout_p=0.3, rng=rng)[0]
+    assert rel_err(out, ref) <= 1e-5
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout.double())
+    for g_, r in zip(grads, ref_grads):
+        assert rel_err(g_, r) <= 1e-4
+
+
+def test_dropout_seed_follows_torch_manual_seed():
+    q, k, v = inputs(1, 8, 8, 2, 2, 8, torch.float32, "cpu")
+    torch.manual_seed(3)
+    a = fm.attention(q, k, v, dropout_p=0.5)
+    torch.manual_seed(3)
+    b = fm.attention(q, k, v, dropout_p=0.5)
+    c = fm.attention(q, k, v, dropout_p=0.5)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_merge_torch(device):
+    q, k, v = inputs(1, 6, 10, 2, 2, 16, torch.float32, device)
+    parts = [fm.attention(q, k[:, a:z], v[:, a:z], return_lse=True) for a, z in ((0, 3), (3, 10))]
+    out, lse = fm.merge([p[0] for p in parts], [p[1] for p in parts])
+    ref_out, ref_lse = fm.attention(q, k, v, return_lse=True)
+    assert rel_err(out, ref_out) <= 1e-5 and rel_err(lse, ref_lse) <= 1e-5
+    out64, lse64 = fm.merge([p[0].double() for p in parts], [p[1] for p in parts])
+    assert rel_err(out64, ref_out) <= 1e-5 and rel_err(lse64, ref_lse) <= 1e-5
+
+
+class Block(torch.nn.Module):
+    """A pre-norm transformer block whose attention is flashmonoid.attention."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        b, s, c = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, c // self.heads).unbind(2)
+        x = x + self.proj(fm.attention(q, k, v, causal=True).reshape(b, s, c))
+        return x + self.mlp(self.norm2(x))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph(backend):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = Block()
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    eager = block(x)
+    eager.sum().backward()
+    grads = [p.grad.clone() for p in block.parameters()]
+    block.zero_grad()
+    compiled = torch.compile(block, fullgraph=True, backend=backend)
+    out = compiled(x)
+    out.sum().backward()
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+    for p, g in zip(block.parameters(), grads):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-5)
+
+
+def test_opcheck():
+    q, k, v = (x.detach() for x in inputs(1, 5, 6, 2, 1, 8, torch.float32, "cpu"))
+    args = (q, k, v, 8 ** -0.5, True, -1, -1, 0.0, None, 0.0, None, False)
+    torch.library.opcheck(torch.ops.flashmonoid.fwd.default, args)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm80+) and a flashmonoid build with CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_half_follows_flash_attention_rule(dtype):
+    q, k, v = inputs(2, 128, 160, 4, 2, 64, dtype, "cuda")
+    out = fm.attention(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref = ref_attention(q, k, v, causal=True)
+    low = ref_attention(q, k, v, causal=True, upcast=False)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout.double())
+    low_grads = torch.autograd.grad(low, (q, k, v), dout)
+    assert (out.double() - ref).abs().max() <= 2 * (low.double() - ref).abs().max() + 1e-5
+    for g_, r, lg in zip(grads, ref_grads, low_grads):
+        assert (g_.double() - r).abs().max() <= 2 * (lg.double() - r).abs().max() + 1e-5
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm80+) and a flashmonoid build with CUDA")
+def test_cuda_runs_on_the_current_stream():
+    q, k, v = (x.detach() for x in inputs(2, 256, 256, 4, 4, 64, torch.float16, "cuda"))
+    expected = fm.attention(q, k, v)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = fm.attention(q, k, v)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.testing.assert_close(out, expected)

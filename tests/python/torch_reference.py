@@ -1,0 +1,42 @@
+"""Plain torch attention for the torch tests: differentiable, any dtype, materialises the scores."""
+
+import math
+
+import torch
+
+
+def attention(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None,
+              upcast=True):
+    """q (b, s_q, h, d), k, v (b, s_k, h_k, d). upcast: compute in float64; else in q's dtype
+    (the "same math in the input dtype" of the FlashAttention accuracy rule)."""
+    if upcast:
+        q, k, v = q.double(), k.double(), v.double()
+    b, s_q, h, d = q.shape
+    s_k, h_k = k.shape[1], k.shape[2]
+    k = k.repeat_interleave(h // h_k, dim=2)
+    v = v.repeat_interleave(h // h_k, dim=2)
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(s_q, device=q.device)[:, None]
+    j = torch.arange(s_k, device=q.device)[None, :]
+    diag = s_k - s_q
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(s.dtype).expand(b, h)[:, :, None, None]
+        s = s - slopes * (i + diag - j).abs().to(s.dtype)
+    left, right = window
+    if causal:
+        right = 0
+    visible = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device)
+    if right >= 0:
+        visible &= j <= i + diag + right
+    if left >= 0:
+        visible &= j >= i + diag - left
+    s = s.masked_fill(~visible, -math.inf)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhij,bjhd->bihd", p.to(v.dtype), v)
+
+
+def rel_err(x, ref):
+    return ((x.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item()
