@@ -66,6 +66,25 @@ def _band_of(mask, s_q, s_k):
     return (left, right)
 
 
+_support_cache = {}
+
+
+@torch.compiler.assume_constant_result
+def _supports(device, dtype, h, h_k, d, window, dropout_p):
+    """The library's supports() for one (device, dtype, heads, head dim, options) combination.
+
+    Asked with one-row tensors, since the answer does not depend on sequence lengths, and cached;
+    plain arguments let torch.compile fold it to a constant instead of tracing the extension."""
+    key = (device, dtype, h, h_k, d, window, dropout_p)
+    if key not in _support_cache:
+        dt = getattr(torch, dtype)
+        q = torch.empty(1, 1, h, d, dtype=dt, device=device)
+        k = torch.empty(1, 1, h_k, d, dtype=dt, device=device)
+        opts = _C.Options(window_left=window[0], window_right=window[1], dropout_p=dropout_p)
+        _support_cache[key] = tuple(_C.supports(q, k, opts))
+    return _support_cache[key]
+
+
 def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     """(window, reason): a window to route with, or None and why the call falls back."""
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -99,8 +118,8 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if s_q < key.shape[2]:
             return None, "is_causal with seq_q < seq_k (top-left alignment)"
         window = (-1, s_q - key.shape[2])
-    ok, reason = _C.supports(query.detach().transpose(1, 2), key.detach().transpose(1, 2),
-                             _C.Options(window_left=window[0], window_right=window[1], dropout_p=dropout_p))
+    ok, reason = _supports(str(query.device), str(query.dtype).removeprefix("torch."), h, h_k, d, window,
+                           float(dropout_p))
     if not ok:
         return None, reason
     return window, ""

@@ -1,0 +1,262 @@
+"""flashmonoid.flash_attn_interface against float64 references, with flash-attn's conventions."""
+
+import inspect
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flashmonoid as fm  # noqa: E402
+from flashmonoid import flash_attn_interface as fa  # noqa: E402
+
+from torch_reference import attention as ref_attention, rel_err  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available() and fm.cuda_available()
+# (device, dtype): fp32 on the CPU; the half types on the GPU, where the FlashAttention rule applies.
+CONFIGS = [("cpu", torch.float32)] + [
+    pytest.param("cuda", dt, marks=pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and a CUDA build"))
+    for dt in (torch.float16, torch.bfloat16)]
+
+
+def rand(*shape, device="cpu", dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(device=device, dtype=dtype).requires_grad_()
+
+
+def check_rule(out, grads, q, k, v, dout, **kw):
+    """FlashAttention's rule: error against float64 <= 2x that of the same math in the input
+    dtype (plus a floor for fp32, where both errors are near rounding)."""
+    ref = ref_attention(q, k, v, **kw)
+    low = ref_attention(q, k, v, upcast=False, **kw)
+    ref_g = torch.autograd.grad(ref, (q, k, v), dout.double())
+    low_g = torch.autograd.grad(low, (q, k, v), dout)
+    floor = 1e-5 if q.dtype == torch.float32 else 0.0
+    assert (out.double() - ref).abs().max() <= 2 * (low.double() - ref).abs().max() + floor
+    for g, r, lg in zip(grads, ref_g, low_g):
+        assert (g.double() - r).abs().max() <= 2 * (lg.double() - r).abs().max() + 10 * floor
+
+
+SIGNATURES = {
+    "flash_attn_func": "(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), "
+                       "softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False)",
+    "flash_attn_qkvpacked_func": "(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), "
+                                 "softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False)",
+    "flash_attn_kvpacked_func": "(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), "
+                                "softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False)",
+    "flash_attn_varlen_func": "(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, "
+                              "softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, "
+                              "alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None)",
+    "flash_attn_varlen_qkvpacked_func": "(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, "
+                                        "causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, "
+                                        "deterministic=False, return_attn_probs=False)",
+    "flash_attn_varlen_kvpacked_func": "(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, "
+                                       "dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), "
+                                       "softcap=0.0, alibi_slopes=None, deterministic=False, "
+                                       "return_attn_probs=False)",
+}
+
+
+@pytest.mark.parametrize("name", sorted(SIGNATURES))
+def test_signatures_match_flash_attn_2(name):
+    assert str(inspect.signature(getattr(fa, name))) == SIGNATURES[name]
+
+
+def test_kvcache_signature():
+    params = list(inspect.signature(fa.flash_attn_with_kvcache).parameters)
+    assert params == ["q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
+                      "cache_batch_idx", "cache_leftpad", "block_table", "softmax_scale", "causal", "window_size",
+                      "softcap", "rotary_interleaved", "alibi_slopes", "num_splits", "return_softmax_lse"]
+
+
+@pytest.mark.parametrize("device,dtype", CONFIGS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attn_func(device, dtype, causal):
+    q, k, v = rand(2, 33, 4, 64, device=device, dtype=dtype), rand(2, 47, 2, 64, device=device, dtype=dtype, seed=1), \
+        rand(2, 47, 2, 64, device=device, dtype=dtype, seed=2)
+    out, lse, s_dmask = fa.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    assert out.shape == q.shape and lse.shape == (2, 4, 33) and lse.dtype == torch.float32
+    assert s_dmask.numel() == 0  # as upstream: only with dropout
+    dout = torch.randn_like(out)
+    check_rule(out, torch.autograd.grad(out, (q, k, v), dout), q, k, v, dout, causal=causal)
+
+
+@pytest.mark.parametrize("device,dtype", CONFIGS)
+def test_packed_variants(device, dtype):
+    qkv = rand(2, 24, 3, 4, 32, device=device, dtype=dtype)
+    out = fa.flash_attn_qkvpacked_func(qkv, causal=True, window_size=(5, 0))
+    dout = torch.randn_like(out)
+    (dqkv,) = torch.autograd.grad(out, (qkv,), dout)
+    q, k, v = (x.detach().requires_grad_() for x in qkv.unbind(2))
+    ref = fa.flash_attn_func(q, k, v, causal=True, window_size=(5, 0))
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(dqkv, torch.stack(torch.autograd.grad(ref, (q, k, v), dout), dim=2))
+
+    q = rand(2, 10, 4, 32, device=device, dtype=dtype)
+    kv = rand(2, 24, 2, 2, 32, device=device, dtype=dtype, seed=3)
+    out = fa.flash_attn_kvpacked_func(q, kv, softcap=5.0)
+    k, v = kv.unbind(2)
+    torch.testing.assert_close(out, fa.flash_attn_func(q, k, v, softcap=5.0))
+
+
+@pytest.mark.parametrize("device,dtype", CONFIGS)
+def test_varlen_variants(device, dtype):
+    lens = [5, 12, 1]
+    cu = torch.tensor([0, 5, 17, 18], dtype=torch.int32, device=device)
+    q, k, v = (rand(18, 4, 32, device=device, dtype=dtype, seed=s) for s in range(3))
+    out, lse, _ = fa.flash_attn_varlen_func(q, k, v, cu, cu, 12, 12, causal=True, return_attn_probs=True)
+    assert lse.shape == (4, 18)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    for b in range(3):
+        s = slice(int(cu[b]), int(cu[b + 1]))
+        qb, kb, vb = (x.detach()[None, s].requires_grad_() for x in (q, k, v))
+        ob = fa.flash_attn_func(qb, kb, vb, causal=True)
+        gb = torch.autograd.grad(ob, (qb, kb, vb), dout[None, s])
+        torch.testing.assert_close(out[s], ob[0])
+        for g, r in zip(grads, gb):
+            torch.testing.assert_close(g[s], r[0])
+    qkv = torch.stack([q, k, v], dim=1)
+    torch.testing.assert_close(fa.flash_attn_varlen_qkvpacked_func(qkv, cu, 12, causal=True), out)
+    kv = torch.stack([k, v], dim=1)
+    torch.testing.assert_close(fa.flash_attn_varlen_kvpacked_func(q, kv, cu, cu, 12, 12, causal=True), out)
+
+
+def test_dropout_attn_probs_encode_the_mask():
+    torch.manual_seed(0)
+    q, k, v = rand(1, 8, 2, 16), rand(1, 8, 2, 16, seed=1), rand(1, 8, 2, 16, seed=2)
+    out, lse, s_dmask = fa.flash_attn_func(q, k, v, dropout_p=0.4, return_attn_probs=True)
+    assert s_dmask.shape == (1, 2, 8, 8)
+    dropped = s_dmask < 0
+    assert 0.2 < dropped.float().mean() < 0.6
+    # out = (kept probabilities / (1 - p)) v, with the probabilities S_dmask reports.
+    p = s_dmask.clamp_min(0) / 0.6
+    expected = torch.einsum("bhij,bjhd->bihd", p, v.detach())
+    assert rel_err(out, expected) <= 1e-5
+    assert torch.allclose(s_dmask.abs().sum(-1), torch.ones(1, 2, 8))
+
+
+def test_fully_masked_rows_give_zero_and_minus_inf_lse():
+    q, k, v = rand(1, 6, 2, 16), rand(1, 3, 2, 16), rand(1, 3, 2, 16)
+    out, lse, _ = fa.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert torch.all(out[:, :3] == 0) and torch.all(torch.isneginf(lse[:, :, :3]))
+
+
+def test_kvcache_appends_in_place_and_attends():
+    torch.manual_seed(0)
+    b, cap, h, h_k, d = 3, 16, 4, 2, 32
+    k_cache, v_cache = torch.randn(b, cap, h_k, d), torch.randn(b, cap, h_k, d)
+    q = torch.randn(b, 2, h, d)
+    k_new, v_new = torch.randn(b, 2, h_k, d), torch.randn(b, 2, h_k, d)
+    seqlens = torch.tensor([3, 9, 0], dtype=torch.int32)
+    kc0, vc0 = k_cache.clone(), v_cache.clone()
+    out, lse = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=True,
+                                          return_softmax_lse=True)
+    assert lse.shape == (b, h, 2)
+    for i, n in enumerate(seqlens.tolist()):
+        torch.testing.assert_close(k_cache[i, n:n + 2], k_new[i])
+        keys = torch.cat([kc0[i, :n], k_new[i]])[None]
+        vals = torch.cat([vc0[i, :n], v_new[i]])[None]
+        torch.testing.assert_close(out[i:i + 1], ref_attention(q[i:i + 1], keys, vals, causal=True).float())
+
+
+def test_kvcache_batch_idx_and_int_seqlens():
+    torch.manual_seed(0)
+    k_cache, v_cache = torch.randn(4, 8, 2, 16), torch.randn(4, 8, 2, 16)
+    q = torch.randn(2, 1, 2, 16)
+    idx = torch.tensor([3, 1], dtype=torch.int32)
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5, cache_batch_idx=idx)
+    for i, r in enumerate(idx.tolist()):
+        torch.testing.assert_close(out[i:i + 1], ref_attention(q[i:i + 1], k_cache[r:r + 1, :5],
+                                                               v_cache[r:r + 1, :5]).float())
+
+
+def test_unbuilt_features_raise_not_implemented():
+    q, k, v = rand(4, 2, 16), rand(4, 2, 16), rand(4, 2, 16)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        fa.flash_attn_varlen_func(q, k, v, cu, cu, 4, 4, block_table=torch.zeros(1, 1, dtype=torch.int32))
+    kc = torch.randn(1, 8, 2, 16)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        fa.flash_attn_with_kvcache(q[None], kc, kc, block_table=torch.zeros(1, 1, dtype=torch.int32))
+    with pytest.raises(NotImplementedError, match="rotary"):
+        fa.flash_attn_with_kvcache(q[None], kc, kc, rotary_cos=torch.ones(8, 8), rotary_sin=torch.ones(8, 8))
+
+
+def _q(*shape, dtype=torch.float16):
+    return torch.zeros(*shape, dtype=dtype)
+
+
+# Every invalid input flash-attn rejects, with flash-attn's message.
+INVALID = [
+    ("q int", lambda: fa.flash_attn_func(_q(1, 4, 2, 8, dtype=torch.int32), _q(1, 4, 2, 8), _q(1, 4, 2, 8)),
+     "FlashAttention only support fp16 and bf16 data type"),
+    ("k dtype", lambda: fa.flash_attn_func(_q(1, 4, 2, 8), _q(1, 4, 2, 8, dtype=torch.bfloat16), _q(1, 4, 2, 8)),
+     "query and key must have the same dtype"),
+    ("v dtype", lambda: fa.flash_attn_func(_q(1, 4, 2, 8), _q(1, 4, 2, 8), _q(1, 4, 2, 8, dtype=torch.bfloat16)),
+     "query and value must have the same dtype"),
+    ("batch 0", lambda: fa.flash_attn_func(_q(0, 4, 2, 8), _q(0, 4, 2, 8), _q(0, 4, 2, 8)),
+     "batch size must be positive"),
+    ("heads", lambda: fa.flash_attn_func(_q(1, 4, 3, 8), _q(1, 4, 2, 8), _q(1, 4, 2, 8)),
+     "Number of heads in key/value must divide number of heads in query"),
+    ("k shape", lambda: fa.flash_attn_func(_q(1, 4, 2, 8), _q(2, 4, 2, 8), _q(1, 4, 2, 8)),
+     "k must have shape (batch_size, seqlen_k, num_heads_k, head_size)"),
+    ("v shape", lambda: fa.flash_attn_func(_q(1, 4, 2, 8), _q(1, 4, 2, 8), _q(1, 5, 2, 8)),
+     "v must have shape (batch_size, seqlen_k, num_heads_k, head_size)"),
+    ("q 3d", lambda: fa.flash_attn_func(_q(4, 2, 8), _q(1, 4, 2, 8), _q(1, 4, 2, 8)),
+     "q must have shape (batch_size, seqlen_q, num_heads, head_size)"),
+    ("dropout", lambda: fa.flash_attn_func(_q(1, 4, 2, 8), _q(1, 4, 2, 8), _q(1, 4, 2, 8), dropout_p=1.0),
+     "Expected p_dropout < 1.f to be true, but got false."),
+    ("alibi dtype", lambda: fa.flash_attn_func(_q(1, 4, 2, 8), _q(1, 4, 2, 8), _q(1, 4, 2, 8),
+                                               alibi_slopes=torch.ones(2, dtype=torch.float16)),
+     "ALiBi slopes must have dtype fp32"),
+    ("alibi stride", lambda: fa.flash_attn_func(_q(1, 4, 2, 8), _q(1, 4, 2, 8), _q(1, 4, 2, 8),
+                                                alibi_slopes=torch.ones(2, 1).t()[:, :1].expand(1, 2)),
+     "ALiBi slopes tensor must have contiguous last dimension"),
+    ("alibi shape", lambda: fa.flash_attn_func(_q(1, 4, 2, 8), _q(1, 4, 2, 8), _q(1, 4, 2, 8),
+                                               alibi_slopes=torch.ones(3)),
+     "Expected alibi_slopes.sizes() == torch::IntArrayRef({num_heads})"),
+    ("cu dtype", lambda: fa.flash_attn_varlen_func(_q(4, 2, 8), _q(4, 2, 8), _q(4, 2, 8), torch.tensor([0, 4]),
+                                                   torch.tensor([0, 4], dtype=torch.int32), 4, 4),
+     "cu_seqlens_q must have dtype int32"),
+    ("cu_k dtype", lambda: fa.flash_attn_varlen_func(_q(4, 2, 8), _q(4, 2, 8), _q(4, 2, 8),
+                                                     torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 4]),
+                                                     4, 4),
+     "cu_seqlens_k must have dtype int32"),
+    ("cu contiguous", lambda: fa.flash_attn_varlen_func(
+        _q(4, 2, 8), _q(4, 2, 8), _q(4, 2, 8), torch.tensor([0, 9, 4, 9], dtype=torch.int32)[::2],
+        torch.tensor([0, 4], dtype=torch.int32), 4, 4), "cu_seqlens_q must be contiguous"),
+    ("cu_k shape", lambda: fa.flash_attn_varlen_func(_q(4, 2, 8), _q(4, 2, 8), _q(4, 2, 8),
+                                                     torch.tensor([0, 4], dtype=torch.int32),
+                                                     torch.tensor([0, 2, 4], dtype=torch.int32), 4, 4),
+     "cu_seqlens_k must have shape (batch_size + 1)"),
+    ("varlen k shape", lambda: fa.flash_attn_varlen_func(_q(4, 2, 8), _q(4, 2, 4), _q(4, 2, 8),
+                                                         torch.tensor([0, 4], dtype=torch.int32),
+                                                         torch.tensor([0, 4], dtype=torch.int32), 4, 4),
+     "k must have shape (total_k, num_heads_k, head_size)"),
+    ("kvcache v missing", lambda: fa.flash_attn_with_kvcache(_q(1, 1, 2, 8), _q(1, 4, 2, 8), _q(1, 4, 2, 8),
+                                                             k=_q(1, 1, 2, 8), cache_seqlens=1),
+     "If key is supplied, value must also be passed in"),
+    ("kvcache seqlens missing", lambda: fa.flash_attn_with_kvcache(_q(1, 1, 2, 8), _q(1, 4, 2, 8), _q(1, 4, 2, 8),
+                                                                   k=_q(1, 1, 2, 8), v=_q(1, 1, 2, 8)),
+     "If key is supplied, seqlens_k must also be passed in"),
+    ("kvcache seqlens dtype", lambda: fa.flash_attn_with_kvcache(_q(1, 1, 2, 8), _q(1, 4, 2, 8), _q(1, 4, 2, 8),
+                                                                 cache_seqlens=torch.tensor([1])),
+     "seqlens_k must have dtype int32"),
+    ("kvcache key dtype", lambda: fa.flash_attn_with_kvcache(_q(1, 1, 2, 8), _q(1, 4, 2, 8), _q(1, 4, 2, 8),
+                                                             k=_q(1, 1, 2, 8, dtype=torch.bfloat16),
+                                                             v=_q(1, 1, 2, 8), cache_seqlens=1),
+     "Key must have the same dtype as query"),
+]
+
+
+@pytest.mark.parametrize("call,message", [(c, m) for _, c, m in INVALID], ids=[n for n, _, _ in INVALID])
+def test_invalid_input_messages(call, message):
+    with pytest.raises(RuntimeError) as info:
+        call()
+    assert str(info.value).startswith(message)
+
+
+def test_kvcache_strided_cache_asserts():
+    kc = torch.zeros(1, 4, 2, 8).transpose(-1, -2).contiguous().transpose(-1, -2)
+    with pytest.raises(AssertionError, match="k_cache must have contiguous last dimension"):
+        fa.flash_attn_with_kvcache(_q(1, 1, 2, 8, dtype=torch.float32), kc, kc)

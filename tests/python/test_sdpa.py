@@ -1,0 +1,125 @@
+"""The SDPA override on a GPT-style model: same outputs and gradients, calls counted."""
+
+import logging
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+
+import flashmonoid as fm  # noqa: E402
+from flashmonoid import sdpa  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available() and fm.cuda_available()
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and a CUDA build"))]
+
+
+class GPTBlock(torch.nn.Module):
+    """nanoGPT-style block: F.scaled_dot_product_attention looked up at call time."""
+
+    def __init__(self, dim=64, heads=4, kv_heads=2):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.q = torch.nn.Linear(dim, dim)
+        self.kv = torch.nn.Linear(dim, 2 * kv_heads * self.hd)
+        self.proj = torch.nn.Linear(dim, dim)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
+
+    def forward(self, x, mask=None):
+        b, s, c = x.shape
+        h = self.ln1(x)
+        q = self.q(h).view(b, s, self.heads, self.hd).transpose(1, 2)
+        k, v = self.kv(h).view(b, s, 2, self.kv_heads, self.hd).permute(2, 0, 3, 1, 4)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, s, c))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(torch.nn.Module):
+    def __init__(self, layers=2):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(GPTBlock() for _ in range(layers))
+
+    def forward(self, x, mask=None):
+        for blk in self.blocks:
+            x = blk(x, mask)
+        return x
+
+
+def run(model, x, mask=None):
+    model.zero_grad()
+    out = model(x, mask)
+    out.square().mean().backward()
+    return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("masked", [False, True])
+def test_gpt_same_outputs_and_gradients(device, masked, caplog):
+    torch.manual_seed(0)
+    model = GPT().to(device)
+    x = torch.randn(2, 24, 64, device=device)
+    # A sliding window of 8 as a boolean mask: a band flashmonoid expresses as window (7, 0).
+    mask = torch.ones(24, 24, dtype=torch.bool, device=device).tril().triu(-7) if masked else None
+    ref_out, ref_grads = run(model, x, mask)
+    sdpa.reset_stats()
+    with caplog.at_level(logging.DEBUG, logger="flashmonoid.sdpa"), sdpa.override():
+        assert sdpa.is_enabled()
+        out, grads = run(model, x, mask)
+    assert not sdpa.is_enabled()
+    assert sdpa.stats() == {"routed": 2, "fallback": 0}
+    assert sum("sdpa -> flashmonoid" in r.message for r in caplog.records) == 2
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs,reason", [
+    (dict(attn_mask=torch.zeros(8, 8)), "float (additive) attn_mask"),
+    (dict(attn_mask=torch.rand(8, 8) > 0.5), "mask"),
+    (dict(attn_mask=torch.ones(2, 1, 8, 8, dtype=torch.bool)), "differs across batch"),
+    (dict(is_causal=True, k_len=12), "seq_q < seq_k"),
+    (dict(dtype=torch.float64), "dtype"),
+])
+def test_fallbacks_are_counted_logged_and_exact(kwargs, reason, caplog):
+    kwargs = dict(kwargs)
+    dtype = kwargs.pop("dtype", torch.float32)
+    k_len = kwargs.pop("k_len", 8)
+    q = torch.randn(2, 4, 8, 16, dtype=dtype)
+    k, v = torch.randn(2, 4, k_len, 16, dtype=dtype), torch.randn(2, 4, k_len, 16, dtype=dtype)
+    expected = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    sdpa.reset_stats()
+    with caplog.at_level(logging.DEBUG, logger="flashmonoid.sdpa"), sdpa.override():
+        out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    assert sdpa.stats() == {"routed": 0, "fallback": 1}
+    assert any(reason in r.message for r in caplog.records)
+    torch.testing.assert_close(out, expected, equal_nan=True)
+
+
+def test_enable_disable_and_scale():
+    q, k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)
+    expected = F.scaled_dot_product_attention(q, k, v, scale=0.3)
+    sdpa.enable()
+    try:
+        sdpa.reset_stats()
+        out = F.scaled_dot_product_attention(q, k, v, scale=0.3)
+    finally:
+        sdpa.disable()
+    assert F.scaled_dot_product_attention is sdpa._original
+    assert sdpa.stats()["routed"] == 1
+    torch.testing.assert_close(out, expected)
+
+
+def test_override_compiles_fullgraph():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT()
+    x = torch.randn(2, 16, 64)
+    expected = model(x)
+    with sdpa.override():
+        out = torch.compile(model, fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
