@@ -1,0 +1,304 @@
+// The CUDA backend behind src/api/dispatch.cpp: the support table, pointer checks, workspace sizes
+// and the launches (forward and its split-KV plan, backward, the public merge).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "api/params.hpp"
+#include "common/check.cuh"
+#include "common/mma_sm80.cuh"
+#include "cuda_backend.hpp"
+#include "flashmonoid/detail/monoid.hpp"
+#include "flashmonoid/error.hpp"
+#include "sm80/bwd_sm80.hpp"
+#include "sm80/fwd_sm80.hpp"
+#include "sm80/tile_fwd_sm80.hpp"
+
+namespace flashmonoid::cuda {
+namespace {
+
+// The kernels move rows in 16-byte vectors (8 fp16/bf16): head dims must be multiples of 8, and
+// base pointers and row/head/batch strides must keep every row 16-byte aligned.
+constexpr int kVectorBytes = 16;
+constexpr int kMaxHeadDim = 256;
+constexpr int kMinMajor = 8;  // mma.sync m16n8k16 with bf16, cp.async, ldmatrix: sm80 and later
+
+// Makes p.device current for the duration of a call and restores the caller's device.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    FM_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) FM_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceGuard() {
+    int now = 0;
+    if (cudaGetDevice(&now) == cudaSuccess && now != previous_) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+int num_sms(int device) {
+  int n = 0;
+  FM_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+  return n;
+}
+
+void check_pointer(const void* ptr, const char* name, int device, int align) {
+  if (ptr == nullptr) return;  // absent optional argument; required ones are checked by validation
+  cudaPointerAttributes attr{};
+  const cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the sticky-free error so later launches are unaffected
+    throw Error(name, std::string("is not memory the CUDA runtime knows (") + cudaGetErrorString(err) + ")");
+  }
+  if (attr.type == cudaMemoryTypeUnregistered || attr.type == cudaMemoryTypeHost)
+    throw Error(name, "is host memory, but the tensors are on cuda:" + std::to_string(device) +
+                          "; pass device memory (cudaMalloc) or use a CPU tensor for every argument");
+  if (attr.type == cudaMemoryTypeDevice && attr.device != device)
+    throw Error(name, "is on cuda:" + std::to_string(attr.device) + " but the call runs on cuda:" +
+                          std::to_string(device));
+  if (reinterpret_cast<std::uintptr_t>(ptr) % align != 0)
+    throw Error(name, "base address must be " + std::to_string(align) +
+                          "-byte aligned for the CUDA kernels' vector loads");
+}
+
+// Strides in elements of 2-byte dtypes: a multiple of 8 keeps rows 16-byte aligned. A dimension of
+// extent 1 never steps, so its stride is free.
+void check_strides(const detail::Strides& st, const char* name, int batch, int heads, bool varlen) {
+  constexpr std::int64_t kElems = kVectorBytes / 2;
+  auto bad = [&](std::int64_t s) { return s % kElems != 0; };
+  if (bad(st.row) || (heads > 1 && bad(st.head)) || (!varlen && batch > 1 && bad(st.batch)))
+    throw Error(name, "row, head and batch strides must be multiples of 8 elements (16 bytes) on the CUDA "
+                      "backend; make the tensor contiguous in its last dimension with rows 16-byte aligned");
+}
+
+void check_fwd_pointers(const detail::FwdParams& p) {
+  const int dev = p.device.index;
+  check_pointer(p.q, "q", dev, kVectorBytes);
+  check_pointer(p.k, "k", dev, kVectorBytes);
+  check_pointer(p.v, "v", dev, kVectorBytes);
+  check_pointer(p.out, "out", dev, kVectorBytes);
+  check_pointer(p.lse, "lse", dev, sizeof(float));
+  check_pointer(p.cu_seqlens_q, "cu_seqlens_q", dev, sizeof(int));
+  check_pointer(p.cu_seqlens_k, "cu_seqlens_k", dev, sizeof(int));
+  check_pointer(p.alibi, "options.alibi_slopes", dev, sizeof(float));
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  check_strides(p.q_stride, "q", p.batch, p.h, varlen);
+  check_strides(p.k_stride, "k", p.batch, p.h_k, varlen);
+  check_strides(p.v_stride, "v", p.batch, p.h_k, varlen);
+  check_strides(p.o_stride, "out", p.batch, p.h, varlen);
+}
+
+template <class F>
+void with_dtype(DType t, F&& f) {
+  if (t == DType::bf16)
+    f(__nv_bfloat16{});
+  else
+    f(__half{});
+}
+
+template <class T>
+void run_fwd(const detail::FwdParams& p, const FwdLaunch& launch) {
+  switch (fwd_head_dim_bucket(p.d)) {
+    case 64: run_fwd_sm80<T, 64>(p, launch); break;
+    case 128: run_fwd_sm80<T, 128>(p, launch); break;
+    default: run_fwd_sm80<T, 256>(p, launch); break;
+  }
+}
+
+template <class T>
+void run_bwd(const detail::BwdParams& p, const BwdLaunch& launch) {
+  switch (fwd_head_dim_bucket(p.d)) {
+    case 64: run_bwd_sm80<T, 64>(p, launch); break;
+    case 128: run_bwd_sm80<T, 128>(p, launch); break;
+    default: run_bwd_sm80<T, 256>(p, launch); break;
+  }
+}
+
+// ---- merge of n partial results (public API) ----------------------------------------------------
+
+// Parts per launch: kernel parameters are limited to 4 KB and a MergePart is 48 bytes. Longer lists
+// are folded in chunks, the running (out, lse) entering the next chunk as its first part.
+constexpr int kMaxMergeParts = 64;
+constexpr int kMergeWarps = 4;
+constexpr int kMergeColsPerLane = kMaxHeadDim / 32;
+
+struct MergeArgs {
+  int n = 0;
+  detail::MergePart parts[kMaxMergeParts];
+  void* out = nullptr;
+  DType dtype = DType::f32;
+  detail::Strides o_stride;
+  float* lse = nullptr;
+  int batch = 0, seqlen = 0, h = 0, d = 0;
+};
+
+__device__ __forceinline__ float load_as_float(const void* base, DType t, std::int64_t i) {
+  switch (t) {
+    case DType::f16: return __half2float(static_cast<const __half*>(base)[i]);
+    case DType::bf16: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
+    default: return static_cast<const float*>(base)[i];
+  }
+}
+__device__ __forceinline__ void store_from_float(void* base, DType t, std::int64_t i, float x) {
+  switch (t) {
+    case DType::f16: static_cast<__half*>(base)[i] = __float2half_rn(x); break;
+    case DType::bf16: static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(x); break;
+    default: static_cast<float*>(base)[i] = x; break;
+  }
+}
+
+// One warp per (batch, row, head): fold the parts with detail::merge_lse, lanes over the head dim.
+__global__ void __launch_bounds__(kMergeWarps * 32) merge_kernel(const __grid_constant__ MergeArgs a) {
+  const int lane = threadIdx.x % 32;
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kMergeWarps + threadIdx.x / 32;
+  if (row >= static_cast<std::int64_t>(a.batch) * a.seqlen * a.h) return;
+  const int head = static_cast<int>(row % a.h);
+  const std::int64_t s = (row / a.h) % a.seqlen;
+  const int b = static_cast<int>(row / (static_cast<std::int64_t>(a.h) * a.seqlen));
+  const std::int64_t lse_i = (static_cast<std::int64_t>(b) * a.h + head) * a.seqlen + s;
+
+  float lse = -INFINITY;
+  float acc[kMergeColsPerLane] = {};
+  for (int part = 0; part < a.n; ++part) {
+    const detail::MergePart& mp = a.parts[part];
+    float wa, wb;
+    lse = detail::merge_lse(lse, mp.lse[lse_i], &wa, &wb);
+    if (wb == 0.0f) continue;  // an empty part (lse = -inf) contributes nothing, whatever its out holds
+    const std::int64_t base = detail::offset_of(mp.stride, b, s, head);
+#pragma unroll
+    for (int c = 0; c < kMergeColsPerLane; ++c) {
+      const int col = c * 32 + lane;
+      if (col < a.d) acc[c] = acc[c] * wa + load_as_float(mp.out, mp.dtype, base + col) * wb;
+    }
+  }
+  const std::int64_t base = detail::offset_of(a.o_stride, b, s, head);
+#pragma unroll
+  for (int c = 0; c < kMergeColsPerLane; ++c) {
+    const int col = c * 32 + lane;
+    if (col < a.d) store_from_float(a.out, a.dtype, base + col, acc[c]);
+  }
+  if (lane == 0) a.lse[lse_i] = lse;
+}
+
+}  // namespace
+
+bool available() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  for (int dev = 0; dev < count; ++dev) {
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= kMinMajor)
+      return true;
+  }
+  return false;
+}
+
+// The one support table of the CUDA backend.
+std::string unsupported_reason(const detail::FwdParams& p) {
+  const int dev = p.device.index;
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return "no CUDA device cuda:" + std::to_string(dev) + " is visible";
+  }
+  if (major < kMinMajor)
+    return "cuda:" + std::to_string(dev) + " has compute capability " + std::to_string(major) + "." +
+           std::to_string(minor) + "; the CUDA kernels need 8.0 or newer (Ampere, Hopper)";
+  if (p.dtype != DType::f16 && p.dtype != DType::bf16)
+    return "the CUDA backend computes in fp16 or bf16 (tensor cores), not " + to_string(p.dtype) +
+           "; use fp16/bf16 tensors or the CPU backend";
+  if (p.d % 8 != 0 || p.d > kMaxHeadDim || p.d <= 0)
+    return "head dim " + std::to_string(p.d) +
+           " is not supported on CUDA: it must be a multiple of 8 (16-byte rows) and at most 256; pad the "
+           "head dim with zeros (exact for attention) or use the CPU backend";
+  return "";
+}
+
+void check_pointers(const detail::FwdParams& p) { check_fwd_pointers(p); }
+
+void check_pointers(const detail::BwdParams& p) {
+  check_fwd_pointers(p);
+  const int dev = p.device.index;
+  check_pointer(p.dout, "dout", dev, kVectorBytes);
+  check_pointer(p.dq, "dq", dev, kVectorBytes);
+  check_pointer(p.dk, "dk", dev, kVectorBytes);
+  check_pointer(p.dv, "dv", dev, kVectorBytes);
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  check_strides(p.do_stride, "dout", p.batch, p.h, varlen);
+  check_strides(p.dq_stride, "dq", p.batch, p.h, varlen);
+  check_strides(p.dk_stride, "dk", p.batch, p.h_k, varlen);
+  check_strides(p.dv_stride, "dv", p.batch, p.h_k, varlen);
+}
+
+std::size_t forward_workspace_size(const detail::FwdParams& p) {
+  DeviceGuard guard(p.device.index);
+  return fwd_split_workspace_bytes(p, fwd_choose_num_splits(p, num_sms(p.device.index)));
+}
+
+std::size_t backward_workspace_size(const detail::BwdParams& p) { return bwd_workspace_bytes(p); }
+
+void forward(const detail::FwdParams& p, const Context& ctx) {
+  DeviceGuard guard(p.device.index);
+  FwdLaunch launch;
+  launch.stream = static_cast<cudaStream_t>(ctx.stream);
+  launch.num_sms = num_sms(p.device.index);
+  int splits = ctx.num_splits > 0 ? ctx.num_splits : fwd_choose_num_splits(p, launch.num_sms);
+  // Without room for the partials the call still runs, unsplit (documented in attention.hpp).
+  if (splits > 1 && (ctx.workspace == nullptr || ctx.workspace_bytes < fwd_split_workspace_bytes(p, splits)))
+    splits = 1;
+  launch.num_splits = splits;
+  if (splits > 1) fwd_split_buffers(p, splits, ctx.workspace, &launch.out_partial, &launch.lse_partial);
+  with_dtype(p.dtype, [&](auto t) { run_fwd<decltype(t)>(p, launch); });
+}
+
+void backward(const detail::BwdParams& p, const Context& ctx) {
+  DeviceGuard guard(p.device.index);
+  const std::size_t need = bwd_workspace_bytes(p);
+  if (need > 0 && (ctx.workspace == nullptr || ctx.workspace_bytes < need))
+    throw Error("ctx.workspace", "the CUDA backward needs " + std::to_string(need) +
+                                     " bytes of device workspace (backward_workspace_size), got " +
+                                     std::to_string(ctx.workspace == nullptr ? 0 : ctx.workspace_bytes));
+  BwdLaunch launch;
+  launch.stream = static_cast<cudaStream_t>(ctx.stream);
+  launch.workspace = ctx.workspace;
+  launch.workspace_bytes = ctx.workspace_bytes;
+  launch.num_sms = num_sms(p.device.index);
+  with_dtype(p.dtype, [&](auto t) { run_bwd<decltype(t)>(p, launch); });
+}
+
+void merge(const detail::MergeParams& p, const Context& ctx) {
+  DeviceGuard guard(p.device.index);
+  const cudaStream_t stream = static_cast<cudaStream_t>(ctx.stream);
+  const std::int64_t rows = static_cast<std::int64_t>(p.batch) * p.seqlen * p.h;
+  const unsigned blocks = static_cast<unsigned>((rows + kMergeWarps - 1) / kMergeWarps);
+  if (rows == 0) return;
+  MergeArgs a;
+  a.out = p.out;
+  a.dtype = p.dtype;
+  a.o_stride = p.o_stride;
+  a.lse = p.lse;
+  a.batch = p.batch;
+  a.seqlen = p.seqlen;
+  a.h = p.h;
+  a.d = p.d;
+  int next = 0;
+  do {
+    a.n = 0;
+    if (next > 0) a.parts[a.n++] = detail::MergePart{p.out, p.dtype, p.o_stride, p.lse};  // running result
+    while (next < p.n && a.n < kMaxMergeParts) a.parts[a.n++] = p.parts[next++];
+    merge_kernel<<<blocks, kMergeWarps * 32, 0, stream>>>(a);
+    FM_CUDA_CHECK_LAUNCH();
+  } while (next < p.n);
+}
+
+}  // namespace flashmonoid::cuda

@@ -1,0 +1,92 @@
+// Online softmax over register fragments: the device form of the monoid in
+// flashmonoid/detail/monoid.hpp. Each thread holds 2·kMTiles rows (r = 2·mi + half, half 0 for
+// accumulator entries 0,1 and 1 for entries 2,3); the 4 threads of a quad share a row, so row
+// reductions are two xor-shuffles. Scores stay in the units the mainloop produced; `mul` maps them
+// to log2 units (scale·log2(e) for raw q·k, 1 when score_mod.cuh already did), so each element
+// costs one FFMA and one ex2. O is kept unnormalised until finish().
+#pragma once
+
+#include <cmath>
+
+#include "flashmonoid/detail/monoid.hpp"
+
+namespace flashmonoid::cuda {
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));  // ex2(-inf) = +0, 2 ulp: below bf16/fp16 rounding
+  return y;
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+template <int kMTiles>
+struct OnlineSoftmax {
+  static constexpr int kRows = 2 * kMTiles;
+  float m[kRows];  // running max, score units
+  float l[kRows];  // this thread's share of sum exp2((s - m)·mul); quad-reduced in finish()
+
+  __device__ __forceinline__ OnlineSoftmax() {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      m[r] = -INFINITY;
+      l[r] = 0.0f;
+    }
+  }
+
+  // Fold a tile of scores into the state: s (kMTiles, kNTiles) becomes P = exp2((s - m_new)·mul),
+  // and o and l are rescaled by exp2((m_old - m_new)·mul). A row with no visible key so far keeps
+  // m = -inf; subtracting 0 instead of -inf keeps its P at 0 rather than NaN.
+  template <int kNTiles, int kDTiles>
+  __device__ __forceinline__ void fold(float (&s)[kMTiles][kNTiles][4], float (&o)[kMTiles][kDTiles][4], float mul) {
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = 2 * mi + half;
+        float mx = m[r];
+#pragma unroll
+        for (int ni = 0; ni < kNTiles; ++ni) mx = fmaxf(mx, fmaxf(s[mi][ni][2 * half], s[mi][ni][2 * half + 1]));
+        mx = quad_max(mx);
+        const float m_scaled = mx == -INFINITY ? 0.0f : mx * mul;
+        const float factor = fast_exp2(m[r] * mul - m_scaled);
+        m[r] = mx;
+        float sum = 0.0f;
+#pragma unroll
+        for (int ni = 0; ni < kNTiles; ++ni) {
+#pragma unroll
+          for (int e = 2 * half; e < 2 * half + 2; ++e) {
+            s[mi][ni][e] = fast_exp2(fmaf(s[mi][ni][e], mul, -m_scaled));
+            sum += s[mi][ni][e];
+          }
+        }
+        l[r] = l[r] * factor + sum;
+#pragma unroll
+        for (int di = 0; di < kDTiles; ++di) {
+          o[mi][di][2 * half] *= factor;
+          o[mi][di][2 * half + 1] *= factor;
+        }
+      }
+    }
+  }
+
+  // Finished form of row r: (1/l or 0, lse in natural log or -inf), through detail::RowState.
+  __device__ __forceinline__ void finish(float mul, float (&inv_l)[kRows], float (&lse)[kRows]) {
+    constexpr float kLn2 = 0.6931471805599453f;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      detail::RowState st{m[r] == -INFINITY ? -INFINITY : m[r] * mul * kLn2, quad_sum(l[r])};
+      inv_l[r] = detail::finish_inv_l(st);
+      lse[r] = detail::finish_lse(st);
+    }
+  }
+};
+
+}  // namespace flashmonoid::cuda

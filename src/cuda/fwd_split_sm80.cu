@@ -1,0 +1,52 @@
+// Split-KV planning for the sm80 forward: how many splits, and the workspace they need.
+#include <algorithm>
+#include <cstdint>
+
+#include "sm80/fwd_sm80.hpp"
+#include "sm80/tile_fwd_sm80.hpp"
+
+namespace flashmonoid::cuda {
+namespace {
+
+constexpr std::size_t kAlign = 256;
+constexpr std::size_t align_up(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+// A split should still stream several key tiles, so that its fixed cost (Q load, partial write,
+// its share of the combine) stays small next to the K/V it reads: 4 tiles = 256 keys.
+constexpr int kMinTilesPerSplit = 4;
+// Partials grow with the split count (num_splits · h · s_q · d fp32); past 128 splits the combine's
+// reads of them start to rival the K/V bytes of short decoding rows.
+constexpr int kMaxSplits = 128;
+
+}  // namespace
+
+std::size_t fwd_split_workspace_bytes(const detail::FwdParams& p, int num_splits) {
+  if (num_splits <= 1) return 0;
+  const std::size_t rows = static_cast<std::size_t>(num_splits) * p.h * p.total_q;
+  return align_up(rows * p.d * sizeof(float)) + align_up(rows * sizeof(float));
+}
+
+void fwd_split_buffers(const detail::FwdParams& p, int num_splits, void* workspace, float** out_partial,
+                       float** lse_partial) {
+  const std::size_t rows = static_cast<std::size_t>(num_splits) * p.h * p.total_q;
+  *out_partial = static_cast<float*>(workspace);
+  *lse_partial = reinterpret_cast<float*>(static_cast<char*>(workspace) + align_up(rows * p.d * sizeof(float)));
+}
+
+// Split only when the unsplit grid cannot give every multiprocessor a block (decoding, short
+// prompts with few heads); then aim for one full wave, blocks_per_sm · num_sms blocks, without
+// giving any split fewer than kMinTilesPerSplit key tiles. Example, decoding b = 1, h = 32,
+// h_k = 8, s_k = 32k on 132 SMs: 8 packed blocks, 2 resident per SM, 264 / 8 = 33 splits of
+// 512/33 ≈ 16 tiles each.
+int fwd_choose_num_splits(const detail::FwdParams& p, int num_sms) {
+  const FwdPlanSm80 plan = plan_fwd_sm80(p);
+  const std::int64_t blocks = static_cast<std::int64_t>(plan.num_m_blocks) * plan.grid_heads * p.batch;
+  if (num_sms <= 0 || blocks >= num_sms) return 1;
+  const std::int64_t wave = static_cast<std::int64_t>(num_sms) * plan.tile.min_blocks;
+  const int key_tiles = (p.seqlen_k + plan.tile.block_n - 1) / plan.tile.block_n;
+  const std::int64_t splits = std::min<std::int64_t>({(wave + blocks - 1) / blocks, key_tiles / kMinTilesPerSplit,
+                                                      kMaxSplits});
+  return splits > 1 ? static_cast<int>(splits) : 1;
+}
+
+}  // namespace flashmonoid::cuda

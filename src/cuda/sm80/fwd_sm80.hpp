@@ -1,0 +1,43 @@
+// Light interface of the sm80 (mma.sync) forward: what src/cuda/api.cu needs to size the split-KV
+// workspace and launch, without pulling in the kernels (launch_fwd_sm80.cuh, instantiated one
+// (dtype, head-dim bucket) per file under src/cuda/generated/).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "api/params.hpp"
+
+namespace flashmonoid::cuda {
+
+// Everything the launcher needs besides the call description.
+struct FwdLaunch {
+  cudaStream_t stream = nullptr;
+  // Split-KV: 1 = off; > 1 = that many KV splits, whose fp32 partials go to out_partial
+  // (num_splits, h, total_q, d) and lse_partial (num_splits, h, total_q) before a combine kernel
+  // merges them. Both buffers come from the caller (see fwd_split_workspace_bytes).
+  int num_splits = 1;
+  float* out_partial = nullptr;
+  float* lse_partial = nullptr;
+  int num_sms = 0;  // of params.device, for the split heuristic
+};
+
+// Bytes of workspace that num_splits partials of p need (out and lse, each 256-byte aligned).
+std::size_t fwd_split_workspace_bytes(const detail::FwdParams& p, int num_splits);
+
+// The number of KV splits worth running p with on a device of num_sms multiprocessors (1 = none).
+// Splitting pays when the unsplit grid leaves multiprocessors idle and each split still gets
+// several key tiles; see the definition for the numbers.
+int fwd_choose_num_splits(const detail::FwdParams& p, int num_sms);
+
+// Carve the partial buffers out of a workspace of fwd_split_workspace_bytes(p, num_splits).
+void fwd_split_buffers(const detail::FwdParams& p, int num_splits, void* workspace, float** out_partial,
+                       float** lse_partial);
+
+// Queue the forward on launch.stream (never synchronises, never allocates). T is __half or
+// __nv_bfloat16; kHeadDim is the head-dim bucket (64, 128, 256) that p.d <= kHeadDim pads to.
+template <class T, int kHeadDim>
+void run_fwd_sm80(const detail::FwdParams& p, const FwdLaunch& launch);
+
+}  // namespace flashmonoid::cuda

@@ -1,0 +1,148 @@
+// The sm80 forward kernel (FlashAttention-2 schedule on mma.sync): one block per (query block,
+// head or KV head, batch[, KV split]). Q (kBlockM, kHeadDim) stays in shared memory; K and V tiles
+// (kBlockN, kHeadDim) arrive by cp.async, the load of V_n overlapping S = Q·K_nᵀ and the load of
+// K_{n-1} overlapping the softmax and O += P·V_n. Key tiles are visited last to first, so the
+// diagonal (masked) tile of a causal block comes first. Only this file and warp_gemm_sm80.cuh are
+// specific to sm80; softmax, masks, epilogues and the combine live in common/.
+#pragma once
+
+#include <cstdint>
+
+#include "api/params.hpp"
+#include "common/epilogue.cuh"
+#include "common/mma_sm80.cuh"
+#include "common/score_mod.cuh"
+#include "common/smem_tile.cuh"
+#include "common/softmax.cuh"
+#include "sm80/tile_fwd_sm80.hpp"
+#include "sm80/warp_gemm_sm80.cuh"
+
+namespace flashmonoid::cuda {
+
+struct FwdKernelArgs {
+  detail::FwdParams p;
+  int pack = 1;          // query heads interleaved into the rows of one block (GQA with short s_q)
+  int num_m_blocks = 0;  // per (head group, batch): ceil(max_seqlen_q · pack / kBlockM)
+  int num_splits = 1;
+  float* out_partial = nullptr;  // num_splits > 1 only
+  float* lse_partial = nullptr;
+};
+
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kMinBlocks, bool kScoreMods>
+__global__ void __launch_bounds__(kNWarps * 32, kMinBlocks) fwd_kernel_sm80(const __grid_constant__ FwdKernelArgs args) {
+  constexpr int kThreads = kNWarps * 32;
+  constexpr int kMTiles = kBlockM / (16 * kNWarps);  // m16 tiles per warp
+  constexpr int kNTiles = kBlockN / 8;
+  constexpr int kDTiles = kHeadDim / 8;
+  static_assert(kMTiles * 16 * kNWarps == kBlockM, "kBlockM must be a whole number of m16 tiles per warp");
+  constexpr bool kQInRegisters = fwd_tile_sm80(kHeadDim, kBlockM == kFwdNarrowRows).q_in_registers;
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);  // (kBlockM, kHeadDim), later the output staging tile
+  T* sK = sQ + kBlockM * kHeadDim;         // (kBlockN, kHeadDim)
+  T* sV = sK + kBlockN * kHeadDim;         // (kBlockN, kHeadDim)
+
+  const detail::FwdParams& p = args.p;
+  const int split = static_cast<int>(blockIdx.x) % args.num_splits;
+  // Reversed so that the longest causal blocks (the last query rows) start first.
+  const int m_block = args.num_m_blocks - 1 - static_cast<int>(blockIdx.x) / args.num_splits;
+  const int b = blockIdx.z;
+  const detail::SeqInfo si = detail::seq_info(p, b);
+  const BlockRows blk{b, static_cast<int>(blockIdx.y) * args.pack, args.pack, si.len_q * args.pack, si};
+  const int R0 = m_block * kBlockM;
+  if (R0 >= blk.rows_total) return;  // varlen: a sequence shorter than the longest
+  const int kv_head = blk.head_base / (p.h / p.h_k);
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp_row0 = warp * 16 * kMTiles;
+  const bool warp_active = R0 + warp_row0 < blk.rows_total;  // has at least one real row
+  const RowCoords<kMTiles> rows(R0 + warp_row0, blk.rows_total, args.pack, blk.head_base, lane);
+
+  // Key tiles this block (and split) visits: those the band lets any of its rows see.
+  const detail::Band band = detail::band_of(p, si);
+  const int i_first = blk.query(R0);
+  const int i_end = blk.query((R0 + kBlockM < blk.rows_total ? R0 + kBlockM : blk.rows_total) - 1) + 1;
+  const std::int64_t key_lo = band.key_begin(i_first, si.len_k), key_hi = band.key_end(i_end, si.len_k);
+  const int n_lo = static_cast<int>(key_lo / kBlockN);
+  const int n_hi = key_hi > key_lo ? static_cast<int>((key_hi + kBlockN - 1) / kBlockN) : n_lo;
+  const int per_split = (n_hi - n_lo + args.num_splits - 1) / args.num_splits;
+  const int s_lo = n_lo + split * per_split;
+  const int s_hi = s_lo + per_split < n_hi ? s_lo + per_split : n_hi;
+
+  const ScoreMod mod(p);
+  const float mul = kScoreMods ? mod.softmax_mul() : p.scale_log2;
+  const bool dropout = kScoreMods && p.dropout_p > 0.0f;
+  float slope_log2[2 * kMTiles];
+  std::uint32_t row_id[2 * kMTiles];
+#pragma unroll
+  for (int r = 0; r < 2 * kMTiles; ++r) {
+    slope_log2[r] = kScoreMods && mod.alibi ? detail::alibi_slope(p, b, rows.head[r]) * kLog2e : 0.0f;
+    row_id[r] = detail::dropout_row_id(p, rows.head[r], si, rows.i[r]);
+  }
+
+  float o[kMTiles][kDTiles][4] = {};  // (16·kMTiles, kHeadDim) per warp, unnormalised
+  OnlineSoftmax<kMTiles> softmax;
+  QFragments<kHeadDim, kMTiles> q_frag;  // (16·kMTiles, kHeadDim) of this warp, when kQInRegisters
+
+  const T* q = static_cast<const T*>(p.q);
+  const T* k = static_cast<const T*>(p.k);
+  const T* v = static_cast<const T*>(p.v);
+  auto q_row = [&](int r) -> const T* {
+    const int R = R0 + r;
+    if (R >= blk.rows_total) return nullptr;
+    return q + detail::offset_of(p.q_stride, b, si.q_row0 + blk.query(R), blk.head(R));
+  };
+  // Row 0 of this (batch, KV head)'s keys; tile n starts kBlockN rows further per step.
+  const T* k_seq = k + detail::offset_of(p.k_stride, b, si.k_row0, kv_head);
+  const T* v_seq = v + detail::offset_of(p.v_stride, b, si.k_row0, kv_head);
+  auto load_kv = [&](T* smem, const T* seq, std::int64_t row_stride, int n) {
+    load_rows_async<kBlockN, kHeadDim, kThreads>(smem, seq + n * kBlockN * row_stride, row_stride,
+                                                 si.len_k - n * kBlockN, p.d);
+    cp_async_commit();
+  };
+
+  if (s_lo < s_hi) {
+    load_tile_async<kBlockM, kHeadDim, kThreads>(sQ, q_row, p.d, q);
+    load_kv(sK, k_seq, p.k_stride.row, s_hi - 1);
+#pragma unroll 1
+    for (int n = s_hi - 1; n >= s_lo; --n) {
+      const int key0 = n * kBlockN;
+      cp_async_wait<0>();
+      __syncthreads();  // K_n (and Q) landed; every warp is done with V_{n+1}
+      load_kv(sV, v_seq, p.v_stride.row, n);
+      if (kQInRegisters && n == s_hi - 1 && warp_active) load_q_fragments<T, kHeadDim>(q_frag, sQ, warp_row0, lane);
+
+      float s[kMTiles][kNTiles][4] = {};  // (16·kMTiles, kBlockN) per warp
+      if (warp_active) {
+        if constexpr (kQInRegisters)
+          gemm_qk<T, kHeadDim>(s, q_frag, sK, 0, lane);
+        else
+          gemm_qk<T, kHeadDim>(s, sQ, warp_row0, sK, 0, lane);
+        if (kScoreMods && mod.active()) mod.apply(s, slope_log2, rows, band.diag, key0, lane);
+        if (band.tile_needs_mask(i_first, i_end, key0, key0 + kBlockN, si.len_k))
+          apply_mask(s, band, rows, si.len_k, key0, lane);
+      }
+      cp_async_wait<0>();
+      __syncthreads();  // V_n landed; every warp is done with K_n
+      if (n > s_lo) load_kv(sK, k_seq, p.k_stride.row, n - 1);
+      if (warp_active) {
+        softmax.fold(s, o, mul);
+        if (dropout) apply_dropout(s, p, row_id, key0, lane);
+        gemm_pv<T, kHeadDim>(o, s, sV, 0, lane);
+      }
+    }
+  }
+
+  float inv_l[2 * kMTiles], lse[2 * kMTiles];
+  softmax.finish(mul, inv_l, lse);
+  if (dropout) {
+#pragma unroll
+    for (int r = 0; r < 2 * kMTiles; ++r) inv_l[r] *= p.dropout_rescale;
+  }
+  if (args.num_splits > 1)
+    store_partial<kHeadDim>(p, blk, split, args.out_partial, args.lse_partial, o, inv_l, lse, rows, lane);
+  else
+    store_output<T, kHeadDim, kMTiles, kBlockM, kThreads>(p, blk, R0, o, inv_l, lse, rows, sQ, warp_row0, lane);
+}
+
+}  // namespace flashmonoid::cuda

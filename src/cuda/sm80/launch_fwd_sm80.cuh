@@ -1,0 +1,58 @@
+// run_fwd_sm80<T, kHeadDim>: picks the tile (plan_fwd_sm80), launches the forward kernel and, for a
+// split-KV launch, the combine. Included only by the generated instantiation files.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "common/check.cuh"
+#include "common/combine.cuh"
+#include "sm80/fwd_sm80.hpp"
+#include "sm80/kernel_fwd_sm80.cuh"
+#include "sm80/tile_fwd_sm80.hpp"
+
+namespace flashmonoid::cuda {
+
+template <class T, int kHeadDim, bool kNarrow, bool kScoreMods>
+void launch_fwd_tile_sm80(const FwdKernelArgs& args, const FwdPlanSm80& plan, cudaStream_t stream) {
+  constexpr FwdTileSm80 kTile = fwd_tile_sm80(kHeadDim, kNarrow);
+  auto* kernel = fwd_kernel_sm80<T, kHeadDim, kTile.block_m, kTile.block_n, kTile.warps, kTile.min_blocks, kScoreMods>;
+  constexpr std::size_t kSmem = kTile.smem_bytes(kHeadDim);
+  // Above 48 KB a block needs the opt-in limit (up to 227 KB on sm90, 163 KB on sm80).
+  if constexpr (kSmem > 48 * 1024)
+    FM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
+  const dim3 grid(plan.num_m_blocks * args.num_splits, plan.grid_heads, args.p.batch);
+  kernel<<<grid, kTile.warps * 32, kSmem, stream>>>(args);
+  FM_CUDA_CHECK_LAUNCH();
+}
+
+template <class T, int kHeadDim>
+void run_fwd_sm80(const detail::FwdParams& p, const FwdLaunch& launch) {
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head-dim buckets are 64, 128, 256");
+  const FwdPlanSm80 plan = plan_fwd_sm80(p);
+  FwdKernelArgs args;
+  args.p = p;
+  args.pack = plan.pack;
+  args.num_m_blocks = plan.num_m_blocks;
+  args.num_splits = launch.num_splits > 1 ? launch.num_splits : 1;
+  args.out_partial = launch.out_partial;
+  args.lse_partial = launch.lse_partial;
+  // Softcap, ALiBi and dropout are compiled into a second variant so the common path carries none
+  // of their registers (tanhf and 10-round Philox per element would otherwise crowd out O and S).
+  const bool score_mods = p.softcap > 0.0f || p.alibi != nullptr || p.dropout_p > 0.0f;
+  if (plan.narrow) {
+    if (score_mods) launch_fwd_tile_sm80<T, kHeadDim, true, true>(args, plan, launch.stream);
+    else launch_fwd_tile_sm80<T, kHeadDim, true, false>(args, plan, launch.stream);
+  } else {
+    if (score_mods) launch_fwd_tile_sm80<T, kHeadDim, false, true>(args, plan, launch.stream);
+    else launch_fwd_tile_sm80<T, kHeadDim, false, false>(args, plan, launch.stream);
+  }
+  if (args.num_splits > 1) {
+    const std::int64_t rows = static_cast<std::int64_t>(p.h) * p.total_q;
+    const unsigned blocks = static_cast<unsigned>((rows + kCombineWarps - 1) / kCombineWarps);
+    combine_splits_kernel<T><<<blocks, kCombineWarps * 32, 0, launch.stream>>>(p, args.num_splits, args.out_partial,
+                                                                               args.lse_partial);
+    FM_CUDA_CHECK_LAUNCH();
+  }
+}
+
+}  // namespace flashmonoid::cuda
