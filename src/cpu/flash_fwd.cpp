@@ -21,11 +21,13 @@ using detail::RowState;
 using detail::SeqInfo;
 using tiles::kLanes;
 
-// Tile sizes, from a sweep at d = 64 and 128, s = 4k, 2 threads (bench/NOTES.md): kBlockM = 96
-// (16 micro-kernel row blocks of 6) and kBlockN = 64 were fastest.
+// Tile sizes from a sweep of kBlockM in {48, 96, 192} × kBlockN in {32, 64, 128, 256} at s = 2048,
+// d = 64 and 128, one thread (CPU time, the machine being shared): kBlockN = 128 was 3-9% faster
+// than 64 (half the rescales of O per key), 256 lost 20% at d = 128 (the (d, kBlockN) Kᵀ tile left
+// L1); kBlockM barely mattered, 96 = 16 micro-kernel row blocks of 6.
 // kBlockN is a multiple of 4 so that tiles start on a Philox column group.
 constexpr int kBlockM = 96;
-constexpr int kBlockN = 64;
+constexpr int kBlockN = 128;
 static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of the 16-column micro-kernel panel");
 
 // (batch, head, query block) work items; sequences differ in length under varlen, so the items

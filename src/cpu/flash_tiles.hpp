@@ -2,12 +2,14 @@
 // vectorised exp, row reductions, the one block matrix product, and loaders that turn a strided
 // fp32/fp16/bf16 tile into a dense fp32 tile. The build targets x86-64-v3 (AVX2 + FMA + F16C).
 //
-// Why our own micro-kernel rather than the distribution BLAS for the block products: measured on
-// the 2-core AMD EPYC (Zen 4) this project benchmarks on, single-threaded, for the forward's two
-// products at d = 64 (S = Q·Kᵀ: 96×64×64, O += P·V: 96×64×64), cblas_sgemm (OpenBLAS 0.3.21)
-// reached MEASURE GFLOP/s per call against MEASURE GFLOP/s for gemm() below: at this size OpenBLAS spends
-// most of its time packing and dispatching. Larger tiles close the gap but cost cache and more
-// masked work on the diagonal. So the library needs no BLAS; the bench's unfused baseline uses it.
+// Why our own micro-kernel rather than the distribution BLAS for the block products (measured on
+// this project's 2-core AMD EPYC, Zen 4, one thread): gemm() below runs the forward's tile products
+// (96×64×d, 96×d×64; d = 64, 128) at 105-110 GFLOP/s, the AVX2 FMA peak we measured (109.5);
+// OpenBLAS 0.3.21's cblas_sgemm reaches 114-116 with its AVX-512 small-matrix kernel. End to end
+// (flash forward, s = 2048, one thread) swapping gemm() for cblas_sgemm changed 76/86 GFLOP/s
+// (d = 64/128) into 82/79: equal within the machine's ±10% noise. Equal speed, so we keep the
+// kernel: no BLAS needed by the library, and no process-wide openblas_set_num_threads(1), which
+// calling OpenBLAS from inside our OpenMP workers would otherwise require.
 #pragma once
 
 #include <immintrin.h>
