@@ -1,0 +1,216 @@
+// flashmonoid forward/backward timings on the GPU, one JSON record per line-free list entry:
+// {impl, pass, dtype, hdim, causal, batch, nheads, nheads_k, seqlen_q, seqlen_k, ms, tflops|tbps,
+// device}. CUDA events around each call, warm-up first, median of the timed repetitions. Every
+// training shape has batch·seqlen = 16k tokens and hidden 2048, so q, k and v are 64 MB each, above
+// the 50 MB L2: repeated calls stream from HBM. Decoding shapes are 128 MB and more of K/V.
+// FLOPs: forward 4·b·h·s_q·s_k·d (halved when causal), backward 2.5x forward.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "flashmonoid/flashmonoid.hpp"
+
+namespace {
+
+using flashmonoid::Device;
+using flashmonoid::DType;
+using flashmonoid::TensorView;
+
+#define CHECK(call)                                                                             \
+  do {                                                                                          \
+    cudaError_t e_ = (call);                                                                    \
+    if (e_ != cudaSuccess) {                                                                    \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                             \
+    }                                                                                           \
+  } while (0)
+
+constexpr int kWarmup = 3;
+constexpr int kReps = 15;
+
+// Fresh normal-ish bf16 data from a hash (no zeros: they run faster than real data).
+__global__ void fill_random(__nv_bfloat16* x, std::int64_t n, std::uint32_t seed) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    std::uint32_t h = static_cast<std::uint32_t>(i) * 0x9E3779B1u ^ seed;
+    h ^= h >> 15;
+    h *= 0x2C1B3C6Du;
+    h ^= h >> 12;
+    h *= 0x297A2D39u;
+    h ^= h >> 15;
+    const float u = (h >> 8) * (1.0f / 16777216.0f);
+    x[i] = __float2bfloat16((u - 0.5f) * 3.4f);  // variance ~1
+  }
+}
+
+struct Buf {
+  void* p = nullptr;
+  std::size_t bytes = 0;
+  explicit Buf(std::size_t n, bool random = false) : bytes(n) {
+    if (n) CHECK(cudaMalloc(&p, n));
+    if (random) {
+      static std::uint32_t seed = 12345;
+      fill_random<<<1024, 256>>>(static_cast<__nv_bfloat16*>(p), static_cast<std::int64_t>(n / 2), seed++);
+      CHECK(cudaGetLastError());
+    }
+  }
+  ~Buf() { cudaFree(p); }
+};
+
+template <class F>
+double median_ms(F&& f) {
+  for (int i = 0; i < kWarmup; ++i) f();
+  CHECK(cudaDeviceSynchronize());
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  std::vector<float> t;
+  for (int i = 0; i < kReps; ++i) {
+    CHECK(cudaEventRecord(a));
+    f();
+    CHECK(cudaEventRecord(b));
+    CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    CHECK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(ms);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+std::string device_name() {
+  cudaDeviceProp prop{};
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  return prop.name;
+}
+
+std::vector<std::string> records;
+
+void record(const char* pass, int d, bool causal, int b, int h, int hk, int sq, int sk, double ms, const char* metric,
+            double value, const std::string& dev) {
+  char line[512];
+  std::snprintf(line, sizeof line,
+                "{\"impl\": \"flashmonoid\", \"pass\": \"%s\", \"dtype\": \"bf16\", \"hdim\": %d, \"causal\": %s, "
+                "\"batch\": %d, \"nheads\": %d, \"nheads_k\": %d, \"seqlen_q\": %d, \"seqlen_k\": %d, \"ms\": %.5f, "
+                "\"%s\": %.3f, \"device\": \"%s\"}",
+                pass, d, causal ? "true" : "false", b, h, hk, sq, sk, ms, metric, value, dev.c_str());
+  records.push_back(line);
+  std::fprintf(stderr, "%s\n", line);
+}
+
+TensorView view4(void* p, DType t, int b, int s, int h, int d) { return TensorView(p, t, Device::cuda(0), {b, s, h, d}); }
+
+void bench_train(int d, bool causal, int s, bool with_bwd, const std::string& dev) {
+  const int b = 16384 / s, h = 2048 / d;
+  const std::size_t elems = static_cast<std::size_t>(b) * s * h * d;
+  Buf q(elems * 2, true), k(elems * 2, true), v(elems * 2, true), o(elems * 2), lse(static_cast<std::size_t>(b) * h * s * 4);
+  TensorView qv = view4(q.p, DType::bf16, b, s, h, d), kv = view4(k.p, DType::bf16, b, s, h, d),
+             vv = view4(v.p, DType::bf16, b, s, h, d), ov = view4(o.p, DType::bf16, b, s, h, d);
+  TensorView lv(lse.p, DType::f32, Device::cuda(0), {b, h, s});
+  flashmonoid::Options opt;
+  opt.causal = causal;
+  const double flops = 4.0 * b * h * static_cast<double>(s) * s * d / (causal ? 2 : 1);
+  const double fwd = median_ms([&] { flashmonoid::forward(qv, kv, vv, ov, lv, opt); });
+  record("fwd", d, causal, b, h, h, s, s, fwd, "tflops", flops / fwd / 1e9, dev);
+  if (!with_bwd) return;
+  try {
+    Buf dout(elems * 2, true), dq(elems * 2), dk(elems * 2), dv(elems * 2);
+    TensorView dov = view4(dout.p, DType::bf16, b, s, h, d), dqv = view4(dq.p, DType::bf16, b, s, h, d),
+               dkv = view4(dk.p, DType::bf16, b, s, h, d), dvv = view4(dv.p, DType::bf16, b, s, h, d);
+    const std::size_t ws = flashmonoid::backward_workspace_size(qv, kv, opt);
+    Buf work(ws);
+    flashmonoid::Context ctx;
+    ctx.workspace = work.p;
+    ctx.workspace_bytes = ws;
+    const double bwd =
+        median_ms([&] { flashmonoid::backward(dov, qv, kv, vv, ov, lv, dqv, dkv, dvv, opt, ctx); });
+    record("bwd", d, causal, b, h, h, s, s, bwd, "tflops", 2.5 * flops / bwd / 1e9, dev);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bwd d%d s%d: %s\n", d, s, e.what());
+  }
+}
+
+void bench_decode(int b, int sk, const std::string& dev) {
+  const int h = 32, hk = 8, d = 128;
+  Buf q(static_cast<std::size_t>(b) * h * d * 2, true), o(static_cast<std::size_t>(b) * h * d * 2),
+      lse(static_cast<std::size_t>(b) * h * 4);
+  const std::size_t kv_bytes = static_cast<std::size_t>(b) * sk * hk * d * 2;
+  Buf k(kv_bytes, true), v(kv_bytes, true);
+  TensorView qv = view4(q.p, DType::bf16, b, 1, h, d), ov = view4(o.p, DType::bf16, b, 1, h, d);
+  TensorView kv = view4(k.p, DType::bf16, b, sk, hk, d), vv = view4(v.p, DType::bf16, b, sk, hk, d);
+  TensorView lv(lse.p, DType::f32, Device::cuda(0), {b, h, 1});
+  const std::size_t ws = flashmonoid::forward_workspace_size(qv, kv);
+  Buf work(ws);
+  flashmonoid::Context ctx;
+  ctx.workspace = work.p;
+  ctx.workspace_bytes = ws;
+  const double ms = median_ms([&] { flashmonoid::forward(qv, kv, vv, ov, lv, {}, ctx); });
+  record("fwd", d, false, b, h, hk, 1, sk, ms, "tbps", 2.0 * kv_bytes / ms / 1e9, dev);
+}
+
+void bench_copy(const std::string& dev) {
+  const std::size_t bytes = std::size_t{1} << 30;
+  Buf a(bytes, true), c(bytes);
+  const double ms = median_ms([&] { CHECK(cudaMemcpyAsync(c.p, a.p, bytes, cudaMemcpyDeviceToDevice)); });
+  char line[256];
+  std::snprintf(line, sizeof line,
+                "{\"impl\": \"device_copy\", \"pass\": \"copy\", \"bytes\": %zu, \"ms\": %.5f, \"tbps\": %.3f, "
+                "\"device\": \"%s\"}",
+                2 * bytes, ms, 2.0 * bytes / ms / 1e9, dev.c_str());
+  records.push_back(line);
+  std::fprintf(stderr, "%s\n", line);
+}
+
+// The forward allocates nothing: its extra memory is exactly what the caller passes (out, lse and
+// the split workspace, 0 for this shape). Measured as device memory in use around the call.
+void memory_64k(const std::string& dev) {
+  const int b = 1, h = 16, d = 64, s = 65536;
+  const std::size_t elems = static_cast<std::size_t>(b) * s * h * d;
+  Buf q(elems * 2, true), k(elems * 2, true), v(elems * 2, true);
+  std::size_t free0 = 0, total = 0, free1 = 0;
+  CHECK(cudaDeviceSynchronize());
+  CHECK(cudaMemGetInfo(&free0, &total));
+  Buf o(elems * 2), lse(static_cast<std::size_t>(b) * h * s * 4);
+  TensorView qv = view4(q.p, DType::bf16, b, s, h, d), kv = view4(k.p, DType::bf16, b, s, h, d),
+             vv = view4(v.p, DType::bf16, b, s, h, d), ov = view4(o.p, DType::bf16, b, s, h, d);
+  TensorView lv(lse.p, DType::f32, Device::cuda(0), {b, h, s});
+  const std::size_t ws = flashmonoid::forward_workspace_size(qv, kv);
+  flashmonoid::forward(qv, kv, vv, ov, lv);
+  CHECK(cudaDeviceSynchronize());
+  CHECK(cudaMemGetInfo(&free1, &total));
+  char line[384];
+  std::snprintf(line, sizeof line,
+                "{\"impl\": \"flashmonoid\", \"pass\": \"fwd_memory\", \"dtype\": \"bf16\", \"hdim\": %d, \"batch\": %d, "
+                "\"nheads\": %d, \"seqlen_q\": %d, \"seqlen_k\": %d, \"extra_bytes\": %zu, \"out_lse_bytes\": %zu, "
+                "\"workspace_bytes\": %zu, \"device\": \"%s\"}",
+                d, b, h, s, s, free0 - free1, o.bytes + lse.bytes, ws, dev.c_str());
+  records.push_back(line);
+  std::fprintf(stderr, "%s\n", line);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string dev = device_name();
+  const bool with_bwd = !(argc > 2 && std::string(argv[2]) == "--no-bwd");
+  bench_copy(dev);
+  for (int d : {64, 128, 256})
+    for (bool causal : {false, true})
+      for (int s : {512, 1024, 2048, 4096, 8192, 16384}) bench_train(d, causal, s, with_bwd, dev);
+  for (int b : {1, 8})
+    for (int sk : {32768, 131072}) bench_decode(b, sk, dev);
+  memory_64k(dev);
+  FILE* f = argc > 1 ? std::fopen(argv[1], "w") : stdout;
+  std::fprintf(f, "[\n");
+  for (std::size_t i = 0; i < records.size(); ++i) std::fprintf(f, "  %s%s\n", records[i].c_str(), i + 1 < records.size() ? "," : "");
+  std::fprintf(f, "]\n");
+  if (f != stdout) std::fclose(f);
+  return 0;
+}

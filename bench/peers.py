@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""PyTorch SDPA peers (flash = FlashAttention-2, cudnn, efficient) on the shapes of
+bench/gpu/gpu_bench.cu, timed the same way (CUDA events, 3 warm-ups, median of 15), written as a
+JSON list of records {impl, pass, dtype, hdim, causal, batch, nheads, nheads_k, seqlen_q, seqlen_k,
+ms, tflops | tbps, device}. Usage: peers.py OUT.json"""
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+WARMUP, REPS = 3, 15
+BACKENDS = {"torch_flash": SDPBackend.FLASH_ATTENTION, "torch_cudnn": SDPBackend.CUDNN_ATTENTION,
+            "torch_efficient": SDPBackend.EFFICIENT_ATTENTION}
+DEVICE = torch.cuda.get_device_name(0)
+
+
+def median_ms(fn):
+    for _ in range(WARMUP):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPS):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def rec(impl, pass_, d, causal, b, h, hk, sq, sk, ms, metric, value):
+    return {"impl": impl, "pass": pass_, "dtype": "bf16", "hdim": d, "causal": causal, "batch": b, "nheads": h,
+            "nheads_k": hk, "seqlen_q": sq, "seqlen_k": sk, "ms": ms, metric: value, "device": DEVICE}
+
+
+def train(out):
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            for s in (512, 1024, 2048, 4096, 8192, 16384):
+                b, h = 16384 // s, 2048 // d
+                # (b, s, h, d) storage as flashmonoid's, viewed (b, h, s, d) for SDPA.
+                q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+                           for _ in range(3))
+                g = torch.randn_like(q)
+                flops = 4.0 * b * h * s * s * d / (2 if causal else 1)
+                for impl, be in BACKENDS.items():
+                    try:
+                        with sdpa_kernel(be):
+                            fwd = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+                            o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                            bwd = median_ms(lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True))
+                    except RuntimeError as e:
+                        print(f"{impl} d{d} s{s} causal={causal}: {str(e).splitlines()[0]}", file=sys.stderr)
+                        continue
+                    out.append(rec(impl, "fwd", d, causal, b, h, h, s, s, fwd, "tflops", flops / fwd / 1e9))
+                    out.append(rec(impl, "bwd", d, causal, b, h, h, s, s, bwd, "tflops", 2.5 * flops / bwd / 1e9))
+                    print(json.dumps(out[-2]), json.dumps(out[-1]), sep="\n", file=sys.stderr)
+                del q, k, v, g
+
+
+def decode(out):
+    h, hk, d = 32, 8, 128
+    for b in (1, 8):
+        for sk in (32768, 131072):
+            q = torch.randn(b, h, 1, d, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(b, hk, sk, d, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            kv_bytes = 2 * k.numel() * k.element_size()
+            for impl, be in BACKENDS.items():
+                try:
+                    with sdpa_kernel(be):
+                        ms = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+                except RuntimeError as e:
+                    print(f"{impl} decode b{b} sk{sk}: {str(e).splitlines()[0]}", file=sys.stderr)
+                    continue
+                out.append(rec(impl, "fwd", d, False, b, h, hk, 1, sk, ms, "tbps", kv_bytes / ms / 1e9))
+                print(json.dumps(out[-1]), file=sys.stderr)
+            del q, k, v
+
+
+def memory(out):
+    b, h, d, s = 1, 16, 64, 65536
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    for impl, be in BACKENDS.items():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        try:
+            with sdpa_kernel(be):
+                o = F.scaled_dot_product_attention(q, k, v)
+            torch.cuda.synchronize()
+        except RuntimeError as e:
+            print(f"{impl} memory: {str(e).splitlines()[0]}", file=sys.stderr)
+            continue
+        out.append({"impl": impl, "pass": "fwd_memory", "dtype": "bf16", "hdim": d, "batch": b, "nheads": h,
+                    "seqlen_q": s, "seqlen_k": s, "extra_bytes": torch.cuda.max_memory_allocated() - base,
+                    "device": DEVICE})
+        del o
+
+
+def main():
+    out = []
+    train(out)
+    decode(out)
+    memory(out)
+    with open(sys.argv[1], "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

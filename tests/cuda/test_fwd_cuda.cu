@@ -1,0 +1,355 @@
+// CUDA forward against the CPU float64 reference over a randomized grid (odd lengths, s_q != s_k
+// both ways, head dims 8..256, GQA/MQA, causal, windows, softcap, ALiBi, varlen, dropout), split-KV
+// decoding, the dropout mask bit for bit, the merge kernel and the backend's error messages.
+// Tolerance: the FlashAttention rule, error vs float64 at most 2x the error of the same math in
+// the input dtype (plus a 1e-6 relative floor for exact cases). Outputs are NaN-poisoned on the
+// device before every launch, so an unwritten element fails.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include "attention_case.hpp"
+#include "flashmonoid/detail/philox.hpp"
+
+namespace fmtest {
+namespace {
+
+using flashmonoid::Context;
+using flashmonoid::Device;
+using flashmonoid::cpu::Precision;
+
+#define SKIP_WITHOUT_GPU() \
+  if (!flashmonoid::cuda_available()) GTEST_SKIP() << "no CUDA device of compute capability >= 8.0 is visible"
+
+void cuda_ok(cudaError_t e) { ASSERT_EQ(e, cudaSuccess) << cudaGetErrorString(e); }
+
+// Device copy of a host tensor with the same shape and strides (poison included).
+struct DeviceTensor {
+  void* ptr = nullptr;
+  std::size_t bytes = 0;
+  TensorView view;
+  explicit DeviceTensor(const HostTensor& h) : bytes(h.buf.size()), view(h.view) {
+    if (!h.view.defined()) return;
+    cuda_ok(cudaMalloc(&ptr, bytes));
+    cuda_ok(cudaMemcpy(ptr, h.buf.data(), bytes, cudaMemcpyHostToDevice));
+    view.data = ptr;
+    view.device = Device::cuda(0);
+  }
+  DeviceTensor(const DeviceTensor&) = delete;
+  ~DeviceTensor() { cudaFree(ptr); }
+  void copy_to(HostTensor& h) const { cuda_ok(cudaMemcpy(h.buf.data(), ptr, bytes, cudaMemcpyDeviceToHost)); }
+};
+
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  std::size_t bytes = 0;
+  explicit DeviceBuffer(std::size_t n) : bytes(n) {
+    if (n) cuda_ok(cudaMalloc(&ptr, n));
+  }
+  ~DeviceBuffer() { cudaFree(ptr); }
+};
+
+// fp32 copy of a host tensor (exact for fp16/bf16): the float64 reference on it writes an fp32
+// output, an oracle not rounded to the low-precision dtype.
+HostTensor to_f32(const HostTensor& h) {
+  if (!h.view.defined()) return HostTensor();
+  std::vector<std::int64_t> dims(h.view.shape, h.view.shape + h.view.ndim);
+  HostTensor f(DType::f32, dims);
+  for (std::int64_t i = 0; i < h.numel(); ++i) f.set(i, h.get(i));
+  return f;
+}
+
+struct GpuResult {
+  HostTensor out, lse;
+};
+
+// Forward through the public API on device copies of pb's inputs. splits: ctx.num_splits
+// (0 = heuristic); the workspace is sized for max(splits, heuristic).
+GpuResult gpu_forward(const Problem& pb, int splits = 0) {
+  DeviceTensor q(pb.q), k(pb.k), v(pb.v), alibi(pb.alibi), cu_q(pb.cu_q), cu_k(pb.cu_k);
+  GpuResult r{pb.new_out(), pb.new_lse()};
+  DeviceTensor out(r.out), lse(r.lse);  // NaN-poisoned
+  flashmonoid::Options opt = pb.opt;
+  if (pb.shape.alibi) opt.alibi_slopes = alibi.view;
+  flashmonoid::Varlen vl = pb.vl;
+  if (pb.shape.varlen) {
+    vl.cu_seqlens_q = cu_q.view;
+    vl.cu_seqlens_k = cu_k.view;
+  }
+  const flashmonoid::Varlen* vlp = pb.shape.varlen ? &vl : nullptr;
+  std::size_t ws = flashmonoid::forward_workspace_size(q.view, k.view, opt, vlp);
+  if (splits > 1) {
+    auto p = flashmonoid::detail::make_fwd_params(q.view, k.view, v.view, out.view, lse.view, opt, vlp);
+    // Generous: (d + 1) fp32 per (split, head, row) plus alignment.
+    ws = std::max<std::size_t>(ws, static_cast<std::size_t>(splits) * p.h * p.total_q * (p.d + 1) * 4 + 1024);
+  }
+  DeviceBuffer work(ws);
+  Context ctx;
+  ctx.workspace = work.ptr;
+  ctx.workspace_bytes = ws;
+  ctx.num_splits = splits;
+  if (vlp)
+    flashmonoid::forward_varlen(q.view, k.view, v.view, vl, out.view, lse.view, opt, ctx);
+  else
+    flashmonoid::forward(q.view, k.view, v.view, out.view, lse.view, opt, ctx);
+  cuda_ok(cudaDeviceSynchronize());
+  out.copy_to(r.out);
+  lse.copy_to(r.lse);
+  return r;
+}
+
+// GPU vs the fp32-output float64 reference, with the input-precision reference setting the budget.
+void check_against_reference(const Problem& pb, const GpuResult& g) {
+  HostTensor q32 = to_f32(pb.q), k32 = to_f32(pb.k), v32 = to_f32(pb.v);
+  HostTensor o32(DType::f32, std::vector<std::int64_t>(g.out.view.shape, g.out.view.shape + g.out.view.ndim));
+  HostTensor l32 = pb.new_lse();
+  auto p = flashmonoid::detail::make_fwd_params(q32.view, k32.view, v32.view, o32.view, l32.view, pb.opt, pb.varlen());
+  flashmonoid::cpu::reference_forward(p, Precision::f64);
+  auto [lp_o, lp_l] = pb.reference(Precision::input);
+  expect_close("out", pb.shape.dtype, g.out.values(), o32.values(), lp_o.values());
+  const double lse_err = max_abs_diff(g.lse.values(), l32.values());
+  EXPECT_LE(lse_err, 1e-5 * std::max(1.0, max_abs(l32.values()))) << "lse";
+}
+
+std::vector<Shape> gpu_grid() {
+  const int seqlens[] = {1, 17, 113, 128, 129, 300, 1000};
+  const int head_dims[] = {64, 40, 128, 96, 256, 32, 8, 16, 72, 200};
+  const int heads[][2] = {{2, 2}, {4, 2}, {3, 1}, {8, 2}};
+  const DType dtypes[] = {DType::bf16, DType::f16};
+  std::vector<Shape> out;
+  int n = 0;
+  for (int sq : seqlens) {
+    for (int rel = 0; rel < 3; ++rel) {  // s_k < s_q, =, >
+      const int sk = rel == 0 ? std::max(1, sq / 2 - 1) : rel == 1 ? sq : sq + 37 + 64 * (n % 3);
+      Shape s;
+      s.b = sq >= 300 ? 1 : 2;
+      s.s_q = sq;
+      s.s_k = sk;
+      s.d = head_dims[n % 10];
+      s.h = heads[n % 4][0];
+      s.h_k = heads[n % 4][1];
+      s.dtype = dtypes[n % 2];
+      switch (n % 8) {
+        case 0: break;
+        case 1: s.causal = true; break;
+        case 2: s.window_left = 5; s.window_right = 3; break;
+        case 3: s.softcap = 2.5f; s.causal = true; break;
+        case 4: s.alibi = true; break;
+        case 5: s.dropout_p = 0.17f; break;
+        case 6: s.window_left = 70; s.window_right = 0; s.alibi = true; break;
+        case 7: s.causal = true; s.dropout_p = 0.3f; s.softcap = 10.0f; break;
+      }
+      out.push_back(s);
+      ++n;
+    }
+  }
+  for (DType t : dtypes)
+    for (int c = 0; c < 2; ++c) {
+      Shape s;
+      s.varlen = true;
+      s.b = 5;
+      s.lens_q = {0, 1, 17, 200, 3};
+      s.lens_k = {5, 1, 0, 129, 300};
+      s.h = 4;
+      s.h_k = 2;
+      s.d = c ? 40 : 128;
+      s.dtype = t;
+      s.causal = c == 1;
+      s.dropout_p = c ? 0.0f : 0.1f;
+      out.push_back(s);
+    }
+  return out;
+}
+
+class CudaForward : public ::testing::TestWithParam<Shape> {};
+
+TEST_P(CudaForward, MatchesFloat64Reference) {
+  SKIP_WITHOUT_GPU();
+  const Shape& s = GetParam();
+  Problem pb(s);
+  check_against_reference(pb, gpu_forward(pb, 1));
+}
+
+std::string name_of(const ::testing::TestParamInfo<Shape>& info) { return "case" + std::to_string(info.index); }
+INSTANTIATE_TEST_SUITE_P(Grid, CudaForward, ::testing::ValuesIn(gpu_grid()), name_of);
+
+// Decoding shapes: s_q of 1..4 over long s_k, GQA 32/8 (packed into one block's rows), with the
+// heuristic's splits, forced splits and no split; causal and windows cut splits to nothing.
+std::vector<Shape> decode_grid() {
+  std::vector<Shape> out;
+  const int sks[] = {1, 100, 4097, 20000};
+  int n = 0;
+  for (int sk : sks)
+    for (int sq : {1, 3}) {
+      Shape s;
+      s.b = sk > 5000 ? 1 : 3;
+      s.s_q = sq;
+      s.s_k = sk;
+      s.h = 32;
+      s.h_k = 8;
+      s.d = n % 3 == 2 ? 64 : 128;
+      s.dtype = n % 2 ? DType::f16 : DType::bf16;
+      if (n % 4 == 1) s.causal = true;
+      if (n % 4 == 3) s.window_left = 700;
+      if (n == 5) s.alibi = true;
+      out.push_back(s);
+      ++n;
+    }
+  Shape v;  // varlen decoding with one empty KV
+  v.varlen = true;
+  v.b = 4;
+  v.lens_q = {1, 1, 2, 1};
+  v.lens_k = {3000, 0, 9000, 1};
+  v.h = 16;
+  v.h_k = 4;
+  v.d = 128;
+  v.dtype = DType::bf16;
+  out.push_back(v);
+  return out;
+}
+
+class CudaSplitKV : public ::testing::TestWithParam<Shape> {};
+
+TEST_P(CudaSplitKV, HeuristicForcedAndUnsplitMatchReference) {
+  SKIP_WITHOUT_GPU();
+  Problem pb(GetParam());
+  for (int splits : {0, 1, 7, 128}) {
+    SCOPED_TRACE("num_splits " + std::to_string(splits));
+    check_against_reference(pb, gpu_forward(pb, splits));
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Decode, CudaSplitKV, ::testing::ValuesIn(decode_grid()), name_of);
+
+// With q = 0 every visible score is equal, so P = 1/s_k, and with V = I (s_k = d) the output is
+// out[i][c] = keep(i, c) / ((1 - p) · s_k): the GPU's keep-mask can be read off and compared with
+// detail::dropout_keep element by element.
+TEST(CudaDropout, KeepMaskIsBitIdenticalToPhilox) {
+  SKIP_WITHOUT_GPU();
+  for (int d : {64, 256}) {
+    Shape s;
+    s.b = 2;
+    s.s_q = 37;
+    s.s_k = d;
+    s.h = 3;
+    s.h_k = 3;
+    s.d = d;
+    s.dtype = DType::bf16;
+    s.dropout_p = 0.4f;
+    s.padded_strides = false;
+    Problem pb(s);
+    for (std::int64_t i = 0; i < pb.q.numel(); ++i) pb.q.set(i, 0.0f);
+    for (std::int64_t i = 0; i < pb.v.numel(); ++i) pb.v.set(i, (i / (d * s.h_k)) % s.s_k == i % d ? 1.0f : 0.0f);
+    GpuResult g = gpu_forward(pb, 1);
+    const std::uint32_t thr = flashmonoid::detail::dropout_threshold(s.dropout_p);
+    int mismatches = 0;
+    for (int b = 0; b < s.b; ++b)
+      for (int i = 0; i < s.s_q; ++i)
+        for (int h = 0; h < s.h; ++h)
+          for (int c = 0; c < d; ++c) {
+            const float o = g.out.get(((static_cast<std::int64_t>(b) * s.s_q + i) * s.h + h) * d + c);
+            const auto row_id = static_cast<std::uint32_t>(h * (s.b * s.s_q) + b * s.s_q + i);
+            const bool keep = flashmonoid::detail::dropout_keep(pb.opt.dropout_seed, pb.opt.dropout_offset, thr,
+                                                                row_id, static_cast<std::uint32_t>(c));
+            if ((o > 0.0f) != keep) ++mismatches;
+          }
+    EXPECT_EQ(mismatches, 0) << "d " << d;
+  }
+}
+
+// merge() of n parts on the GPU equals the CPU merge of the same parts; parts with lse = -inf
+// (and garbage out) contribute nothing; 70 parts exercise the chunked fold.
+TEST(CudaMerge, MatchesCpuMerge) {
+  SKIP_WITHOUT_GPU();
+  for (int n : {1, 3, 70}) {
+    const int b = 2, sq = 33, h = 3, d = 72;
+    std::vector<HostTensor> outs, lses;
+    for (int i = 0; i < n; ++i) {
+      outs.emplace_back(i % 2 ? DType::bf16 : DType::f32, std::vector<std::int64_t>{b, sq, h, d});
+      outs.back().fill_normal();
+      lses.emplace_back(DType::f32, std::vector<std::int64_t>{b, h, sq});
+      lses.back().fill_normal(3.0);
+      if (i == 1)
+        for (std::int64_t e = 0; e < lses.back().numel(); e += 3) lses.back().set(e, -INFINITY);
+    }
+    HostTensor cpu_o(DType::f32, {b, sq, h, d}), cpu_l(DType::f32, {b, h, sq});
+    std::vector<TensorView> ov, lv;
+    for (int i = 0; i < n; ++i) {
+      ov.push_back(outs[i].view);
+      lv.push_back(lses[i].view);
+    }
+    flashmonoid::merge(ov, lv, cpu_o.view, cpu_l.view);
+
+    std::vector<std::unique_ptr<DeviceTensor>> dev;
+    std::vector<TensorView> dov, dlv;
+    for (int i = 0; i < n; ++i) {
+      dev.push_back(std::make_unique<DeviceTensor>(outs[i]));
+      dov.push_back(dev.back()->view);
+      dev.push_back(std::make_unique<DeviceTensor>(lses[i]));
+      dlv.push_back(dev.back()->view);
+    }
+    HostTensor go(DType::f32, {b, sq, h, d}), gl(DType::f32, {b, h, sq});
+    go.poison();
+    gl.poison();
+    DeviceTensor dgo(go), dgl(gl);
+    flashmonoid::merge(dov, dlv, dgo.view, dgl.view);
+    cuda_ok(cudaDeviceSynchronize());
+    dgo.copy_to(go);
+    dgl.copy_to(gl);
+    EXPECT_LE(max_abs_diff(go.values(), cpu_o.values()), 1e-5 * std::max(1.0, max_abs(cpu_o.values()))) << n;
+    EXPECT_LE(max_abs_diff(gl.values(), cpu_l.values()), 1e-5 * std::max(1.0, max_abs(cpu_l.values()))) << n;
+  }
+}
+
+// Clear errors instead of launch failures.
+TEST(CudaForwardErrors, HostPointerMisalignmentDtypeAndHeadDim) {
+  SKIP_WITHOUT_GPU();
+  Shape s;
+  s.b = 1;
+  s.s_q = 16;
+  s.s_k = 16;
+  s.h = 2;
+  s.h_k = 2;
+  s.d = 64;
+  s.dtype = DType::bf16;
+  s.padded_strides = false;
+  Problem pb(s);
+  DeviceTensor q(pb.q), k(pb.k), v(pb.v);
+  HostTensor ho = pb.new_out(), hl = pb.new_lse();
+  DeviceTensor out(ho), lse(hl);
+
+  TensorView host_k = k.view;  // claims cuda, points at host memory
+  host_k.data = pb.k.view.data;
+  try {
+    flashmonoid::forward(q.view, host_k, v.view, out.view, lse.view);
+    ADD_FAILURE() << "host pointer accepted";
+  } catch (const flashmonoid::Error& e) {
+    EXPECT_EQ(e.argument(), "k") << e.what();
+  }
+
+  DeviceBuffer raw(q.bytes + 64);
+  TensorView odd_q = q.view;  // 2 bytes off a 16-byte boundary
+  odd_q.data = static_cast<char*>(raw.ptr) + 2;
+  try {
+    flashmonoid::forward(odd_q, k.view, v.view, out.view, lse.view);
+    ADD_FAILURE() << "misaligned q accepted";
+  } catch (const flashmonoid::Error& e) {
+    EXPECT_EQ(e.argument(), "q") << e.what();
+  }
+
+  Shape s2 = s;
+  s2.d = 60;  // not a multiple of 8
+  Problem pb2(s2);
+  DeviceTensor q2(pb2.q), k2(pb2.k), v2(pb2.v);
+  HostTensor ho2 = pb2.new_out(), hl2 = pb2.new_lse();
+  DeviceTensor out2(ho2), lse2(hl2);
+  EXPECT_THROW(flashmonoid::forward(q2.view, k2.view, v2.view, out2.view, lse2.view), flashmonoid::NotSupported);
+  const auto sup = flashmonoid::supports(q2.view, k2.view);
+  EXPECT_FALSE(sup.ok);
+  EXPECT_NE(sup.reason.find("multiple of 8"), std::string::npos) << sup.reason;
+}
+
+}  // namespace
+}  // namespace fmtest

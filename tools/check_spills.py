@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""Fail when a CUDA kernel spills registers to local memory.
+
+Usage: check_spills.py BUILD_LOG_OR_BINARY [...]
+  - a text build log holding ptxas -v reports (the flashmonoid target compiles with -Xptxas=-v):
+    every "Compiling entry function 'K' for 'sm_XX'" is followed by "... bytes spill stores,
+    ... bytes spill loads"; any nonzero count fails;
+  - a library or object (.a, .so, .o): `cuobjdump -res-usage` lists each kernel's LOCAL bytes per
+    thread; nonzero LOCAL (spills or a stack array) fails.
+Prints one line per offending kernel (demangled when c++filt is available) and a summary."""
+import re
+import shutil
+import subprocess
+import sys
+
+ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
+SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+RES = re.compile(r"Function ([^\s:]+):.*?LOCAL:(\d+)")
+
+
+def demangle(names):
+    if not names or not shutil.which("c++filt"):
+        return names
+    out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True).stdout
+    return out.splitlines() or names
+
+
+def from_log(path):
+    kernels, bad, current = 0, [], None
+    with open(path, errors="replace") as f:
+        for line in f:
+            m = ENTRY.search(line)
+            if m:
+                current = m.groups()
+                continue
+            m = SPILL.search(line)
+            if m and current:
+                kernels += 1
+                stores, loads = map(int, m.groups())
+                if stores or loads:
+                    bad.append((current[0], f"{current[1]}: {stores} B spill stores, {loads} B spill loads"))
+                current = None
+    return kernels, bad
+
+
+def from_binary(path):
+    tool = shutil.which("cuobjdump")
+    if not tool:
+        sys.exit("check_spills: cuobjdump not found (needed to read " + path + ")")
+    text = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True).stdout
+    kernels, bad = 0, []
+    for m in RES.finditer(text):
+        kernels += 1
+        if int(m.group(2)):
+            bad.append((m.group(1), f"{m.group(2)} B local memory per thread"))
+    return kernels, bad
+
+
+def main():
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    total, offenders = 0, []
+    for path in sys.argv[1:]:
+        n, bad = from_binary(path) if re.search(r"\.(a|so|o)$", path) else from_log(path)
+        total += n
+        offenders += bad
+    names = demangle([k for k, _ in offenders])
+    for name, (_, why) in zip(names, offenders):
+        print(f"SPILL {why}  {name}")
+    if total == 0:
+        sys.exit("check_spills: no kernel reports found (build with -Xptxas=-v, or pass the library)")
+    print(f"check_spills: {total} kernel compilations, {len(offenders)} with spills")
+    sys.exit(1 if offenders else 0)
+
+
+if __name__ == "__main__":
+    main()
