@@ -1,0 +1,385 @@
+// The sm80 CUDA backward (src/cuda/sm80/launch_bwd_sm80.cuh) against the float64 reference, called
+// directly through run_bwd_sm80 so that it does not depend on the forward kernel or the dispatch:
+// out and lse fed to the backward come from cpu::reference_forward. The FlashAttention rule
+// decides: the GPU's max error against float64 must be at most 2x that of the same math done in
+// the input dtype (cpu::reference_backward with Precision::input) on the same inputs.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attention_case.hpp"
+#include "cuda/sm80/bwd_sm80.hpp"
+
+namespace {
+
+using flashmonoid::DType;
+using flashmonoid::TensorView;
+using flashmonoid::cpu::Precision;
+using fmtest::HostTensor;
+using fmtest::Problem;
+using fmtest::Shape;
+
+#define CHECK_CUDA(call) ASSERT_EQ((call), cudaSuccess) << #call
+
+bool have_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+// A device copy of a host tensor, byte for byte (padding included), with the view retargeted.
+struct DeviceTensor {
+  void* ptr = nullptr;
+  std::size_t bytes = 0;
+  TensorView view;
+  DeviceTensor() = default;
+  explicit DeviceTensor(const HostTensor& h, bool copy = true) : bytes(h.buf.size()), view(h.view) {
+    if (cudaMalloc(&ptr, bytes) != cudaSuccess) throw std::runtime_error("cudaMalloc");
+    if (copy) cudaMemcpy(ptr, h.buf.data(), bytes, cudaMemcpyHostToDevice);
+    else cudaMemset(ptr, 0xFF, bytes);  // poison: 0xFFFF is NaN in fp16 and bf16
+    view.data = ptr;
+    view.device = flashmonoid::Device::cuda(0);
+  }
+  DeviceTensor(const DeviceTensor&) = delete;
+  DeviceTensor& operator=(const DeviceTensor&) = delete;
+  ~DeviceTensor() { cudaFree(ptr); }
+  void poison() { cudaMemset(ptr, 0xFF, bytes); }
+  void copy_to(HostTensor& h) const { cudaMemcpy(h.buf.data(), ptr, bytes, cudaMemcpyDeviceToHost); }
+};
+
+template <class T>
+void launch_bucket(const flashmonoid::detail::BwdParams& p, const flashmonoid::cuda::BwdLaunch& l) {
+  if (p.d <= 64) flashmonoid::cuda::run_bwd_sm80<T, 64>(p, l);
+  else if (p.d <= 128) flashmonoid::cuda::run_bwd_sm80<T, 128>(p, l);
+  else flashmonoid::cuda::run_bwd_sm80<T, 256>(p, l);
+}
+
+void launch(const flashmonoid::detail::BwdParams& p, void* ws, std::size_t ws_bytes) {
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  const flashmonoid::cuda::BwdLaunch l{nullptr, ws, ws_bytes, sms};
+  if (p.dtype == DType::bf16) launch_bucket<__nv_bfloat16>(p, l);
+  else launch_bucket<__half>(p, l);
+}
+
+// Everything of one backward call on the GPU: inputs copied from the problem, outputs poisoned.
+struct GpuCase {
+  std::pair<HostTensor, HostTensor> fwd;  // out, lse of the float64 reference forward
+  HostTensor& out;
+  HostTensor& lse;
+  DeviceTensor q, k, v, dout, o, l;
+  std::unique_ptr<DeviceTensor> alibi, cu_q, cu_k;
+  HostTensor dq_h, dk_h, dv_h;
+  DeviceTensor dq, dk, dv;
+  flashmonoid::detail::BwdParams p;
+  void* ws = nullptr;
+  std::size_t ws_bytes = 0;
+
+  GpuCase(const Problem& problem, bool deterministic)
+      : fwd(problem.reference(Precision::f64)),
+        out(fwd.first),
+        lse(fwd.second),
+        q(problem.q), k(problem.k), v(problem.v), dout(problem.dout), o(out), l(lse),
+        dq_h(problem.new_out()), dk_h(problem.new_like_kv()), dv_h(problem.new_like_kv()),
+        dq(dq_h, false), dk(dk_h, false), dv(dv_h, false) {
+    flashmonoid::Options opt = problem.opt;
+    opt.deterministic = deterministic;
+    flashmonoid::Varlen vl{};
+    if (problem.shape.alibi) {
+      alibi = std::make_unique<DeviceTensor>(problem.alibi);
+      opt.alibi_slopes = alibi->view;
+    }
+    if (problem.shape.varlen) {
+      cu_q = std::make_unique<DeviceTensor>(problem.cu_q);
+      cu_k = std::make_unique<DeviceTensor>(problem.cu_k);
+      vl = flashmonoid::Varlen{cu_q->view, cu_k->view, problem.vl.max_seqlen_q, problem.vl.max_seqlen_k};
+    }
+    p = flashmonoid::detail::make_bwd_params(dout.view, q.view, k.view, v.view, o.view, l.view, dq.view, dk.view,
+                                             dv.view, opt, problem.shape.varlen ? &vl : nullptr);
+    ws_bytes = flashmonoid::cuda::bwd_workspace_bytes(p);
+    cudaMalloc(&ws, ws_bytes > 0 ? ws_bytes : 1);
+  }
+  ~GpuCase() { cudaFree(ws); }
+
+  // Poisons outputs and workspace, runs, copies the gradients back.
+  void run() {
+    dq.poison();
+    dk.poison();
+    dv.poison();
+    cudaMemset(ws, 0xFF, ws_bytes);
+    launch(p, ws, ws_bytes);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << cudaGetErrorString(cudaGetLastError());
+    dq.copy_to(dq_h);
+    dk.copy_to(dk_h);
+    dv.copy_to(dv_h);
+  }
+};
+
+// The same inputs as fp32 tensors, so that the float64 oracle's gradients are not rounded to the
+// input dtype on the way out.
+Problem as_f32(const Problem& pb) {
+  Shape s = pb.shape;
+  s.dtype = DType::f32;
+  Problem f(s);
+  auto copy = [](const HostTensor& from, HostTensor& to) {
+    for (std::int64_t i = 0; i < from.numel(); ++i) to.set(i, from.get(i));
+  };
+  copy(pb.q, f.q);
+  copy(pb.k, f.k);
+  copy(pb.v, f.v);
+  copy(pb.dout, f.dout);
+  f.opt = pb.opt;  // same seed, offset, alibi slopes (host views of pb)
+  f.vl = pb.vl;
+  return f;
+}
+
+void check_backward(const Shape& shape) {
+  SCOPED_TRACE(shape.str());
+  const Problem pb(shape);
+  GpuCase g(pb, false);
+  g.run();
+  if (::testing::Test::HasFatalFailure()) return;
+
+  const Problem f32 = as_f32(pb);
+  const auto fwd64 = f32.reference(Precision::f64);
+  const auto oracle = f32.reference_backward(fwd64.first, fwd64.second, Precision::f64);
+  const auto lowp = pb.reference_backward(g.out, g.lse, Precision::input);
+
+  fmtest::expect_close("dq", shape.dtype, g.dq_h.values(), oracle.dq.values(), lowp.dq.values());
+  fmtest::expect_close("dk", shape.dtype, g.dk_h.values(), oracle.dk.values(), lowp.dk.values());
+  fmtest::expect_close("dv", shape.dtype, g.dv_h.values(), oracle.dv.values(), lowp.dv.values());
+}
+
+Shape base(DType t, int b, int sq, int sk, int h, int hk, int d) {
+  Shape s;
+  s.dtype = t;
+  s.b = b;
+  s.s_q = sq;
+  s.s_k = sk;
+  s.h = h;
+  s.h_k = hk;
+  s.d = d;
+  return s;
+}
+
+class CudaBackward : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device visible";
+  }
+};
+
+TEST_F(CudaBackward, HeadDimsAndDtypes) {
+  for (DType t : {DType::bf16, DType::f16})
+    for (int d : {32, 40, 64, 96, 128, 160, 256}) check_backward(base(t, 2, 77, 131, 2, 2, d));
+}
+
+TEST_F(CudaBackward, SeqlensBothWays) {
+  for (auto [sq, sk] : {std::pair{1, 1}, {1, 200}, {200, 1}, {63, 65}, {129, 257}, {300, 45}, {45, 300}})
+    check_backward(base(DType::bf16, 2, sq, sk, 2, 1, 64));
+}
+
+TEST_F(CudaBackward, CausalAndWindows) {
+  for (auto [sq, sk] : {std::pair{113, 113}, {70, 190}, {190, 70}}) {
+    for (int d : {64, 128}) {
+      Shape s = base(DType::bf16, 2, sq, sk, 4, 2, d);
+      s.causal = true;
+      s.window_right = 0;
+      check_backward(s);
+      s.causal = false;
+      s.window_left = 17;
+      s.window_right = 5;
+      check_backward(s);
+      s.window_left = 40;
+      s.window_right = -1;
+      check_backward(s);
+    }
+  }
+}
+
+TEST_F(CudaBackward, GqaMqa) {
+  check_backward(base(DType::bf16, 1, 150, 150, 8, 2, 128));
+  check_backward(base(DType::f16, 2, 97, 211, 6, 1, 64));
+  Shape s = base(DType::bf16, 1, 130, 170, 4, 1, 256);
+  s.causal = true;
+  s.window_right = 0;
+  check_backward(s);
+}
+
+TEST_F(CudaBackward, SoftcapAlibi) {
+  for (int d : {64, 128, 256}) {
+    Shape s = base(DType::bf16, 2, 99, 140, 4, 2, d);
+    s.softcap = 5.0f;
+    check_backward(s);
+    s.softcap = 0.0f;
+    s.alibi = true;
+    s.causal = true;
+    s.window_right = 0;
+    check_backward(s);
+  }
+}
+
+TEST_F(CudaBackward, Dropout) {
+  for (int d : {64, 128, 256}) {
+    Shape s = base(DType::bf16, 2, 131, 97, 4, 2, d);
+    s.dropout_p = 0.17f;
+    check_backward(s);
+    s.causal = true;
+    s.window_right = 0;
+    s.softcap = 3.0f;
+    check_backward(s);
+  }
+}
+
+TEST_F(CudaBackward, Varlen) {
+  for (int d : {64, 128, 256}) {
+    Shape s = base(DType::bf16, 4, 0, 0, 4, 2, d);
+    s.varlen = true;
+    s.lens_q = {1, 130, 64, 77};
+    s.lens_k = {33, 100, 0, 200};
+    s.s_q = 130;
+    s.s_k = 200;
+    check_backward(s);
+    s.causal = true;
+    s.window_right = 0;
+    s.dropout_p = 0.1f;
+    check_backward(s);
+  }
+}
+
+TEST_F(CudaBackward, Randomized) {
+  std::mt19937 r(20240611u);
+  auto pick = [&](std::initializer_list<int> xs) { return *(xs.begin() + r() % xs.size()); };
+  for (int n = 0; n < 12; ++n) {
+    const int hk = pick({1, 2, 3});
+    Shape s = base(r() % 2 ? DType::bf16 : DType::f16, pick({1, 2, 3}), 1 + r() % 300, 1 + r() % 300,
+                   hk * pick({1, 2, 4}), hk, 8 * (1 + r() % 32));
+    if (r() % 3 == 0) {
+      s.causal = true;
+      s.window_right = 0;
+    } else if (r() % 3 == 0) {
+      s.window_left = static_cast<int>(r() % 64);
+      s.window_right = static_cast<int>(r() % 64);
+    }
+    if (r() % 4 == 0) s.softcap = 4.0f;
+    if (r() % 4 == 0) s.alibi = true;
+    if (r() % 4 == 0) s.dropout_p = 0.2f;
+    check_backward(s);
+  }
+}
+
+// 50 deterministic runs are bit-identical (no float atomics: dQ added in key-block order), and
+// the deterministic result also passes the accuracy rule.
+TEST_F(CudaBackward, DeterministicBitIdentical) {
+  for (int d : {64, 128, 256}) {
+    Shape s = base(DType::bf16, 2, 400, 350, 4, 2, d);
+    s.causal = d == 128;
+    if (s.causal) s.window_right = 0;
+    SCOPED_TRACE(s.str());
+    const Problem pb(s);
+    GpuCase g(pb, true);
+    g.run();
+    if (::testing::Test::HasFatalFailure()) return;
+    const std::vector<std::uint8_t> dq0 = g.dq_h.buf, dk0 = g.dk_h.buf, dv0 = g.dv_h.buf;
+    int mismatches = 0;
+    for (int rep = 1; rep < 50; ++rep) {
+      g.run();
+      if (::testing::Test::HasFatalFailure()) return;
+      mismatches += g.dq_h.buf != dq0 || g.dk_h.buf != dk0 || g.dv_h.buf != dv0;
+    }
+    EXPECT_EQ(mismatches, 0) << "of 49 repeated deterministic runs differed from the first";
+    const Problem f32 = as_f32(pb);
+    const auto fwd64 = f32.reference(Precision::f64);
+    const auto oracle = f32.reference_backward(fwd64.first, fwd64.second, Precision::f64);
+    const auto lowp = pb.reference_backward(g.out, g.lse, Precision::input);
+    fmtest::expect_close("dq", s.dtype, g.dq_h.values(), oracle.dq.values(), lowp.dq.values());
+    fmtest::expect_close("dk", s.dtype, g.dk_h.values(), oracle.dk.values(), lowp.dk.values());
+    fmtest::expect_close("dv", s.dtype, g.dv_h.values(), oracle.dv.values(), lowp.dv.values());
+  }
+}
+
+// Timing, off by default (--gtest_also_run_disabled_tests): bf16, hdim 128, 16k tokens, 16 heads,
+// backward FLOPs = 2.5 · 4·b·h·s²·d (halved when causal), median of 20 runs after 3 warm-ups.
+TEST_F(CudaBackward, DISABLED_Timing) {
+  for (int seqlen : {4096, 16384})
+    for (bool causal : {false, true})
+      for (bool det : {false, true}) {
+        const int b = 16384 / seqlen, h = 16, d = 128;
+        flashmonoid::detail::BwdParams p;
+        p.dtype = DType::bf16;
+        p.batch = b;
+        p.h = p.h_k = h;
+        p.d = d;
+        p.seqlen_q = p.seqlen_k = seqlen;
+        p.total_q = p.total_k = static_cast<std::int64_t>(b) * seqlen;
+        p.scale = 1.0f / std::sqrt(static_cast<float>(d));
+        p.scale_log2 = p.scale * 1.4426950408889634f;
+        p.causal = causal;
+        p.window_right = causal ? 0 : -1;
+        p.deterministic = det;
+        const flashmonoid::detail::Strides st{static_cast<std::int64_t>(seqlen) * h * d, h * d, d};
+        p.q_stride = p.k_stride = p.v_stride = p.o_stride = st;
+        p.do_stride = p.dq_stride = p.dk_stride = p.dv_stride = st;
+        const std::size_t elems = static_cast<std::size_t>(b) * seqlen * h * d;
+        std::vector<std::uint16_t> host(elems);
+        std::mt19937 r(1);
+        std::normal_distribution<float> nd(0.0f, 1.0f);
+        for (auto& x : host) x = flashmonoid::cpu::float_to_bf16(nd(r));
+        void* bufs[8];
+        for (void*& ptr : bufs) {
+          CHECK_CUDA(cudaMalloc(&ptr, elems * 2));
+          CHECK_CUDA(cudaMemcpy(ptr, host.data(), elems * 2, cudaMemcpyHostToDevice));
+        }
+        p.q = bufs[0];
+        p.k = bufs[1];
+        p.v = bufs[2];
+        p.out = bufs[3];
+        p.dout = bufs[4];
+        p.dq = bufs[5];
+        p.dk = bufs[6];
+        p.dv = bufs[7];
+        float* lse = nullptr;
+        CHECK_CUDA(cudaMalloc(&lse, p.total_q * h * sizeof(float)));
+        std::vector<float> lse_h(p.total_q * h, std::log(static_cast<float>(seqlen)) + 2.0f);
+        CHECK_CUDA(cudaMemcpy(lse, lse_h.data(), lse_h.size() * 4, cudaMemcpyHostToDevice));
+        p.lse = lse;
+        p.device = flashmonoid::Device::cuda(0);
+        const std::size_t ws_bytes = flashmonoid::cuda::bwd_workspace_bytes(p);
+        void* ws = nullptr;
+        CHECK_CUDA(cudaMalloc(&ws, ws_bytes));
+        cudaEvent_t e0, e1;
+        cudaEventCreate(&e0);
+        cudaEventCreate(&e1);
+        std::vector<float> ms;
+        for (int rep = 0; rep < 23; ++rep) {
+          cudaEventRecord(e0);
+          launch(p, ws, ws_bytes);
+          cudaEventRecord(e1);
+          CHECK_CUDA(cudaEventSynchronize(e1));
+          float t = 0;
+          cudaEventElapsedTime(&t, e0, e1);
+          if (rep >= 3) ms.push_back(t);
+        }
+        std::sort(ms.begin(), ms.end());
+        const double med = ms[ms.size() / 2];
+        const double flops = 2.5 * 4.0 * b * h * static_cast<double>(seqlen) * seqlen * d * (causal ? 0.5 : 1.0);
+        std::printf("flashmonoid bwd bf16 hdim %d seqlen %d batch %d heads %d causal %d deterministic %d: %.3f ms, %.1f TFLOP/s\n",
+                    d, seqlen, b, h, causal, det, med, flops / med * 1e-9);
+        for (void* ptr : bufs) cudaFree(ptr);
+        cudaFree(lse);
+        cudaFree(ws);
+        cudaEventDestroy(e0);
+        cudaEventDestroy(e1);
+      }
+}
+
+}  // namespace
