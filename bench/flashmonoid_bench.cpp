@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <malloc.h>
 #include <new>
@@ -273,23 +274,36 @@ struct Measure {
   std::string note;
 };
 
-template <class F>
-Measure measure(int repeats, F&& run) {
-  Measure m;
-  {
-    PeakScope scope;
-    run();  // warm-up; also the run whose peak memory is reported
-    m.peak_extra = scope.extra();
-  }
-  std::vector<double> t;
-  for (int r = 0; r < repeats; ++r) {
-    auto t0 = std::chrono::steady_clock::now();
-    run();
-    t.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-  }
+double time_ms(const std::function<void()>& run) {
+  auto t0 = std::chrono::steady_clock::now();
+  run();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+double median(std::vector<double> t) {
   std::sort(t.begin(), t.end());
-  m.ms = t[t.size() / 2];
-  return m;
+  return t[t.size() / 2];
+}
+
+// A warm-up run of each (the one whose peak memory is reported), then `repeats` timed runs that
+// alternate between the two, so that load from other processes on a shared machine falls on both
+// alike; the median of each is reported. `second` may be empty.
+void measure(int repeats, const std::function<void()>& first, Measure& m1, const std::function<void()>& second,
+             Measure& m2) {
+  const std::function<void()>* runs[2] = {&first, &second};
+  Measure* out[2] = {&m1, &m2};
+  std::vector<double> t[2];
+  for (int w = 0; w < 2; ++w) {
+    if (!*runs[w]) continue;
+    PeakScope scope;
+    (*runs[w])();
+    out[w]->peak_extra = scope.extra();
+  }
+  for (int r = 0; r < repeats; ++r)
+    for (int w = 0; w < 2; ++w)
+      if (*runs[w]) t[w].push_back(time_ms(*runs[w]));
+  for (int w = 0; w < 2; ++w)
+    if (*runs[w]) out[w]->ms = median(t[w]);
 }
 
 std::string cpu_name() {
@@ -353,10 +367,13 @@ bool run_cuda(const Config& c, std::vector<Row>& rows, std::string& device_name)
     Row row{s, {}, {}, 4.0 * c.batch * c.heads * double(s) * s * c.hdim * (c.causal ? 0.5 : 1.0) / 1e9};
     bool ok = true;
     try {
-      row.flash = measure(c.repeats, [&] {
-        fm::forward(dev(dq, q.view), dev(dk, k.view), dev(dv, v.view), dev(dout, o.view), dev(dlse, lse.view), opt);
-        cudaDeviceSynchronize();
-      });
+      measure(
+          c.repeats,
+          [&] {
+            fm::forward(dev(dq, q.view), dev(dk, k.view), dev(dv, v.view), dev(dout, o.view), dev(dlse, lse.view), opt);
+            cudaDeviceSynchronize();
+          },
+          row.flash, {}, row.standard);
     } catch (const fm::NotSupported& e) {
       std::fprintf(stderr, "\ncuda: %s\n", e.what());
       ok = false;
@@ -407,13 +424,12 @@ void run_cpu(const Config& c, std::vector<Row>& rows) {
     ref_ctx.cpu_algorithm = fm::CpuAlgorithm::reference;
 
     Row row{s, {}, {}, 4.0 * c.batch * c.heads * double(s) * s * c.hdim * (c.causal ? 0.5 : 1.0) / 1e9};
-    std::fprintf(stderr, "\r[%zu/%zu] s=%d standard (%s)...   ", n + 1, total, s, c.baseline.c_str());
-    if (c.baseline == "unfused")
-      row.standard = measure(c.repeats, [&] { unfused_forward(c, s, q, k, v, o_std); });
-    else
-      row.standard = measure(c.repeats, [&] { fm::forward(q.view, k.view, v.view, o_std.view, lse.view, opt, ref_ctx); });
-    std::fprintf(stderr, "\r[%zu/%zu] s=%d flash...                 ", n + 1, total, s);
-    row.flash = measure(c.repeats, [&] { fm::forward(q.view, k.view, v.view, o_flash.view, lse.view, opt, flash_ctx); });
+    std::fprintf(stderr, "\r[%zu/%zu] s=%d: standard (%s) and flash ...", n + 1, total, s, c.baseline.c_str());
+    std::function<void()> standard = [&] { unfused_forward(c, s, q, k, v, o_std); };
+    if (c.baseline == "reference")
+      standard = [&] { fm::forward(q.view, k.view, v.view, o_std.view, lse.view, opt, ref_ctx); };
+    measure(c.repeats, standard, row.standard,
+            [&] { fm::forward(q.view, k.view, v.view, o_flash.view, lse.view, opt, flash_ctx); }, row.flash);
 
     double mx = 0.0;
     for (std::int64_t i = 0; i < o_std.numel(); ++i) {

@@ -58,8 +58,7 @@ struct PackedKV {
   const float* v_tile(std::int64_t t) const { return v.data() + t * kBlockN * dp; }
 };
 
-PackedKV pack_kv(const BwdParams& p, const BlockGrid& kgrid, int threads) {
-  PackedKV kv;
+void size_packed(const BwdParams& p, const BlockGrid& kgrid, PackedKV& kv) {
   kv.d = p.d;
   kv.dp = tiles::round_up(p.d, kLanes);
   const std::int64_t n_tiles = kgrid.total() * p.h_k;  // tile index: key block · h_k + KV head
@@ -67,54 +66,39 @@ PackedKV pack_kv(const BwdParams& p, const BlockGrid& kgrid, int threads) {
   kv.vt.resize(kv.kt.size());
   kv.k.resize(static_cast<std::size_t>(n_tiles) * kBlockN * kv.dp);
   kv.v.resize(kv.k.size());
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> row(p.d);
-#pragma omp for schedule(static)
-    for (std::int64_t t = 0; t < n_tiles; ++t) {
-      const std::int64_t block = t / p.h_k;
-      const int hk = static_cast<int>(t % p.h_k);
-      const int b = kgrid.batch_of(block);
-      const SeqInfo si = seq_info(p, b);
-      const std::int64_t j0 = (block - kgrid.first[b]) * kBlockN;
-      const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, si.len_k - j0));
-      const std::int64_t r0 = si.k_row0 + j0;
-      tiles::load_tile_transposed(p.k, p.dtype, p.k_stride, b, r0, hk, n, p.d, kBlockN, 1.0f, row.data(),
-                                  kv.kt.data() + t * p.d * kBlockN);
-      tiles::load_tile_transposed(p.v, p.dtype, p.v_stride, b, r0, hk, n, p.d, kBlockN, 1.0f, row.data(),
-                                  kv.vt.data() + t * p.d * kBlockN);
-      tiles::load_tile(p.k, p.dtype, p.k_stride, b, r0, hk, n, kBlockN, p.d, kv.dp, 1.0f, kv.k.data() + t * kBlockN * kv.dp);
-      tiles::load_tile(p.v, p.dtype, p.v_stride, b, r0, hk, n, kBlockN, p.d, kv.dp, 1.0f, kv.v.data() + t * kBlockN * kv.dp);
-    }
-  }
-  return kv;
 }
 
-// Pass 0: dsum[lse_index(b, head, i)] = Σ_c dO[i, c] · O[i, c], accumulated in double.
-std::vector<float> row_dot(const BwdParams& p, const BlockGrid& qgrid, int threads) {
-  std::vector<float> dsum(static_cast<std::size_t>(p.h) * p.total_q);
-  const std::int64_t n_tasks = qgrid.total() * p.h;
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> o(p.d), dout(p.d);
-#pragma omp for schedule(static)
-    for (std::int64_t t = 0; t < n_tasks; ++t) {
-      const std::int64_t block = t / p.h;
-      const int hq = static_cast<int>(t % p.h);
-      const int b = qgrid.batch_of(block);
-      const SeqInfo si = seq_info(p, b);
-      const std::int64_t i0 = (block - qgrid.first[b]) * kBlockM;
-      const std::int64_t i1 = std::min<std::int64_t>(i0 + kBlockM, si.len_q);
-      for (std::int64_t i = i0; i < i1; ++i) {
-        tiles::load_row(p.out, p.dtype, offset_of(p.o_stride, b, si.q_row0 + i, hq), p.d, 1.0f, o.data());
-        tiles::load_row(p.dout, p.dtype, offset_of(p.do_stride, b, si.q_row0 + i, hq), p.d, 1.0f, dout.data());
-        double acc = 0.0;
-        for (int c = 0; c < p.d; ++c) acc += static_cast<double>(o[c]) * dout[c];
-        dsum[lse_index(p, b, hq, si, i)] = static_cast<float>(acc);
-      }
-    }
+void pack_tile(const BwdParams& p, const BlockGrid& kgrid, PackedKV& kv, std::int64_t t, float* row) {
+  const std::int64_t block = t / p.h_k;
+  const int hk = static_cast<int>(t % p.h_k);
+  const int b = kgrid.batch_of(block);
+  const SeqInfo si = seq_info(p, b);
+  const std::int64_t j0 = (block - kgrid.first[b]) * kBlockN;
+  const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, si.len_k - j0));
+  const std::int64_t r0 = si.k_row0 + j0;
+  tiles::load_tile_transposed(p.k, p.dtype, p.k_stride, b, r0, hk, n, p.d, kBlockN, 1.0f, row,
+                              kv.kt.data() + t * p.d * kBlockN);
+  tiles::load_tile_transposed(p.v, p.dtype, p.v_stride, b, r0, hk, n, p.d, kBlockN, 1.0f, row,
+                              kv.vt.data() + t * p.d * kBlockN);
+  tiles::load_tile(p.k, p.dtype, p.k_stride, b, r0, hk, n, kBlockN, p.d, kv.dp, 1.0f, kv.k.data() + t * kBlockN * kv.dp);
+  tiles::load_tile(p.v, p.dtype, p.v_stride, b, r0, hk, n, kBlockN, p.d, kv.dp, 1.0f, kv.v.data() + t * kBlockN * kv.dp);
+}
+
+// Pass 0: dsum[lse_index(b, head, i)] = Σ_c dO[i, c] · O[i, c] (accumulated in double) for the
+// rows of query block `block` (numbered across the batch) of head hq. o, dout: (d) staging rows.
+void row_dot(const BwdParams& p, const BlockGrid& qgrid, std::int64_t block, int hq, float* o, float* dout,
+             std::vector<float>& dsum) {
+  const int b = qgrid.batch_of(block);
+  const SeqInfo si = seq_info(p, b);
+  const std::int64_t i0 = (block - qgrid.first[b]) * kBlockM;
+  const std::int64_t i1 = std::min<std::int64_t>(i0 + kBlockM, si.len_q);
+  for (std::int64_t i = i0; i < i1; ++i) {
+    tiles::load_row(p.out, p.dtype, offset_of(p.o_stride, b, si.q_row0 + i, hq), p.d, 1.0f, o);
+    tiles::load_row(p.dout, p.dtype, offset_of(p.do_stride, b, si.q_row0 + i, hq), p.d, 1.0f, dout);
+    double acc = 0.0;
+    for (int c = 0; c < p.d; ++c) acc += static_cast<double>(o[c]) * dout[c];
+    dsum[lse_index(p, b, hq, si, i)] = static_cast<float>(acc);
   }
-  return dsum;
 }
 
 // The gradient of one row of a score tile. Element c is query i, key j = ij(c). On entry s[c] is
@@ -248,9 +232,10 @@ struct QueryWorkspace {
   std::vector<float> dq;         // (kBlockM, dp) accumulator
   std::vector<float> lse, dsum;  // (kBlockN) one row's value repeated, for score_grads
   std::vector<float> row_lse, row_dsum;  // (kBlockM)
+  std::vector<float> row;                // (d) staging row
   explicit QueryWorkspace(int d)
       : dp(tiles::round_up(d, kLanes)), q(kBlockM * d), dout(q.size()), s(kBlockM * kBlockN), dps(s.size()),
-        th(s.size()), dq(kBlockM * dp), lse(kBlockN), dsum(kBlockN), row_lse(kBlockM), row_dsum(kBlockM) {}
+        th(s.size()), dq(kBlockM * dp), lse(kBlockN), dsum(kBlockN), row_lse(kBlockM), row_dsum(kBlockM), row(d) {}
 };
 
 void query_block(const BwdParams& p, const PackedKV& kv, const BlockGrid& kgrid, const std::vector<float>& dsum_all,
@@ -294,28 +279,34 @@ void query_block(const BwdParams& p, const PackedKV& kv, const BlockGrid& kgrid,
 void flash_backward(const BwdParams& p, int num_threads) {
   const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
   const BlockGrid qgrid(p, kBlockM, false), kgrid(p, kBlockN, true);
-  const std::vector<float> dsum = row_dot(p, qgrid, threads);
-  const PackedKV kv = pack_kv(p, kgrid, threads);
+  std::vector<float> dsum(static_cast<std::size_t>(p.h) * p.total_q);
+  PackedKV kv;
+  size_packed(p, kgrid, kv);
 
+  // One parallel region, its loops separated by barriers: on a loaded 2-core machine each
+  // fork/join cost ~10 ms (see flash_fwd.cpp).
 #pragma omp parallel num_threads(threads)
   {
-    KeyWorkspace ws(p.d);
+    KeyWorkspace kws(p.d);
+    QueryWorkspace qws(p.d);
+#pragma omp for schedule(static) nowait
+    for (std::int64_t t = 0; t < qgrid.total() * p.h; ++t)
+      row_dot(p, qgrid, t / p.h, static_cast<int>(t % p.h), kws.row.data(), qws.row.data(), dsum);
+#pragma omp for schedule(static)
+    for (std::int64_t t = 0; t < kgrid.total() * p.h_k; ++t) pack_tile(p, kgrid, kv, t, kws.row.data());
+
     // Dynamic: under causal masks the work of a key block shrinks with its index.
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t t = 0; t < kgrid.total() * p.h_k; ++t) {
       const std::int64_t block = t / p.h_k;
       const int b = kgrid.batch_of(block);
-      key_block(p, kv, dsum, b, t, (block - kgrid.first[b]) * kBlockN, static_cast<int>(t % p.h_k), ws);
+      key_block(p, kv, dsum, b, t, (block - kgrid.first[b]) * kBlockN, static_cast<int>(t % p.h_k), kws);
     }
-  }
-#pragma omp parallel num_threads(threads)
-  {
-    QueryWorkspace ws(p.d);
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
     for (std::int64_t t = 0; t < qgrid.total() * p.h; ++t) {
       const std::int64_t block = t / p.h;
       const int b = qgrid.batch_of(block);
-      query_block(p, kv, kgrid, dsum, b, static_cast<int>(t % p.h), (block - qgrid.first[b]) * kBlockM, ws);
+      query_block(p, kv, kgrid, dsum, b, static_cast<int>(t % p.h), (block - qgrid.first[b]) * kBlockM, qws);
     }
   }
 }

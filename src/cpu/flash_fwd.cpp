@@ -63,33 +63,28 @@ struct PackedKV {
   const float* v_tile(std::int64_t t) const { return v.data() + t * kBlockN * dp; }
 };
 
-PackedKV pack_kv(const FwdParams& p, int threads) {
-  PackedKV kv;
+// Sizes kv for p; pack_tile() fills tile t (key block t / h_k, KV head t % h_k).
+void size_packed(const FwdParams& p, PackedKV& kv) {
   kv.d = p.d;
   kv.dp = tiles::round_up(p.d, kLanes);
   kv.first.assign(p.batch + 1, 0);
   for (int b = 0; b < p.batch; ++b) kv.first[b + 1] = kv.first[b] + (seq_info(p, b).len_k + kBlockN - 1) / kBlockN;
-  const std::int64_t tiles_total = kv.first.back() * p.h_k;
-  kv.kt.resize(static_cast<std::size_t>(tiles_total) * p.d * kBlockN);
-  kv.v.resize(static_cast<std::size_t>(tiles_total) * kBlockN * kv.dp);
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> row(p.d);
-#pragma omp for schedule(static)
-    for (std::int64_t t = 0; t < tiles_total; ++t) {
-      const std::int64_t block_global = t / p.h_k;
-      const int hk = static_cast<int>(t % p.h_k);
-      const int b = static_cast<int>(std::upper_bound(kv.first.begin(), kv.first.end(), block_global) - kv.first.begin()) - 1;
-      const SeqInfo si = seq_info(p, b);
-      const std::int64_t j0 = (block_global - kv.first[b]) * kBlockN;
-      const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, si.len_k - j0));
-      tiles::load_tile_transposed(p.k, p.dtype, p.k_stride, b, si.k_row0 + j0, hk, n, p.d, kBlockN, 1.0f, row.data(),
-                                  kv.kt.data() + t * p.d * kBlockN);
-      tiles::load_tile(p.v, p.dtype, p.v_stride, b, si.k_row0 + j0, hk, n, kBlockN, p.d, kv.dp, 1.0f,
-                       kv.v.data() + t * kBlockN * kv.dp);
-    }
-  }
-  return kv;
+  const std::int64_t n_tiles = kv.first.back() * p.h_k;
+  kv.kt.resize(static_cast<std::size_t>(n_tiles) * p.d * kBlockN);
+  kv.v.resize(static_cast<std::size_t>(n_tiles) * kBlockN * kv.dp);
+}
+
+void pack_tile(const FwdParams& p, PackedKV& kv, std::int64_t t, float* row) {
+  const std::int64_t block_global = t / p.h_k;
+  const int hk = static_cast<int>(t % p.h_k);
+  const int b = static_cast<int>(std::upper_bound(kv.first.begin(), kv.first.end(), block_global) - kv.first.begin()) - 1;
+  const SeqInfo si = seq_info(p, b);
+  const std::int64_t j0 = (block_global - kv.first[b]) * kBlockN;
+  const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, si.len_k - j0));
+  tiles::load_tile_transposed(p.k, p.dtype, p.k_stride, b, si.k_row0 + j0, hk, n, p.d, kBlockN, 1.0f, row,
+                              kv.kt.data() + t * p.d * kBlockN);
+  tiles::load_tile(p.v, p.dtype, p.v_stride, b, si.k_row0 + j0, hk, n, kBlockN, p.d, kv.dp, 1.0f,
+                   kv.v.data() + t * kBlockN * kv.dp);
 }
 
 // One thread's tiles. dp = d rounded up to the 8-wide vector.
@@ -98,11 +93,12 @@ struct Workspace {
   std::vector<float> q;   // (kBlockM, d)   scale · Q
   std::vector<float> s;   // (kBlockM, kBlockN) scores, then probabilities
   std::vector<float> o;   // (kBlockM, dp)  unnormalised output
+  std::vector<float> row;  // (d)       staging row for packing
   std::vector<RowState> state;  // (kBlockM)
   std::vector<float> alpha;     // (kBlockM)  rescale of o for the current key block
   explicit Workspace(int d_)
       : d(d_), dp(tiles::round_up(d_, kLanes)), q(kBlockM * d), s(kBlockM * kBlockN),
-        o(static_cast<std::size_t>(kBlockM) * dp), state(kBlockM), alpha(kBlockM) {}
+        o(static_cast<std::size_t>(kBlockM) * dp), row(d_), state(kBlockM), alpha(kBlockM) {}
 };
 
 // Score transforms in the order detail/mask.hpp defines them, on row i (in the sequence) of the
@@ -192,12 +188,18 @@ void query_block(const FwdParams& p, const PackedKV& kv, int b, int hq, int qb, 
 void flash_forward(const FwdParams& p, int num_threads) {
   const Tasks tasks = make_tasks(p);
   const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
-  const PackedKV kv = pack_kv(p, threads);
+  PackedKV kv;
+  size_packed(p, kv);
+  const std::int64_t n_tiles = kv.first.back() * p.h_k;
+  // One parallel region for both loops: on a loaded 2-core machine every fork/join cost ~10 ms
+  // (a descheduled worker holds up the barrier), 3x the whole compute at s = 256.
 #pragma omp parallel num_threads(threads)
   {
     Workspace ws(p.d);
+#pragma omp for schedule(static)
+    for (std::int64_t t = 0; t < n_tiles; ++t) pack_tile(p, kv, t, ws.row.data());
     // Dynamic: under causal masks a block's work grows with its row index.
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
     for (std::int64_t t = 0; t < tasks.total(); ++t) {
       const int b = static_cast<int>(std::upper_bound(tasks.first.begin(), tasks.first.end(), t) - tasks.first.begin()) - 1;
       const std::int64_t rest = t - tasks.first[b];
