@@ -33,9 +33,9 @@ inline constexpr int kFwdNarrowRows = 64;
 // block per multiprocessor; capping at 128 registers for two blocks spilled 40-300 bytes.
 // hdim 64 takes 128 keys per step to halve the per-step softmax and barrier cost; hdim 256 takes
 // 32 (64 spilled 40 bytes next to its 128-register O). Narrow: 4 warps for decoding and short
-// prompts, at most 255 registers so that 2 blocks fit.
+// prompts, at most 255 registers so that 2 blocks fit; 32 keys at hdim 256 (64 spilled 88 bytes).
 constexpr FwdTileSm80 fwd_tile_sm80(int head_dim_bucket, bool narrow) {
-  if (narrow) return {64, 64, 4, 2, head_dim_bucket <= 128};
+  if (narrow) return {64, head_dim_bucket <= 128 ? 64 : 32, 4, 2, head_dim_bucket <= 128};
   if (head_dim_bucket <= 64) return {128, 128, 8, 1, true};
   if (head_dim_bucket <= 128) return {128, 64, 8, 1, true};
   return {128, 32, 8, 1, false};
