@@ -45,14 +45,14 @@ tail -3 "$OUT/spills.txt"
 [ $build_rc -eq 0 ] || status=1
 
 step "GPU tests"
-(cd "$BUILD" && timeout 300 ctest -L cuda ${FM_TESTS:+-R "$FM_TESTS"} -j 1 --output-on-failure --timeout 240) >"$OUT/tests.log" 2>&1 || status=1
+(cd "$BUILD" && timeout ${FM_TEST_TIMEOUT:-240} ctest -L cuda ${FM_TESTS:+-R "$FM_TESTS"} -j 1 --output-on-failure --timeout 240) >"$OUT/tests.log" 2>&1 || status=1
 grep -E "tests passed|tests failed|\*\*\*Failed|Not Run|Timeout" "$OUT/tests.log" | tail -25
 
 step "compute-sanitizer (memcheck, racecheck) on small cases"
 SAN_FILTER=${FM_SANITIZE_FILTER:-'Grid/CudaForward.*/case0:Grid/CudaForward.*/case1:Grid/CudaForward.*/case3:Decode/CudaSplitKV.*/case0:CudaDropout.*:CudaMerge.*'}
 if [ -x "$BUILD/tests/cpp/test_fwd_cuda" ]; then
   for tool in memcheck racecheck; do
-    timeout 200 compute-sanitizer --tool $tool --error-exitcode 3 "$BUILD/tests/cpp/test_fwd_cuda" \
+    timeout ${FM_SANITIZER_TIMEOUT:-120} compute-sanitizer --tool $tool --error-exitcode 3 "$BUILD/tests/cpp/test_fwd_cuda" \
       --gtest_filter="$SAN_FILTER" >"$OUT/sanitizer_$tool.log" 2>&1
     rc=$?
     echo "$tool rc=$rc: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)"
@@ -62,9 +62,9 @@ fi
 
 if [ "${FM_BENCH:-1}" != 0 ] && [ -x "$BUILD/bench/gpu/flashmonoid-gpu-bench" ]; then
   step "benchmarks"
-  timeout 240 "$BUILD/bench/gpu/flashmonoid-gpu-bench" "$OUT/fm.json" ${FM_BENCH_ARGS:-} 2>"$OUT/bench.log" || status=1
+  timeout 150 "$BUILD/bench/gpu/flashmonoid-gpu-bench" "$OUT/fm.json" ${FM_BENCH_ARGS:-} 2>"$OUT/bench.log" || status=1
   if [ "${FM_PEERS:-1}" != 0 ]; then
-    PYTHONUNBUFFERED=1 timeout 240 python3 bench/peers.py "$OUT/peers.json" 2>>"$OUT/bench.log" || status=1
+    PYTHONUNBUFFERED=1 timeout 180 python3 bench/peers.py "$OUT/peers.json" 2>>"$OUT/bench.log" || status=1
   fi
   python3 - "$OUT" <<'PY'
 import json, os, sys
