@@ -44,8 +44,8 @@ struct FwdParams {
   std::uint64_t seed = 0, offset = 0;
 
   Device device{};
-  bool is_varlen() const { return cu_seqlens_q != nullptr; }
-  int group() const { return h / h_k; }  // query heads per KV head
+  FM_HD bool is_varlen() const { return cu_seqlens_q != nullptr; }
+  FM_HD int group() const { return h / h_k; }  // query heads per KV head
 };
 
 struct BwdParams : FwdParams {
