@@ -142,6 +142,19 @@ Problem as_f32(const Problem& pb) {
   return f;
 }
 
+// The FlashAttention rule with an absolute floor: where the input-dtype math is exact (one key:
+// dS = P (dP - D) = 0), the GPU's D = rowsum(dO∘O) and dP come from differently ordered fp32 sums
+// and leave ~1e-6 (measured 3.7e-6 on dk with O(1) inputs); fmtest::expect_close's floor is
+// relative to the reference magnitude, which is 0 there.
+constexpr double kAbsFloor = 1e-5;
+void expect_close(const char* what, DType dtype, const std::vector<double>& got, const std::vector<double>& ref,
+                  const std::vector<double>& lowp) {
+  const double err = fmtest::max_abs_diff(got, ref), lowp_err = fmtest::max_abs_diff(lowp, ref);
+  EXPECT_LE(err, 2.0 * lowp_err + kAbsFloor)
+      << what << ": max error " << err << " > 2x the " << flashmonoid::to_string(dtype) << " reference's error ("
+      << lowp_err << ") + " << kAbsFloor;
+}
+
 void check_backward(const Shape& shape) {
   SCOPED_TRACE(shape.str());
   const Problem pb(shape);
@@ -154,9 +167,9 @@ void check_backward(const Shape& shape) {
   const auto oracle = f32.reference_backward(fwd64.first, fwd64.second, Precision::f64);
   const auto lowp = pb.reference_backward(g.out, g.lse, Precision::input);
 
-  fmtest::expect_close("dq", shape.dtype, g.dq_h.values(), oracle.dq.values(), lowp.dq.values());
-  fmtest::expect_close("dk", shape.dtype, g.dk_h.values(), oracle.dk.values(), lowp.dk.values());
-  fmtest::expect_close("dv", shape.dtype, g.dv_h.values(), oracle.dv.values(), lowp.dv.values());
+  expect_close("dq", shape.dtype, g.dq_h.values(), oracle.dq.values(), lowp.dq.values());
+  expect_close("dk", shape.dtype, g.dk_h.values(), oracle.dk.values(), lowp.dk.values());
+  expect_close("dv", shape.dtype, g.dv_h.values(), oracle.dv.values(), lowp.dv.values());
 }
 
 Shape base(DType t, int b, int sq, int sk, int h, int hk, int d) {
@@ -301,19 +314,21 @@ TEST_F(CudaBackward, DeterministicBitIdentical) {
     const auto fwd64 = f32.reference(Precision::f64);
     const auto oracle = f32.reference_backward(fwd64.first, fwd64.second, Precision::f64);
     const auto lowp = pb.reference_backward(g.out, g.lse, Precision::input);
-    fmtest::expect_close("dq", s.dtype, g.dq_h.values(), oracle.dq.values(), lowp.dq.values());
-    fmtest::expect_close("dk", s.dtype, g.dk_h.values(), oracle.dk.values(), lowp.dk.values());
-    fmtest::expect_close("dv", s.dtype, g.dv_h.values(), oracle.dv.values(), lowp.dv.values());
+    expect_close("dq", s.dtype, g.dq_h.values(), oracle.dq.values(), lowp.dq.values());
+    expect_close("dk", s.dtype, g.dk_h.values(), oracle.dk.values(), lowp.dk.values());
+    expect_close("dv", s.dtype, g.dv_h.values(), oracle.dv.values(), lowp.dv.values());
   }
 }
 
-// Timing, off by default (--gtest_also_run_disabled_tests): bf16, hdim 128, 16k tokens, 16 heads,
+// Timing, off by default (--gtest_also_run_disabled_tests): bf16, 16k tokens, hidden 2048,
 // backward FLOPs = 2.5 · 4·b·h·s²·d (halved when causal), median of 20 runs after 3 warm-ups.
 TEST_F(CudaBackward, DISABLED_Timing) {
+  for (int d : {64, 128, 256})
   for (int seqlen : {4096, 16384})
     for (bool causal : {false, true})
       for (bool det : {false, true}) {
-        const int b = 16384 / seqlen, h = 16, d = 128;
+        if (det && d != 128) continue;
+        const int b = 16384 / seqlen, h = 2048 / d;
         flashmonoid::detail::BwdParams p;
         p.dtype = DType::bf16;
         p.batch = b;

@@ -26,11 +26,12 @@ inline constexpr float kLog2e = 1.4426950408889634f;
 
 // Tile shapes. 8 warps; kBlockM query rows per step (kBwdBlockM, shared with the workspace size).
 // At hdim 64 each warp owns 16 key rows (kBlockN 128), all query columns of Sᵀ and all head-dim
-// columns of dK, dV, so Pᵀ and dSᵀ feed the dV, dK products straight from registers. From hdim
-// 128 on, the same layout needs 2 · 16·128 fp32 accumulators / 32 lanes = 128 registers for dK,
-// dV alone and ptxas spilled (56 bytes at 255 registers on sm_90), so warps split 4 along keys ×
-// 2 along the head dim (kBlockN 64) and Pᵀ, dSᵀ travel through shared memory to the warp pair
-// that shares their key rows.
+// columns of dK, dV, so Pᵀ and dSᵀ feed the dV, dK products straight from registers. At hdim 128
+// the same layout needs 2 · 16·128 fp32 accumulators / 32 lanes = 128 registers for dK, dV alone
+// and ptxas spilled (56 bytes at 255 registers on sm_90), so warps split 4 along keys × 2 along
+// the head dim (kBlockN 64, 64 accumulator registers) and Pᵀ, dSᵀ travel through shared memory to
+// the warp pair that shares their key rows. At hdim 256, 4 × 2 still spilled (24 bytes on sm_90),
+// so 2 × 4 (kBlockN 32).
 template <int kHeadDim_>
 struct BwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
@@ -38,7 +39,7 @@ struct BwdTraits {
   static constexpr int kNWarps = 8;
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kBlockM = kBwdBlockM;
-  static constexpr int kWarpsD = kHeadDim >= 128 ? 2 : 1;  // warps sharing one 16-key slice
+  static constexpr int kWarpsD = kHeadDim > 128 ? 4 : kHeadDim == 128 ? 2 : 1;  // warps sharing 16 keys
   static constexpr int kWarpsN = kNWarps / kWarpsD;
   static constexpr int kBlockN = 16 * kWarpsN;
   static constexpr int kWarpM = kBlockM / kWarpsD;   // Sᵀ columns (query rows) per warp
@@ -50,7 +51,7 @@ struct BwdTraits {
   static constexpr int kDqWarpD = kHeadDim / kDqWarpsD;
   static constexpr int kDqPass = kDqWarpD < 64 ? kDqWarpD : 64;
   // Q and dO tiles double-buffered while they fit next to K and V in the 163 KB an sm80 block may
-  // have: 114 KB at hdim 128; at hdim 256 two stages would need 208 KB, so one.
+  // have: 114 KB at hdim 128; at hdim 256 two stages would need 170 KB, so one.
   static constexpr int kStages = kHeadDim > 128 ? 1 : 2;
   static constexpr bool kPInSmem = kWarpsD > 1;
 
@@ -214,7 +215,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     bwd_main(const detail::BwdParams p, const float* __restrict__ dsum, float* __restrict__ dq_acc, int* __restrict__ sem) {
   constexpr int kHeadDim = Tr::kHeadDim, kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
   constexpr int kWarpM = Tr::kWarpM, kWarpD = Tr::kWarpD;
-  constexpr int kSliceM = 32;            // query columns of Sᵀ per pass (see below)
+  constexpr int kSliceM = kWarpM < 32 ? kWarpM : 32;  // query columns of Sᵀ per pass (see below)
   constexpr int kSTiles = kSliceM / 8;   // n8 tiles of one pass
   static_assert(kWarpM % kSliceM == 0, "warp slice must be whole passes");
   constexpr int kDTiles = kWarpD / 8;  // n8 tiles of the warp's dK, dV slices
@@ -263,9 +264,15 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   // Issue the loads of iteration it into stage `stage`: Q, dO asynchronously; lse (as lse·log2 e,
   // with +inf for rows past the end or with no visible key, so that their P is exactly 0) and D
   // with plain loads, since they are 2 · 64 floats.
+  // Query blocks are visited last to first. Under a causal mask every key block sees the last
+  // query block, so in deterministic mode all key blocks start on the same tile and pass it on
+  // in key-block order one dQ addition apart; visited first to last, key block n would wait for
+  // n iterations of its predecessors before its first addition (measured 24 TFLOP/s causal vs
+  // 48 non-causal at hdim 128, 16k).
+  auto m_of = [&](int it) { return m_hi - 1 - it % n_m; };
   auto load_q_block = [&](int it, int stage) {
     const int head = hk * group + it / n_m;
-    const std::int64_t r0 = static_cast<std::int64_t>(m_lo + it % n_m) * kBlockM;
+    const std::int64_t r0 = static_cast<std::int64_t>(m_of(it)) * kBlockM;
     const int rows_valid = static_cast<int>(si.len_q - r0 < kBlockM ? si.len_q - r0 : kBlockM);
     const T* q_g = static_cast<const T*>(p.q) + detail::offset_of(p.q_stride, b, si.q_row0 + r0, head);
     const T* do_g = static_cast<const T*>(p.dout) + detail::offset_of(p.do_stride, b, si.q_row0 + r0, head);
@@ -323,7 +330,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     const float* lse_s = sLse + stage * kBlockM;
     const float* d_s = sD + stage * kBlockM;
     const int head = hk * group + it / n_m;
-    const int m_block = m_lo + it % n_m;
+    const int m_block = m_of(it);
     const std::int64_t r0 = static_cast<std::int64_t>(m_block) * kBlockM;
 
     // Dropout keep bits of the (kBlockM, kBlockN) tile, one Philox call per 4 keys (its 4 words)
@@ -521,6 +528,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
               __stcg(r_1 + 1, __ldcg(r_1 + 1) + acc_dq[t][3]);
             }
           } else {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+            // One 8-byte reduction per pair: a warp's instruction then fills whole 32-byte
+            // sectors (4 lanes x 8 bytes per row) instead of half-filling twice as many.
+            if (row_ok0) atomicAdd(reinterpret_cast<float2*>(r_0), make_float2(acc_dq[t][0], acc_dq[t][1]));
+            if (row_ok1) atomicAdd(reinterpret_cast<float2*>(r_1), make_float2(acc_dq[t][2], acc_dq[t][3]));
+#else
             if (row_ok0) {
               atomicAdd(r_0, acc_dq[t][0]);
               atomicAdd(r_0 + 1, acc_dq[t][1]);
@@ -529,6 +542,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
               atomicAdd(r_1, acc_dq[t][2]);
               atomicAdd(r_1 + 1, acc_dq[t][3]);
             }
+#endif
           }
         }
       }
