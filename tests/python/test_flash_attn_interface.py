@@ -9,6 +9,7 @@ torch = pytest.importorskip("torch")
 import flashmonoid as fm  # noqa: E402
 from flashmonoid import flash_attn_interface as fa  # noqa: E402
 
+from conftest import require_supported  # noqa: E402
 from torch_reference import attention as ref_attention, rel_err  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available() and fm.cuda_available()
@@ -73,6 +74,7 @@ def test_kvcache_signature():
 def test_flash_attn_func(device, dtype, causal):
     q, k, v = rand(2, 33, 4, 64, device=device, dtype=dtype), rand(2, 47, 2, 64, device=device, dtype=dtype, seed=1), \
         rand(2, 47, 2, 64, device=device, dtype=dtype, seed=2)
+    require_supported(q, k, causal=causal)
     out, lse, s_dmask = fa.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     assert out.shape == q.shape and lse.shape == (2, 4, 33) and lse.dtype == torch.float32
     assert s_dmask.numel() == 0  # as upstream: only with dropout
@@ -82,7 +84,8 @@ def test_flash_attn_func(device, dtype, causal):
 
 @pytest.mark.parametrize("device,dtype", CONFIGS)
 def test_packed_variants(device, dtype):
-    qkv = rand(2, 24, 3, 4, 32, device=device, dtype=dtype)
+    qkv = rand(2, 24, 3, 4, 64, device=device, dtype=dtype)
+    require_supported(qkv[:, :, 0], qkv[:, :, 1], causal=True, window=(5, 0))
     out = fa.flash_attn_qkvpacked_func(qkv, causal=True, window_size=(5, 0))
     dout = torch.randn_like(out)
     (dqkv,) = torch.autograd.grad(out, (qkv,), dout)
@@ -91,8 +94,8 @@ def test_packed_variants(device, dtype):
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(dqkv, torch.stack(torch.autograd.grad(ref, (q, k, v), dout), dim=2))
 
-    q = rand(2, 10, 4, 32, device=device, dtype=dtype)
-    kv = rand(2, 24, 2, 2, 32, device=device, dtype=dtype, seed=3)
+    q = rand(2, 10, 4, 64, device=device, dtype=dtype)
+    kv = rand(2, 24, 2, 2, 64, device=device, dtype=dtype, seed=3)
     out = fa.flash_attn_kvpacked_func(q, kv, softcap=5.0)
     k, v = kv.unbind(2)
     torch.testing.assert_close(out, fa.flash_attn_func(q, k, v, softcap=5.0))
@@ -102,7 +105,8 @@ def test_packed_variants(device, dtype):
 def test_varlen_variants(device, dtype):
     lens = [5, 12, 1]
     cu = torch.tensor([0, 5, 17, 18], dtype=torch.int32, device=device)
-    q, k, v = (rand(18, 4, 32, device=device, dtype=dtype, seed=s) for s in range(3))
+    q, k, v = (rand(18, 4, 64, device=device, dtype=dtype, seed=s) for s in range(3))
+    require_supported(q[None], k[None], causal=True)
     out, lse, _ = fa.flash_attn_varlen_func(q, k, v, cu, cu, 12, 12, causal=True, return_attn_probs=True)
     assert lse.shape == (4, 18)
     dout = torch.randn_like(out)

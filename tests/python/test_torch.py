@@ -7,6 +7,7 @@ torch = pytest.importorskip("torch")
 import flashmonoid as fm  # noqa: E402
 from flashmonoid import torch_ops  # noqa: E402
 
+from conftest import require_supported  # noqa: E402
 from torch_reference import attention as ref_attention, rel_err  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available() and fm.cuda_available()
@@ -47,6 +48,7 @@ def test_autograd_fp32_against_float64(device, case, s_q, s_k):
     h, h_k, d = 4, 2, 32
     case = with_alibi(case, h, device)
     q, k, v = inputs(2, s_q, s_k, h, h_k, d, torch.float32, device)
+    require_supported(q, k)
     out = fm.attention(q, k, v, **case)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -66,6 +68,7 @@ def test_varlen_autograd_against_float64(device):
     g = torch.Generator().manual_seed(0)
     mk = lambda n, h: torch.randn(n, h, 16, generator=g).to(device).requires_grad_()
     q, k, v = mk(sum(lens_q), 4), mk(sum(lens_k), 2), mk(sum(lens_k), 2)
+    require_supported(q[None], k[None])
     out, lse = fm.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True, return_lse=True)
     assert lse.shape == (4, sum(lens_q))
     out.square().sum().backward()
@@ -110,6 +113,7 @@ def test_gradcheck_float64_varlen():
 def test_dropout_mask_matches_the_float64_path(device):
     """The C++ kernels (fp32) and the package's float64 path drop the same elements."""
     q, k, v = inputs(2, 7, 9, 2, 2, 16, torch.float32, device)
+    require_supported(q, k, dropout_p=0.3)
     rng = torch.tensor([99, 3])
     out = torch_ops.attention(q, k, v, dropout_p=0.3, rng=rng)[0]
     ref = torch_ops.attention(q.double(), k.double(), v.double(), dropout_p=0.3, rng=rng)[0]
@@ -134,6 +138,7 @@ def test_dropout_seed_follows_torch_manual_seed():
 @pytest.mark.parametrize("device", DEVICES)
 def test_merge_torch(device):
     q, k, v = inputs(1, 6, 10, 2, 2, 16, torch.float32, device)
+    require_supported(q, k)
     parts = [fm.attention(q, k[:, a:z], v[:, a:z], return_lse=True) for a, z in ((0, 3), (3, 10))]
     out, lse = fm.merge([p[0] for p in parts], [p[1] for p in parts])
     ref_out, ref_lse = fm.attention(q, k, v, return_lse=True)
@@ -188,6 +193,7 @@ def test_opcheck():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_half_follows_flash_attention_rule(dtype):
     q, k, v = inputs(2, 128, 160, 4, 2, 64, dtype, "cuda")
+    require_supported(q, k, causal=True)
     out = fm.attention(q, k, v, causal=True)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
