@@ -4,8 +4,8 @@
 PYTHON ?= python3
 JOBS ?= $(shell nproc)
 BUILD ?= build
-# The demo needs no CUDA kernels unless a GPU is there to run them.
-DEMO_CUDA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo ON || echo OFF)
+# The demo and the Python package need no CUDA kernels unless a GPU is there to run them.
+GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo ON || echo OFF)
 
 .PHONY: setup build test demo test-cpp test-install test-python clean
 
@@ -29,14 +29,17 @@ test-install: build
 	cmake --build $(BUILD)/consumer
 	$(BUILD)/consumer/consumer
 
+# Installs from a clean clone of HEAD (which doubles as the install-from-clone test); CUDA kernels
+# only when a GPU is there to run them. Tests needing torch or a GPU skip with a reason otherwise.
 test-python: setup
-	FLASHMONOID_CUDA=$(DEMO_CUDA) $(PYTHON) -m pip install -q . 
-	cd tests/python && $(PYTHON) -m pytest -q
+	rm -rf /tmp/flashmonoid-clone && git clone -q . /tmp/flashmonoid-clone
+	cd /tmp/flashmonoid-clone && FLASHMONOID_CUDA=$(GPU) $(PYTHON) -m pip install -q --no-build-isolation .
+	cd /tmp/flashmonoid-clone && $(PYTHON) -m pytest -q -rs tests/python
 
 test: test-cpp test-install test-python
 
 demo: setup
-	cmake -S . -B build-demo -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHMONOID_CUDA=$(DEMO_CUDA) -DFLASHMONOID_TESTS=OFF >/dev/null
+	cmake -S . -B build-demo -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHMONOID_CUDA=$(GPU) -DFLASHMONOID_TESTS=OFF >/dev/null
 	cmake --build build-demo -j $(JOBS) --target flashmonoid-bench
 	build-demo/bench/flashmonoid-bench
 
