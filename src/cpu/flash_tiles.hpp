@@ -197,7 +197,7 @@ inline void load_tile_transposed(const void* base, DType t, const detail::Stride
     for (int r = rows; r < ld; ++r) dst[static_cast<std::int64_t>(c) * ld + r] = 0.0f;
 }
 
-// Row `row0 + r` of a strided tensor of dtype t <- src[0, d) (fp32), rounded to nearest even.
+// The row at element `offset` of a tensor of dtype t <- src[0, d) (fp32), rounded to nearest even.
 inline void store_row(void* base, DType t, std::int64_t offset, int d, const float* src) {
   if (t == DType::f32) {
     float* dst = static_cast<float*>(base) + offset;
