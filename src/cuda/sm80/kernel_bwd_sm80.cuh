@@ -135,6 +135,11 @@ __device__ __forceinline__ void ldsm_x4_t(std::uint32_t (&r)[4], std::uint32_t a
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
 }
+// 4-byte global -> shared copy, zero-filled when !pred (cp.async.cg only takes 16 bytes).
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool pred) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+               "r"(pred ? 4 : 0));
+}
 __device__ __forceinline__ void sts_b32(std::uint32_t addr, std::uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v));
 }
@@ -261,9 +266,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   load_tile_async<kBlockN, kHeadDim, Tr::kNThreads>(sK, k_g, p.k_stride.row, keys_valid, p.d, tid);
   load_tile_async<kBlockN, kHeadDim, Tr::kNThreads>(sV, v_g, p.v_stride.row, keys_valid, p.d, tid);
 
-  // Issue the loads of iteration it into stage `stage`: Q, dO asynchronously; lse (as lse·log2 e,
-  // with +inf for rows past the end or with no visible key, so that their P is exactly 0) and D
-  // with plain loads, since they are 2 · 64 floats.
+  // Issue the loads of iteration it into stage `stage`: Q, dO, lse and D, all asynchronously (plain
+  // loads of lse and D stalled warps 0-1 for a global round trip every iteration).
   // Query blocks are visited last to first. Under a causal mask every key block sees the last
   // query block, so in deterministic mode all key blocks start on the same tile and pass it on
   // in key-block order one dQ addition apart; visited first to last, key block n would wait for
@@ -279,15 +283,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     load_tile_async<kBlockM, kHeadDim, Tr::kNThreads>(sQ + stage * Tr::kQElems, q_g, p.q_stride.row, rows_valid, p.d, tid);
     load_tile_async<kBlockM, kHeadDim, Tr::kNThreads>(sdO + stage * Tr::kQElems, do_g, p.do_stride.row, rows_valid, p.d, tid);
     if (tid < kBlockM) {
-      float lse2 = INFINITY, dv = 0.0f;
-      if (tid < rows_valid) {
-        const std::int64_t idx = detail::lse_index(p, b, head, si, r0 + tid);
-        const float l = p.lse[idx];
-        lse2 = l == -INFINITY ? INFINITY : l * kLog2e;
-        dv = dsum[idx];
-      }
-      sLse[stage * kBlockM + tid] = lse2;
-      sD[stage * kBlockM + tid] = dv;
+      const bool ok = tid < rows_valid;
+      const std::int64_t idx = ok ? detail::lse_index(p, b, head, si, r0 + tid) : 0;
+      cp_async_4(sLse + stage * kBlockM + tid, p.lse + idx, ok);
+      cp_async_4(sD + stage * kBlockM + tid, dsum + idx, ok);
     }
     cp_async_commit();
   };
@@ -391,7 +390,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       for (int t = 0; t < kSTiles; ++t)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[t][e] = dp[t][e] = 0.0f;
-#pragma unroll 2  // full unrolling hoisted Q/dO fragments of later steps and spilled at hdim 128
+#pragma unroll
       for (int kk = 0; kk < kHeadDim / 16; ++kk) {
         std::uint32_t ak[4], av[4];
         ldsm_x4(ak, sK_a + SwD::step(off_kv_a, 0, 2 * kk));
@@ -429,7 +428,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
           }
           if (p.alibi != nullptr) s2 += detail::alibi_bias(slope, i, j, band.diag) * kLog2e;
           const bool visible = !need_mask || (j < si.len_k && band.visible(i, j));
-          const float pr = visible ? exp2f(s2 - lse_s[qc]) : 0.0f;
+          // Rows past the end or with no visible key (lse = -inf) get P = 0 exactly.
+          const float lse = lse_s[qc];
+          const bool live = visible && i < si.len_q && lse != -INFINITY;
+          const float pr = live ? exp2f(s2 - lse * kLog2e) : 0.0f;
           float dpv = dp[t][e], pdrop = pr;
           if (has_dropout) {
             const bool keep = (sKeep[qc * kKeepWords + key / 32] >> (key % 32)) & 1u;
@@ -499,7 +501,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         for (int t = 0; t < Tr::kDqPass / 8; ++t)
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc_dq[t][e] = 0.0f;
-#pragma unroll 2
+#pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
           std::uint32_t a[4];
           ldsm_x4_t(a, sdS_a + SwM::step(off_ds_at, 16 * kk, 0));
