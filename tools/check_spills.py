@@ -26,7 +26,9 @@ def demangle(names):
 
 
 def from_log(path):
-    kernels, bad, current = 0, [], None
+    # The log may accumulate several builds (make appends): the last report of each
+    # (kernel, arch) is the one that describes the current binary.
+    latest, current = {}, None
     with open(path, errors="replace") as f:
         for line in f:
             m = ENTRY.search(line)
@@ -35,12 +37,11 @@ def from_log(path):
                 continue
             m = SPILL.search(line)
             if m and current:
-                kernels += 1
-                stores, loads = map(int, m.groups())
-                if stores or loads:
-                    bad.append((current[0], f"{current[1]}: {stores} B spill stores, {loads} B spill loads"))
+                latest[current] = tuple(map(int, m.groups()))
                 current = None
-    return kernels, bad
+    bad = [(k, f"{arch}: {st} B spill stores, {ld} B spill loads")
+           for (k, arch), (st, ld) in latest.items() if st or ld]
+    return len(latest), bad
 
 
 def from_binary(path):
