@@ -56,7 +56,7 @@ __device__ __forceinline__ void store_output(const detail::FwdParams& p, const B
   if ((lane & 3) == 0) {
 #pragma unroll
     for (int r = 0; r < 2 * kMTiles; ++r)
-      if (rows.valid[r]) p.lse[detail::lse_index(p, blk.batch, rows.head[r], blk.si, rows.i[r])] = lse[r];
+      if (rows.valid(r)) p.lse[detail::lse_index(p, blk.batch, rows.head(r), blk.si, rows.i(r))] = lse[r];
   }
 }
 
@@ -78,8 +78,8 @@ __device__ __forceinline__ void store_partial(const detail::FwdParams& p, const 
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = 2 * mi + half;
-      if (!rows.valid[r]) continue;
-      const std::int64_t pr = partial_row(p, split, rows.head[r], blk.si.global_q_row0 + rows.i[r]);
+      if (!rows.valid(r)) continue;
+      const std::int64_t pr = partial_row(p, split, rows.head(r), blk.si.global_q_row0 + rows.i(r));
 #pragma unroll
       for (int di = 0; di < kHeadDim / 8; ++di) {
         const int col = di * 8 + 2 * (lane & 3);

@@ -17,23 +17,22 @@ inline constexpr float kLog2e = 1.4426950408889634f;
 
 // Which query row (within its sequence) and head each of a thread's rows is. With GQA packing a
 // block's rows interleave the query heads of one KV head: packed row R is query R / pack of head
-// head_base + R % pack.
+// head_base + R % pack. Computed on use from the lane's first row: arrays of i, head and valid
+// (6 registers per m tile) stayed live across the whole mainloop and, at 2 m tiles per warp, pushed
+// epilogue values into spills; the divisions only run on masked tiles and in the epilogue.
 template <int kMTiles>
 struct RowCoords {
   static constexpr int kRows = 2 * kMTiles;
-  int i[kRows];
-  int head[kRows];
-  bool valid[kRows];  // the row exists (R < rows of the block's sequence)
+  int first;  // packed row of the thread's row r = 0
+  int rows_total, pack, head_base;
 
-  __device__ __forceinline__ RowCoords(int first_row, int rows_total, int pack, int head_base, int lane) {
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      int R = first_row + (r / 2) * 16 + (r % 2) * 8 + lane / 4;
-      i[r] = R / pack;
-      head[r] = head_base + R % pack;
-      valid[r] = R < rows_total;
-    }
-  }
+  __device__ __forceinline__ RowCoords(int first_row, int rows_total_, int pack_, int head_base_, int lane)
+      : first(first_row + lane / 4), rows_total(rows_total_), pack(pack_), head_base(head_base_) {}
+  // Row r = 2·mi + half sits 16·mi + 8·half rows below row 0.
+  __device__ __forceinline__ int packed(int r) const { return first + (r / 2) * 16 + (r % 2) * 8; }
+  __device__ __forceinline__ int i(int r) const { return pack == 1 ? packed(r) : packed(r) / pack; }
+  __device__ __forceinline__ int head(int r) const { return pack == 1 ? head_base : head_base + packed(r) % pack; }
+  __device__ __forceinline__ bool valid(int r) const { return packed(r) < rows_total; }  // the row exists
 };
 
 __device__ __forceinline__ int fragment_col(int ni, int e, int lane) { return 8 * ni + 2 * (lane & 3) + (e & 1); }
@@ -70,7 +69,7 @@ struct ScoreMod {
         for (int e = 0; e < 4; ++e) {
           const int r = 2 * mi + e / 2;
           float x = softcap ? cap_log2 * tanhf(s[mi][ni][e] * scale_over_cap) : s[mi][ni][e] * scale_log2;
-          if (alibi) x += detail::alibi_bias(slope_log2[r], rows.i[r], n0 + fragment_col(ni, e, lane), diag);
+          if (alibi) x += detail::alibi_bias(slope_log2[r], rows.i(r), n0 + fragment_col(ni, e, lane), diag);
           s[mi][ni][e] = x;
         }
   }
@@ -85,8 +84,8 @@ __device__ __forceinline__ void apply_mask(float (&s)[kMTiles][kNTiles][4], cons
                                            const RowCoords<kMTiles>& rows, int len_k, int n0, int lane) {
 #pragma unroll
   for (int r = 0; r < 2 * kMTiles; ++r) {
-    const int lo = static_cast<int>(band.key_begin(rows.i[r], len_k)) - n0;
-    const int hi = static_cast<int>(band.key_end(rows.i[r] + 1, len_k)) - n0;
+    const int lo = static_cast<int>(band.key_begin(rows.i(r), len_k)) - n0;
+    const int hi = static_cast<int>(band.key_end(rows.i(r) + 1, len_k)) - n0;
     const int mi = r / 2, e0 = 2 * (r % 2);
 #pragma unroll
     for (int ni = 0; ni < kNTiles; ++ni)

@@ -1,11 +1,12 @@
 // The sm80 forward kernel (FlashAttention-2 schedule on mma.sync): one block per (query block,
 // head or KV head, batch[, KV split]). Q (kBlockM, kHeadDim) stays in shared memory; K and V tiles
-// (kBlockN, kHeadDim) arrive by cp.async, the load of V_n overlapping S = Q·K_nᵀ and the load of
-// K_{n-1} overlapping the softmax and O += P·V_n. Key tiles are visited last to first, so the
-// diagonal (masked) tile of a causal block comes first. Only this file and warp_gemm_sm80.cuh are
-// specific to sm80; softmax, masks, epilogues and the combine live in common/.
+// (kBlockN, kHeadDim) stream through a kStages-deep cp.async ring, so one barrier per step and the
+// next tiles' copies overlap the whole of S = Q·Kᵀ, softmax and O += P·V. Key tiles are visited last
+// to first, so the diagonal (masked) tile of a causal block comes first. Only this file and
+// warp_gemm_sm80.cuh are specific to sm80; softmax, masks, epilogues and the combine live in common/.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "api/params.hpp"
@@ -37,10 +38,14 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocks) fwd_kernel_sm80(cons
   static_assert(kMTiles * 16 * kNWarps == kBlockM, "kBlockM must be a whole number of m16 tiles per warp");
   constexpr bool kQInRegisters = fwd_tile_sm80(kHeadDim, kBlockM == kFwdNarrowRows).q_in_registers;
 
+  constexpr int kStages = fwd_tile_sm80(kHeadDim, kBlockM == kFwdNarrowRows).stages;
+  constexpr int kStageElems = 2 * kBlockN * kHeadDim;
+  static_assert(kStages >= 2, "the K/V ring needs a stage in flight while one is read");
+
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);  // (kBlockM, kHeadDim), later the output staging tile
-  T* sK = sQ + kBlockM * kHeadDim;         // (kBlockN, kHeadDim)
-  T* sV = sK + kBlockN * kHeadDim;         // (kBlockN, kHeadDim)
+  // kStages stages of K (kBlockN, kHeadDim) then V (kBlockN, kHeadDim).
+  T* sK = sQ + kBlockM * kHeadDim;
 
   const detail::FwdParams& p = args.p;
   const int split = static_cast<int>(blockIdx.x) % args.num_splits;
@@ -72,13 +77,6 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocks) fwd_kernel_sm80(cons
   const ScoreMod mod(p);
   const float mul = kScoreMods ? mod.softmax_mul() : p.scale_log2;
   const bool dropout = kScoreMods && p.dropout_p > 0.0f;
-  float slope_log2[2 * kMTiles];
-  std::uint32_t row_id[2 * kMTiles];
-#pragma unroll
-  for (int r = 0; r < 2 * kMTiles; ++r) {
-    slope_log2[r] = kScoreMods && mod.alibi ? detail::alibi_slope(p, b, rows.head[r]) * kLog2e : 0.0f;
-    row_id[r] = detail::dropout_row_id(p, rows.head[r], si, rows.i[r]);
-  }
 
   float o[kMTiles][kDTiles][4] = {};  // (16·kMTiles, kHeadDim) per warp, unnormalised
   OnlineSoftmax<kMTiles> softmax;
@@ -95,40 +93,73 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocks) fwd_kernel_sm80(cons
   // Row 0 of this (batch, KV head)'s keys; tile n starts kBlockN rows further per step.
   const T* k_seq = k + detail::offset_of(p.k_stride, b, si.k_row0, kv_head);
   const T* v_seq = v + detail::offset_of(p.v_stride, b, si.k_row0, kv_head);
-  auto load_kv = [&](T* smem, const T* seq, std::int64_t row_stride, int n) {
-    load_rows_async<kBlockN, kHeadDim, kThreads>(smem, seq + n * kBlockN * row_stride, row_stride,
-                                                 si.len_k - n * kBlockN, p.d);
-    cp_async_commit();
+  // Tile t of the visit order (n = s_hi - 1 - t) into ring stage t % kStages: K and V as one group.
+  const int num_tiles = s_hi - s_lo;
+  // Key tiles [key0, key0 + kBlockN) that need no mask for any row of the block are those with
+  // unmasked_lo <= key0 <= unmasked_hi (detail::Band::tile_needs_mask solved for key0 once), so the
+  // loop carries two ints instead of the band's 64-bit bounds.
+  int unmasked_lo, unmasked_hi;
+  {
+    constexpr std::int64_t kFar = 1 << 30;
+    std::int64_t hi = static_cast<std::int64_t>(si.len_k) - kBlockN;
+    if (band.right >= 0) hi = std::min<std::int64_t>(hi, i_first + band.diag + band.right - kBlockN + 1);
+    const std::int64_t lo = band.left >= 0 ? i_end - 1 + band.diag - band.left : -kFar;
+    unmasked_lo = static_cast<int>(std::max<std::int64_t>(lo, -kFar));
+    unmasked_hi = static_cast<int>(std::max<std::int64_t>(std::min<std::int64_t>(hi, kFar), -kFar));
+  }
+  auto load_kv = [&](int t) {
+    if (t < num_tiles) {
+      const int n = s_hi - 1 - t;
+      T* stage = sK + (t % kStages) * kStageElems;
+      load_rows_async<kBlockN, kHeadDim, kThreads>(stage, k_seq + n * kBlockN * p.k_stride.row, p.k_stride.row,
+                                                   si.len_k - n * kBlockN, p.d);
+      load_rows_async<kBlockN, kHeadDim, kThreads>(stage + kBlockN * kHeadDim, v_seq + n * kBlockN * p.v_stride.row,
+                                                   p.v_stride.row, si.len_k - n * kBlockN, p.d);
+    }
+    cp_async_commit();  // empty past the last tile, so that wait_group counts stay uniform
   };
 
-  if (s_lo < s_hi) {
+  const LdsmLane<kHeadDim> q_addr = q_lane<kHeadDim>(sQ, warp_row0, lane);
+  const LdsmLane<kHeadDim> k_addr = k_lane<kHeadDim>(sK, lane);
+  const LdsmLane<kHeadDim> v_addr = v_lane<kHeadDim>(sK + kBlockN * kHeadDim, lane);
+  if (num_tiles > 0) {
     load_tile_async<kBlockM, kHeadDim, kThreads>(sQ, q_row, p.d, q);
-    load_kv(sK, k_seq, p.k_stride.row, s_hi - 1);
+#pragma unroll
+    for (int t = 0; t < kStages - 1; ++t) load_kv(t);
 #pragma unroll 1
-    for (int n = s_hi - 1; n >= s_lo; --n) {
-      const int key0 = n * kBlockN;
-      cp_async_wait<0>();
-      __syncthreads();  // K_n (and Q) landed; every warp is done with V_{n+1}
-      load_kv(sV, v_seq, p.v_stride.row, n);
-      if (kQInRegisters && n == s_hi - 1 && warp_active) load_q_fragments<T, kHeadDim>(q_frag, sQ, warp_row0, lane);
+    for (int t = 0; t < num_tiles; ++t) {
+      const int key0 = (s_hi - 1 - t) * kBlockN;
+      cp_async_wait<kStages - 2>();
+      __syncthreads();  // tile t (and Q) landed; every warp is done with tile t - 1's stage
+      load_kv(t + kStages - 1);  // into the stage tile t - 1 used
+      if (kQInRegisters && t == 0 && warp_active) load_q_fragments(q_frag, q_addr);
+      const std::uint32_t stage_bytes = static_cast<unsigned>(t) % kStages * kStageElems * sizeof(T);
 
-      float s[kMTiles][kNTiles][4] = {};  // (16·kMTiles, kBlockN) per warp
       if (warp_active) {
+        float s[kMTiles][kNTiles][4] = {};  // (16·kMTiles, kBlockN) per warp
         if constexpr (kQInRegisters)
-          gemm_qk<T, kHeadDim>(s, q_frag, sK, 0, lane);
+          gemm_qk<T>(s, q_frag, k_addr.plus(stage_bytes));
         else
-          gemm_qk<T, kHeadDim>(s, sQ, warp_row0, sK, 0, lane);
-        if (kScoreMods && mod.active()) mod.apply(s, slope_log2, rows, band.diag, key0, lane);
-        if (band.tile_needs_mask(i_first, i_end, key0, key0 + kBlockN, si.len_k))
+          gemm_qk<T>(s, q_addr, k_addr.plus(stage_bytes));
+        // Per-row ALiBi slopes and dropout row ids are rebuilt per tile inside these branches: kept
+        // for the whole loop they were 4 registers per m tile and spilled 16 bytes at hdim 128.
+        if (kScoreMods && mod.active()) {
+          float slope_log2[2 * kMTiles];
+#pragma unroll
+          for (int r = 0; r < 2 * kMTiles; ++r)
+            slope_log2[r] = mod.alibi ? detail::alibi_slope(p, b, rows.head(r)) * kLog2e : 0.0f;
+          mod.apply(s, slope_log2, rows, band.diag, key0, lane);
+        }
+        if (key0 < unmasked_lo || key0 > unmasked_hi)
           apply_mask(s, band, rows, si.len_k, key0, lane);
-      }
-      cp_async_wait<0>();
-      __syncthreads();  // V_n landed; every warp is done with K_n
-      if (n > s_lo) load_kv(sK, k_seq, p.k_stride.row, n - 1);
-      if (warp_active) {
         softmax.fold(s, o, mul);
-        if (dropout) apply_dropout(s, p, row_id, key0, lane);
-        gemm_pv<T, kHeadDim>(o, s, sV, 0, lane);
+        if (dropout) {
+          std::uint32_t row_id[2 * kMTiles];
+#pragma unroll
+          for (int r = 0; r < 2 * kMTiles; ++r) row_id[r] = detail::dropout_row_id(p, rows.head(r), si, rows.i(r));
+          apply_dropout(s, p, row_id, key0, lane);
+        }
+        gemm_pv<T>(o, s, v_addr.plus(stage_bytes));
       }
     }
   }

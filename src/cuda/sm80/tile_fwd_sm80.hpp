@@ -14,8 +14,9 @@ struct FwdTileSm80 {
   int warps;
   int min_blocks;  // blocks per multiprocessor to keep resident: caps registers at 64K / (threads · this)
   bool q_in_registers;  // Q's A fragments loaded once (head_dim / 4 registers) instead of every step
+  int stages;           // K/V ring depth: stages - 1 tiles in flight while one is computed
   constexpr std::size_t smem_bytes(int head_dim) const {
-    return static_cast<std::size_t>(block_m + 2 * block_n) * head_dim * 2;  // Q, K, V tiles of 2-byte T
+    return static_cast<std::size_t>(block_m + 2 * block_n * stages) * head_dim * 2;  // Q, K/V ring of 2-byte T
   }
 };
 
@@ -25,20 +26,25 @@ constexpr int fwd_head_dim_bucket(int d) { return d <= 64 ? 64 : (d <= 128 ? 128
 // prompts, where a 128-row block would mostly compute padding.
 inline constexpr int kFwdNarrowRows = 64;
 
-// Every warp owns 16 query rows (one m16 tile), 8 warps a block. Two m tiles per warp
-// (FlashAttention-2's layout) would let each K/V fragment feed two MMAs, but O (128) + S (64) fp32
-// registers at hdim 128 plus addressing spilled under the 255-register cap (ptxas: 356 bytes).
-// With one m tile the warp keeps its Q fragments in registers (hdim / 4 of them) up to hdim 128,
-// so only K and V are read from shared memory. ptxas then uses 227-253 registers, so one 8-warp
-// block per multiprocessor; capping at 128 registers for two blocks spilled 40-300 bytes.
-// hdim 64 takes 128 keys per step to halve the per-step softmax and barrier cost; hdim 256 takes
-// 32 (64 spilled 40 bytes next to its 128-register O). Narrow: 4 warps for decoding and short
-// prompts, at most 255 registers so that 2 blocks fit; 32 keys at hdim 256 (64 spilled 88 bytes).
+// hdim 64 and 128: FlashAttention-2's layout, 4 warps of 32 query rows (2 m tiles), so every K/V
+// fragment read from shared memory feeds two MMAs: 160-192 bytes of shared memory per MMA instead
+// of 256 with 16 rows per warp (device run 1 measured 0.63-0.78x of FA2 there, shared-memory bound).
+// O is kHeadDim / 2 fp32 registers per thread and 2 blocks fit per multiprocessor (255 registers).
+// Q is re-read from shared memory per step (in registers it spilled 52 bytes in the score-mod
+// variant at hdim 64). hdim 64 takes 64 keys (128: S 128 + O 64 spilled 160 bytes), hdim 128 32
+// keys (64: O 128 + S 64 spilled 40 bytes; ptxas, 255 registers). hdim 256: O at 2 m tiles would be
+// 256 registers, so 8 warps of 16 rows, 32 keys, 3 stages: 160 KB fits sm80's 163 KB limit (64 keys
+// double-buffered, 192 KB, would not).
+// Every tile streams K/V through a ring (one barrier per step; the next tile's copy overlaps the
+// whole step): Q 32 KB + 2 · 16 KB at hdim 128, so 2 blocks per multiprocessor.
+// Narrow (decoding, short prompts): 4 warps of 16 rows, at most 255 registers so that 2 blocks fit;
+// 3 stages at hdim <= 128 (2 tiles, 64 KB, in flight per block: one 16 KB tile per block was under
+// the ~35 KB per multiprocessor that 3 TB/s needs at ~1.5 us latency), 2 at hdim 256 (96 KB).
 constexpr FwdTileSm80 fwd_tile_sm80(int head_dim_bucket, bool narrow) {
-  if (narrow) return {64, head_dim_bucket <= 128 ? 64 : 32, 4, 2, head_dim_bucket <= 128};
-  if (head_dim_bucket <= 64) return {128, 128, 8, 1, true};
-  if (head_dim_bucket <= 128) return {128, 64, 8, 1, true};
-  return {128, 32, 8, 1, false};
+  if (narrow) return head_dim_bucket <= 128 ? FwdTileSm80{64, 64, 4, 2, true, 3} : FwdTileSm80{64, 32, 4, 2, false, 2};
+  if (head_dim_bucket <= 64) return {128, 64, 4, 2, false, 2};
+  if (head_dim_bucket <= 128) return {128, 32, 4, 2, false, 2};
+  return {128, 32, 8, 1, false, 3};
 }
 
 // How a call maps onto blocks: the tile, GQA packing, and the grid (x: query blocks · splits,

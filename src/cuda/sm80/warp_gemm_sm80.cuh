@@ -11,35 +11,80 @@
 
 namespace flashmonoid::cuda {
 
+// One lane's ldmatrix row address in a swizzled (rows, kCols) tile (smem_tile.cuh), in bytes of the
+// shared window. Built once per operand; the address `rows` further down (a multiple of 8, so the
+// swizzle key row % 8 is unchanged) and `step` 16-column steps further right is then the base XOR
+// a constant plus a constant: within a 128-byte group the chunk moves by 2·step, and the swizzle is
+// an XOR of those same three bits. Swizzling each address afresh left ~28 loop-invariant addresses
+// live at 2 m tiles per warp (ptxas, hdim 128: 255 registers and 180 bytes of spills).
+template <int kCols>
+struct LdsmLane {
+  static constexpr int kRowBytes = kCols * 2;
+  static_assert(kRowBytes % 128 == 0, "the swizzle's chunk bits (4-6) must not carry into the row");
+  std::uint32_t base;
+  // tile: 128-byte aligned; row: the lane's row; chunk: 0 or 1, its 8-column half of the first step.
+  __device__ __forceinline__ LdsmLane(const void* tile, int row, int chunk)
+      : base(smem_addr(tile) + row * kRowBytes + (((chunk ^ row) & 7) << 4)) {}
+  __device__ __forceinline__ LdsmLane(std::uint32_t base_) : base(base_) {}
+  // The same lane in a tile `bytes` further on (a K/V ring stage; a multiple of 128).
+  __device__ __forceinline__ LdsmLane plus(std::uint32_t bytes) const { return LdsmLane(base + bytes); }
+  __device__ __forceinline__ std::uint32_t at(int rows, int step) const {
+    return (base ^ ((step & 3) << 5)) + (step >> 2) * 128 + rows * kRowBytes;
+  }
+};
+
+__device__ __forceinline__ void ldmatrix_x4_at(std::uint32_t (&r)[4], std::uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans_at(std::uint32_t (&r)[4], std::uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// Lane addresses of the three operands. Q (A, 16x16 per m tile): matrices (rows 0-7 | 8-15) x
+// (k 0-7 | 8-15) in lane order. K (B, two n8 tiles x k16): lanes 0-15 n rows 0-7, k halves; lanes
+// 16-31 n rows 8-15. V (B via .trans from a (k, n) tile): like Q with keys as rows.
+template <int kHeadDim>
+__device__ __forceinline__ LdsmLane<kHeadDim> q_lane(const void* sQ, int q_row0, int lane) {
+  return LdsmLane<kHeadDim>(sQ, q_row0 + (lane & 15), lane >> 4);
+}
+template <int kHeadDim>
+__device__ __forceinline__ LdsmLane<kHeadDim> k_lane(const void* sK, int lane) {
+  return LdsmLane<kHeadDim>(sK, (lane & 7) + (lane >> 4) * 8, (lane >> 3) & 1);
+}
+template <int kHeadDim>
+__device__ __forceinline__ LdsmLane<kHeadDim> v_lane(const void* sV, int lane) {
+  return LdsmLane<kHeadDim>(sV, lane & 15, lane >> 4);
+}
+
 // Q (16·kMTiles, kHeadDim) of one warp as A fragments: (16, 16) per m tile and k step.
 template <int kHeadDim, int kMTiles>
 using QFragments = std::uint32_t[kHeadDim / 16][kMTiles][4];
 
-template <class T, int kHeadDim, int kMTiles>
-__device__ __forceinline__ void load_q_fragment(std::uint32_t (&a)[kMTiles][4], const T* sQ, int q_row0, int kk,
-                                                int lane) {
+template <int kHeadDim, int kMTiles>
+__device__ __forceinline__ void load_q_fragment(std::uint32_t (&a)[kMTiles][4], const LdsmLane<kHeadDim>& q, int kk) {
 #pragma unroll
-  for (int mi = 0; mi < kMTiles; ++mi)
-    ldmatrix_x4(a[mi], sQ + swizzled<kHeadDim>(q_row0 + mi * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8));
+  for (int mi = 0; mi < kMTiles; ++mi) ldmatrix_x4_at(a[mi], q.at(mi * 16, kk));
 }
 
-template <class T, int kHeadDim, int kMTiles>
-__device__ __forceinline__ void load_q_fragments(QFragments<kHeadDim, kMTiles>& q, const T* sQ, int q_row0, int lane) {
+template <int kHeadDim, int kMTiles>
+__device__ __forceinline__ void load_q_fragments(QFragments<kHeadDim, kMTiles>& a, const LdsmLane<kHeadDim>& q) {
 #pragma unroll
-  for (int kk = 0; kk < kHeadDim / 16; ++kk) load_q_fragment<T, kHeadDim>(q[kk], sQ, q_row0, kk, lane);
+  for (int kk = 0; kk < kHeadDim / 16; ++kk) load_q_fragment<kHeadDim>(a[kk], q, kk);
 }
 
-// s (16·kMTiles, 8·kNTiles) += Q · K (rows k_row0.., kHeadDim)ᵀ for head-dim step kk: K read from
-// swizzled shared memory with ldmatrix (K rows are the B operand's columns).
+// s (16·kMTiles, 8·kNTiles) += Q · Kᵀ for head-dim step kk. Each K fragment feeds kMTiles MMAs.
 template <class T, int kHeadDim, int kMTiles, int kNTiles>
 __device__ __forceinline__ void gemm_qk_step(float (&s)[kMTiles][kNTiles][4], const std::uint32_t (&a)[kMTiles][4],
-                                             const T* sK, int k_row0, int kk, int lane) {
+                                             const LdsmLane<kHeadDim>& k, int kk) {
   static_assert(kNTiles % 2 == 0, "K fragments are loaded two n8 tiles at a time");
 #pragma unroll
   for (int np = 0; np < kNTiles / 2; ++np) {
     std::uint32_t b[4];  // (16, 16) of Kᵀ: b[0..1] n tile 2np, b[2..3] n tile 2np+1
-    ldmatrix_x4(b, sK + swizzled<kHeadDim>(k_row0 + np * 16 + (lane & 7) + (lane >> 4) * 8,
-                                           kk * 16 + ((lane >> 3) & 1) * 8));
+    ldmatrix_x4_at(b, k.at(np * 16, kk));
     const std::uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
 #pragma unroll
     for (int mi = 0; mi < kMTiles; ++mi) {
@@ -49,33 +94,33 @@ __device__ __forceinline__ void gemm_qk_step(float (&s)[kMTiles][kNTiles][4], co
   }
 }
 
-// S = Q·Kᵀ with Q already in registers (loaded once per block: hdim <= 128).
+// S = Q·Kᵀ with Q already in registers (loaded once per block).
 template <class T, int kHeadDim, int kMTiles, int kNTiles>
 __device__ __forceinline__ void gemm_qk(float (&s)[kMTiles][kNTiles][4], const QFragments<kHeadDim, kMTiles>& q,
-                                        const T* sK, int k_row0, int lane) {
+                                        const LdsmLane<kHeadDim>& k) {
 #pragma unroll
-  for (int kk = 0; kk < kHeadDim / 16; ++kk) gemm_qk_step<T, kHeadDim>(s, q[kk], sK, k_row0, kk, lane);
+  for (int kk = 0; kk < kHeadDim / 16; ++kk) gemm_qk_step<T, kHeadDim>(s, q[kk], k, kk);
 }
 
-// S = Q·Kᵀ with Q re-read from shared memory each step (hdim 256: Q in registers would be 64 more
-// registers on top of a 128-register O).
+// S = Q·Kᵀ with Q re-read from shared memory each step: at 2 m tiles per warp Q in registers would
+// be kHeadDim / 2 registers next to O's kHeadDim (hdim 128: 64 + 128 + S), more than 255.
 template <class T, int kHeadDim, int kMTiles, int kNTiles>
-__device__ __forceinline__ void gemm_qk(float (&s)[kMTiles][kNTiles][4], const T* sQ, int q_row0, const T* sK,
-                                        int k_row0, int lane) {
+__device__ __forceinline__ void gemm_qk(float (&s)[kMTiles][kNTiles][4], const LdsmLane<kHeadDim>& q,
+                                        const LdsmLane<kHeadDim>& k) {
 #pragma unroll
   for (int kk = 0; kk < kHeadDim / 16; ++kk) {
     std::uint32_t a[kMTiles][4];
-    load_q_fragment<T, kHeadDim>(a, sQ, q_row0, kk, lane);
-    gemm_qk_step<T, kHeadDim>(s, a, sK, k_row0, kk, lane);
+    load_q_fragment<kHeadDim>(a, q, kk);
+    gemm_qk_step<T, kHeadDim>(s, a, k, kk);
   }
 }
 
-// o (16·kMTiles, kHeadDim) += P (16·kMTiles, 8·kNTiles) · V (rows v_row0.., kHeadDim). P comes from
-// the score accumulator itself: the m16n8 accumulator layout of two adjacent n tiles is exactly the
+// o (16·kMTiles, kHeadDim) += P (16·kMTiles, 8·kNTiles) · V (kBlockN, kHeadDim). P comes from the
+// score accumulator itself: the m16n8 accumulator layout of two adjacent n tiles is exactly the
 // m16k16 A-operand layout, so P never leaves the registers. V is read with ldmatrix.trans.
 template <class T, int kHeadDim, int kMTiles, int kNTiles>
 __device__ __forceinline__ void gemm_pv(float (&o)[kMTiles][kHeadDim / 8][4], const float (&p)[kMTiles][kNTiles][4],
-                                        const T* sV, int v_row0, int lane) {
+                                        const LdsmLane<kHeadDim>& v) {
 #pragma unroll
   for (int kk = 0; kk < kNTiles / 2; ++kk) {
     std::uint32_t a[kMTiles][4];  // (16, 16) of P per m tile
@@ -89,7 +134,7 @@ __device__ __forceinline__ void gemm_pv(float (&o)[kMTiles][kHeadDim / 8][4], co
 #pragma unroll
     for (int dp = 0; dp < kHeadDim / 16; ++dp) {
       std::uint32_t b[4];  // (16 keys, 16 dims) of V: b[0..1] d tile 2dp, b[2..3] d tile 2dp+1
-      ldmatrix_x4_trans(b, sV + swizzled<kHeadDim>(v_row0 + kk * 16 + (lane & 15), dp * 16 + (lane >> 4) * 8));
+      ldmatrix_x4_trans_at(b, v.at(kk * 16, dp));
       const std::uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
 #pragma unroll
       for (int mi = 0; mi < kMTiles; ++mi) {
