@@ -2,8 +2,11 @@
 """PyTorch SDPA peers (flash = FlashAttention-2, cudnn, efficient) on the shapes of
 bench/gpu/gpu_bench.cu, timed the same way (CUDA events, 3 warm-ups, median of 15), written as a
 JSON list of records {impl, pass, dtype, hdim, causal, batch, nheads, nheads_k, seqlen_q, seqlen_k,
-ms, tflops | tbps, device}. Usage: peers.py OUT.json"""
+ms, tflops | tbps, device}. Usage: peers.py OUT.json
+Environment (to fit a short device lease): FM_PEERS_NO_BWD=1 times the forward only;
+FM_PEERS_IMPLS=torch_flash,torch_cudnn keeps those backends only."""
 import json
+import os
 import sys
 
 import torch
@@ -13,6 +16,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 WARMUP, REPS = 3, 15
 BACKENDS = {"torch_flash": SDPBackend.FLASH_ATTENTION, "torch_cudnn": SDPBackend.CUDNN_ATTENTION,
             "torch_efficient": SDPBackend.EFFICIENT_ATTENTION}
+if os.environ.get("FM_PEERS_IMPLS"):
+    BACKENDS = {k: v for k, v in BACKENDS.items() if k in os.environ["FM_PEERS_IMPLS"].split(",")}
+WITH_BWD = os.environ.get("FM_PEERS_NO_BWD", "0") == "0"
 DEVICE = torch.cuda.get_device_name(0)
 
 
@@ -50,14 +56,16 @@ def train(out):
                     try:
                         with sdpa_kernel(be):
                             fwd = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
-                            o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-                            bwd = median_ms(lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True))
+                            if WITH_BWD:
+                                o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                                bwd = median_ms(lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True))
                     except RuntimeError as e:
                         print(f"{impl} d{d} s{s} causal={causal}: {str(e).splitlines()[0]}", file=sys.stderr)
                         continue
                     out.append(rec(impl, "fwd", d, causal, b, h, h, s, s, fwd, "tflops", flops / fwd / 1e9))
-                    out.append(rec(impl, "bwd", d, causal, b, h, h, s, s, bwd, "tflops", 2.5 * flops / bwd / 1e9))
-                    print(json.dumps(out[-2]), json.dumps(out[-1]), sep="\n", file=sys.stderr)
+                    if WITH_BWD:
+                        out.append(rec(impl, "bwd", d, causal, b, h, h, s, s, bwd, "tflops", 2.5 * flops / bwd / 1e9))
+                    print(json.dumps(out[-1]), file=sys.stderr)
                 del q, k, v, g
 
 
