@@ -68,15 +68,10 @@ struct OnlineSoftmax {
           }
         }
         l[r] = l[r] * factor + sum;
-        // factor is exactly 1 when the row max did not move (most tiles after the first few), so
-        // the kDTiles · 2 multiplies are skipped when no row of the warp needs them; skipping is
-        // exact. At hdim 128 and 32 keys a step they are one FMUL per MMA.
-        if (__any_sync(0xffffffffu, factor != 1.0f)) {
 #pragma unroll
-          for (int di = 0; di < kDTiles; ++di) {
-            o[mi][di][2 * half] *= factor;
-            o[mi][di][2 * half + 1] *= factor;
-          }
+        for (int di = 0; di < kDTiles; ++di) {
+          o[mi][di][2 * half] *= factor;
+          o[mi][di][2 * half + 1] *= factor;
         }
       }
     }
