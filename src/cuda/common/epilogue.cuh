@@ -28,7 +28,10 @@ __device__ __forceinline__ void store_output(const detail::FwdParams& p, const B
                                              const float (&o)[kMTiles][kHeadDim / 8][4],
                                              const float (&inv_l)[2 * kMTiles], const float (&lse)[2 * kMTiles],
                                              const RowCoords<kMTiles>& rows, T* sO, int warp_row0, int lane) {
-  // Each warp writes only the rows it read Q from, so no barrier is needed before these stores.
+  // Each warp writes only the rows it read Q from, so no block barrier is needed before these
+  // stores; __syncwarp orders the warp's own last Q reads before them (racecheck flagged the
+  // intra-warp pair once a divergent branch sat in the mainloop).
+  __syncwarp();
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
