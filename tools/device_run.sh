@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# The one GPU script: build, GPU tests, compute-sanitizer, benchmarks. Run from the repo root on a
-# machine with a CUDA GPU; logs and bench.json go to $OUT (default ./device_out), a summary table
-# is printed last. Environment:
+# The one GPU script: build, GPU tests, compute-sanitizer, benchmarks with the peers, then the
+# Python package (pip install, pytest with torch on the GPU, python -m flashmonoid.bench with its
+# plots). Run from the repo root on a machine with a CUDA GPU. $OUT (default ./device_out) gets
+# bench.json, python_gpu/ (benchmark_results.json and the plots) and logs.tgz (every log); a
+# summary table is printed last. Environment:
 #   FM_TESTS   ctest regex of GPU tests to run (default: every test labelled cuda)
 #   FM_BENCH   0 skips the benchmarks;  FM_PEERS 0 skips the PyTorch peers
 #   FM_ARCH    CUDA architectures to build (default 90: the H100; the library default is 80;90)
+#   FM_PYTHON  0 skips the Python package steps
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}
-mkdir -p "$OUT"
+LOG=${FM_LOG_DIR:-/tmp/flashmonoid-logs}  # logs travel back as one tarball: $OUT holds few files
+mkdir -p "$OUT" "$LOG"
 ARCH=${FM_ARCH:-90}
 JOBS=$(nproc)
 BUILD=build-device
@@ -31,43 +35,50 @@ fi
 step "build (CUDA archs $ARCH, $JOBS jobs)"
 start=$(date +%s)
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$ARCH" \
-  "${GTEST_ARGS[@]}" >"$OUT/build.log" 2>&1 &&
-  ninja -C "$BUILD" -j "$JOBS" -k 0 >>"$OUT/build.log" 2>&1
+  "${GTEST_ARGS[@]}" >"$LOG/build.log" 2>&1 &&
+  ninja -C "$BUILD" -j "$JOBS" -k 0 >>"$LOG/build.log" 2>&1
 build_rc=$?
 echo "build rc=$build_rc in $(($(date +%s) - start)) s"
-grep -E "error|FAILED" "$OUT/build.log" | head -20
-python3 tools/check_spills.py "$OUT/build.log" >"$OUT/spills.txt" 2>&1 || status=1
-tail -3 "$OUT/spills.txt"
+grep -E "error|FAILED" "$LOG/build.log" | head -20
+python3 tools/check_spills.py "$LOG/build.log" >"$LOG/spills.txt" 2>&1 || status=1
+tail -3 "$LOG/spills.txt"
 [ $build_rc -eq 0 ] || status=1
 
 step "GPU tests"
-(cd "$BUILD" && timeout ${FM_TEST_TIMEOUT:-240} ctest -L cuda ${FM_TESTS:+-R "$FM_TESTS"} -j 1 --output-on-failure --timeout 240) >"$OUT/tests.log" 2>&1 || status=1
-grep -E "tests passed|tests failed|\*\*\*Failed|Not Run|Timeout" "$OUT/tests.log" | tail -25
+(cd "$BUILD" && timeout ${FM_TEST_TIMEOUT:-240} ctest -L cuda ${FM_TESTS:+-R "$FM_TESTS"} -j 1 --output-on-failure --timeout 240) >"$LOG/tests.log" 2>&1 || status=1
+grep -E "tests passed|tests failed|\*\*\*Failed|Not Run|Timeout" "$LOG/tests.log" | tail -25
 
 step "compute-sanitizer (memcheck, racecheck) on small cases"
-SAN_FILTER=${FM_SANITIZE_FILTER:-'Grid/CudaForward.*/case0:Grid/CudaForward.*/case1:Grid/CudaForward.*/case3:Decode/CudaSplitKV.*/case0:CudaDropout.*:CudaMerge.*'}
-if [ -x "$BUILD/tests/cpp/test_fwd_cuda" ]; then
-  for tool in memcheck racecheck; do
-    timeout ${FM_SANITIZER_TIMEOUT:-120} compute-sanitizer --tool $tool --error-exitcode 3 "$BUILD/tests/cpp/test_fwd_cuda" \
-      --gtest_filter="$SAN_FILTER" >"$OUT/sanitizer_$tool.log" 2>&1
+# Forward: a few grid cases, split-KV, dropout, merge. Backward: odd seqlens and varlen, the
+# boundary paths.
+SAN_FWD=${FM_SANITIZE_FWD:-'Grid/CudaForward.*/case0:Grid/CudaForward.*/case1:Grid/CudaForward.*/case3:Decode/CudaSplitKV.*/case0:CudaDropout.*:CudaMerge.*'}
+SAN_BWD=${FM_SANITIZE_BWD:-'CudaBackward.SeqlensBothWays:CudaBackward.Varlen'}
+for tool in memcheck racecheck; do
+  for t in fwd bwd; do
+    bin="$BUILD/tests/cpp/test_${t}_cuda"
+    [ -x "$bin" ] || continue
+    filter=$SAN_FWD
+    [ $t = bwd ] && filter=$SAN_BWD
+    timeout ${FM_SANITIZER_TIMEOUT:-120} compute-sanitizer --tool $tool --error-exitcode 3 "$bin" \
+      --gtest_filter="$filter" >"$LOG/sanitizer_${tool}_$t.log" 2>&1
     rc=$?
-    echo "$tool rc=$rc: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)"
+    echo "$tool $t rc=$rc: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG/sanitizer_${tool}_$t.log" | tail -1)"
     [ $rc -eq 0 ] || status=1
   done
-fi
+done
 
 if [ "${FM_BENCH:-1}" != 0 ] && [ -x "$BUILD/bench/gpu/flashmonoid-gpu-bench" ]; then
   step "benchmarks"
-  timeout 150 "$BUILD/bench/gpu/flashmonoid-gpu-bench" "$OUT/fm.json" ${FM_BENCH_ARGS:-} 2>"$OUT/bench.log" || status=1
+  timeout 150 "$BUILD/bench/gpu/flashmonoid-gpu-bench" "$LOG/fm.json" ${FM_BENCH_ARGS:-} 2>"$LOG/bench.log" || status=1
   if [ "${FM_PEERS:-1}" != 0 ]; then
-    PYTHONUNBUFFERED=1 timeout 180 python3 bench/peers.py "$OUT/peers.json" 2>>"$OUT/bench.log" || status=1
+    PYTHONUNBUFFERED=1 timeout 180 python3 bench/peers.py "$LOG/peers.json" 2>>"$LOG/bench.log" || status=1
   fi
-  python3 - "$OUT" <<'PY'
+  python3 - "$LOG" "$OUT" <<'PY'
 import json, os, sys
-out = sys.argv[1]
+logs, out = sys.argv[1], sys.argv[2]
 recs = []
 for name in ("fm.json", "peers.json"):
-    p = os.path.join(out, name)
+    p = os.path.join(logs, name)
     if os.path.exists(p):
         recs += json.load(open(p))
 json.dump(recs, open(os.path.join(out, "bench.json"), "w"), indent=1)
@@ -90,5 +101,25 @@ for r in recs:
         print(json.dumps({k: v for k, v in r.items() if k != "device"}))
 PY
 fi
+if [ "${FM_PYTHON:-1}" != 0 ]; then
+  step "python: pip install, pytest (torch, CUDA), flashmonoid.bench"
+  start=$(date +%s)
+  # Offline machine: no build isolation (scikit-build-core and nanobind are installed there).
+  CMAKE_BUILD_PARALLEL_LEVEL=$JOBS python3 -m pip install --no-build-isolation --no-deps \
+    -C cmake.define.CMAKE_CUDA_ARCHITECTURES="$ARCH" -C build-dir=/tmp/fm-pybuild . >"$LOG/pip.log" 2>&1
+  pip_rc=$?
+  echo "pip install rc=$pip_rc in $(($(date +%s) - start)) s"
+  [ $pip_rc -eq 0 ] || status=1
+  # From outside the tree, so that the installed package (with the CUDA extension) is imported.
+  repo=$PWD
+  (cd /tmp && timeout ${FM_PYTEST_TIMEOUT:-300} python3 -m pytest -q -rs -p no:cacheprovider "$repo/tests/python") \
+    >"$LOG/pytest.log" 2>&1 || status=1
+  tail -3 "$LOG/pytest.log"
+  (cd /tmp && PYTHONUNBUFFERED=1 timeout ${FM_PYBENCH_TIMEOUT:-240} python3 -m flashmonoid.bench \
+    --out "$OUT/python_gpu" ${FM_PYBENCH_ARGS:---head-dims 128 --causal off --budget 0.5}) >"$LOG/pybench.log" 2>&1 || status=1
+  tail -3 "$LOG/pybench.log"
+fi
+
+tar czf "$OUT/logs.tgz" -C "$LOG" .
 step "done: status $status"
 exit $status
