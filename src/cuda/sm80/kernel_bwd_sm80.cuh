@@ -25,13 +25,16 @@ namespace flashmonoid::cuda::bwd {
 inline constexpr float kLog2e = 1.4426950408889634f;
 
 // Tile shapes. 8 warps; kBlockM query rows per step (kBwdBlockM, shared with the workspace size).
-// At hdim 64 each warp owns 16 key rows (kBlockN 128), all query columns of Sᵀ and all head-dim
-// columns of dK, dV, so Pᵀ and dSᵀ feed the dV, dK products straight from registers. At hdim 128
-// the same layout needs 2 · 16·128 fp32 accumulators / 32 lanes = 128 registers for dK, dV alone
-// and ptxas spilled (56 bytes at 255 registers on sm_90), so warps split 4 along keys × 2 along
-// the head dim (kBlockN 64, 64 accumulator registers) and Pᵀ, dSᵀ travel through shared memory to
-// the warp pair that shares their key rows. At hdim 256, 4 × 2 still spilled (24 bytes on sm_90),
-// so 2 × 4 (kBlockN 32).
+// Three warp grids over one (kBlockN keys, kBlockM queries) step, as FlashAttention-2 lays them
+// out: Sᵀ and dPᵀ (kSWarpsN along keys × kSWarpsM along queries), dK and dV (kKVWarpsN along keys
+// × kKVWarpsD along the head dim), dQ (kDqWarpsM along queries × kDqWarpsD along the head dim).
+// Square-ish warp tiles reuse each ldmatrix fragment in more MMAs: at hdim 128 a 32 × 32 Sᵀ tile
+// takes 4 ldmatrix.x4 per 8 MMAs per head-dim step where the v3 16 × 32 tile took 6 per 8.
+// dK, dV hold 2 · kBlockN·kHeadDim / 256 threads fp32 registers: 64 at hdim 64, 128 at hdim 128
+// (kBlockN 128) and 256 (kBlockN 64), the 64-key tile halves the dQ atomics and barriers per FLOP
+// of v3's kBlockN 64 (hdim 128) and 32 (hdim 256). At hdim 64 the Sᵀ and dK/dV grids coincide
+// with whole query rows per warp (8 × 1), so Pᵀ and dSᵀ feed dV and dK straight from registers;
+// elsewhere they travel through shared memory to the warps that own their key rows.
 template <int kHeadDim_>
 struct BwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
@@ -39,29 +42,38 @@ struct BwdTraits {
   static constexpr int kNWarps = 8;
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kBlockM = kBwdBlockM;
-  static constexpr int kWarpsD = kHeadDim > 128 ? 4 : kHeadDim == 128 ? 2 : 1;  // warps sharing 16 keys
-  static constexpr int kWarpsN = kNWarps / kWarpsD;
-  static constexpr int kBlockN = 16 * kWarpsN;
-  static constexpr int kWarpM = kBlockM / kWarpsD;   // Sᵀ columns (query rows) per warp
-  static constexpr int kWarpD = kHeadDim / kWarpsD;  // dK, dV columns per warp
-  // dQ tile (kBlockM, kHeadDim): 4 warps along query rows × 2 along the head dim, in passes of at
-  // most 64 columns so that its accumulator stays at 32 registers next to dK and dV.
-  static constexpr int kDqWarpsM = kBlockM / 16;
+  static constexpr int kBlockN = kHeadDim > 128 ? 64 : 128;
+  static constexpr int kSWarpsN = kHeadDim == 64 ? 8 : kBlockN / 32;
+  static constexpr int kSWarpsM = kNWarps / kSWarpsN;
+  static constexpr int kSWarpN = kBlockN / kSWarpsN;  // (kSWarpN, kSWarpM) Sᵀ tile per warp
+  static constexpr int kSWarpM = kBlockM / kSWarpsM;
+  static constexpr int kKVWarpsN = kSWarpsN;
+  static constexpr int kKVWarpsD = kNWarps / kKVWarpsN;
+  static constexpr int kKVWarpN = kBlockN / kKVWarpsN;  // (kKVWarpN, kKVWarpD) dK, dV tile per warp
+  static constexpr int kKVWarpD = kHeadDim / kKVWarpsD;
+  static constexpr int kDqWarpsM = kHeadDim == 64 ? 4 : 2;
   static constexpr int kDqWarpsD = kNWarps / kDqWarpsM;
+  static constexpr int kDqWarpM = kBlockM / kDqWarpsM;  // (kDqWarpM, kDqWarpD) dQ tile per warp
   static constexpr int kDqWarpD = kHeadDim / kDqWarpsD;
-  static constexpr int kDqPass = kDqWarpD < 64 ? kDqWarpD : 64;
-  // Q and dO tiles double-buffered while they fit next to K and V in the 163 KB an sm80 block may
-  // have: 114 KB at hdim 128; at hdim 256 two stages would need 170 KB, so one.
+  // dQ columns per pass: 32 keeps its accumulator at kDqWarpM registers next to dK and dV.
+  static constexpr int kDqPass = 32;
+  // Q and dO tiles double-buffered while they fit next to K, V, Pᵀ and dSᵀ in the 163 KB an sm80
+  // block may have: 162 KB at hdim 128; at hdim 256 two stages would need 208 KB, so one.
   static constexpr int kStages = kHeadDim > 128 ? 1 : 2;
-  static constexpr bool kPInSmem = kWarpsD > 1;
+  static constexpr bool kPInRegs = kSWarpsM == 1 && kKVWarpsD == 1;
+  // dPᵀ column passes (see the kernel): 2 at hdim 128, where the whole 32 × 32 tile spilled.
+  static constexpr int kDpPasses = kHeadDim == 128 ? 2 : 1;
 
   static constexpr int kKVElems = kBlockN * kHeadDim;  // (kBlockN, kHeadDim) each for K, V
   static constexpr int kQElems = kBlockM * kHeadDim;   // (kBlockM, kHeadDim) each for Q, dO, per stage
-  static constexpr int kSElems = kBlockN * kBlockM;    // (kBlockN, kBlockM) dSᵀ, and Pᵀ if kPInSmem
+  static constexpr int kSElems = kBlockN * kBlockM;    // (kBlockN, kBlockM) dSᵀ, and Pᵀ unless kPInRegs
   static constexpr std::size_t kSmemBytes =
-      (2 * kKVElems + 2 * kStages * kQElems + (kPInSmem ? 2 : 1) * kSElems) * 2 +
+      (2 * kKVElems + 2 * kStages * kQElems + (kPInRegs ? 1 : 2) * kSElems) * 2 +
       2 * kStages * kBlockM * sizeof(float) + kBlockM * (kBlockN / 32) * sizeof(std::uint32_t);
-  static_assert(kBlockM % 16 == 0 && kDqWarpsM * kDqWarpsD == kNWarps, "dQ warp grid must cover 8 warps");
+  static_assert(kSWarpN % 16 == 0 && kSWarpM % 16 == 0 && kKVWarpN % 16 == 0 && kKVWarpD % 16 == 0 &&
+                    kDqWarpM % 16 == 0 && kDqWarpD % kDqPass == 0,
+                "warp tiles must be whole 16 × 16 MMA steps");
+  static_assert(kSmemBytes <= 166912, "shared memory beyond the 163 KB an sm80 block may use");
 };
 
 // Element offset of (row, col) in a row-major (rows, kCols) b16 tile whose 16-byte chunks are
@@ -215,15 +227,20 @@ __device__ __forceinline__ void sem_release(int* sem, int value) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(sem), "r"(value) : "memory");
 }
 
+// 2^x on the MUFU unit (ex2.approx.ftz: 2 ulp, exp2(-inf) = +0), without exp2f's range handling.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 template <class T, class Tr>
 __global__ void __launch_bounds__(Tr::kNThreads, 1)
     bwd_main(const detail::BwdParams p, const float* __restrict__ dsum, float* __restrict__ dq_acc, int* __restrict__ sem) {
   constexpr int kHeadDim = Tr::kHeadDim, kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
-  constexpr int kWarpM = Tr::kWarpM, kWarpD = Tr::kWarpD;
-  constexpr int kSliceM = kWarpM < 32 ? kWarpM : 32;  // query columns of Sᵀ per pass (see below)
-  constexpr int kSTiles = kSliceM / 8;   // n8 tiles of one pass
-  static_assert(kWarpM % kSliceM == 0, "warp slice must be whole passes");
-  constexpr int kDTiles = kWarpD / 8;  // n8 tiles of the warp's dK, dV slices
+  constexpr int kSMT = Tr::kSWarpN / 16, kSNT = Tr::kSWarpM / 8;     // Sᵀ: m16 (keys) × n8 (queries) tiles
+  constexpr int kKVMT = Tr::kKVWarpN / 16, kKVNT = Tr::kKVWarpD / 8;  // dK, dV: m16 (keys) × n8 (dims)
+  constexpr int kDqMT = Tr::kDqWarpM / 16, kDqNT = Tr::kDqPass / 8;   // dQ pass: m16 (queries) × n8 (dims)
   constexpr int kKeepWords = kBlockN / 32;  // dropout keep bits per query row, 32 keys a word
   using SwD = Swizzled<kHeadDim>;  // K, V, Q, dO tiles
   using SwM = Swizzled<kBlockM>;   // dSᵀ, Pᵀ tiles
@@ -234,13 +251,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   T* sQ = sV + Tr::kKVElems;                 // kStages × (kBlockM, kHeadDim)
   T* sdO = sQ + Tr::kStages * Tr::kQElems;   // kStages × (kBlockM, kHeadDim)
   T* sdS = sdO + Tr::kStages * Tr::kQElems;  // (kBlockN, kBlockM) dSᵀ
-  T* sP = sdS + Tr::kSElems;                 // (kBlockN, kBlockM) P_dropᵀ, only if kPInSmem
-  float* sLse = reinterpret_cast<float*>(sdS + (Tr::kPInSmem ? 2 : 1) * Tr::kSElems);  // kStages × (kBlockM)
+  T* sP = sdS + Tr::kSElems;                 // (kBlockN, kBlockM) P_dropᵀ, unless kPInRegs
+  float* sLse = reinterpret_cast<float*>(sdS + (Tr::kPInRegs ? 1 : 2) * Tr::kSElems);  // kStages × (kBlockM)
   float* sD = sLse + Tr::kStages * kBlockM;                                           // kStages × (kBlockM)
   std::uint32_t* sKeep = reinterpret_cast<std::uint32_t*>(sD + Tr::kStages * kBlockM);  // (kBlockM, kKeepWords)
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int wn = warp % Tr::kWarpsN, wd = warp / Tr::kWarpsN;
   const int n_block = blockIdx.x;
   const int b = blockIdx.y / p.h_k, hk = blockIdx.y % p.h_k;
   const int group = p.h / p.h_k;  // query heads per KV head (FwdParams::group() is host-only)
@@ -291,25 +307,31 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     cp_async_commit();
   };
 
-  // Per-lane shared-memory offsets of every operand (see Swizzled).
+  // Warp tiles of the three grids (see BwdTraits) and per-lane shared-memory offsets of every
+  // operand (see Swizzled).
+  const int key0 = (warp % Tr::kSWarpsN) * Tr::kSWarpN;  // Sᵀ tile: keys key0.., queries q0..
+  const int q0 = (warp / Tr::kSWarpsN) * Tr::kSWarpM;
+  const int kv0 = (warp % Tr::kKVWarpsN) * Tr::kKVWarpN;  // dK, dV tile: keys kv0.., dims d0..
+  const int d0 = (warp / Tr::kKVWarpsN) * Tr::kKVWarpD;
+  const int dq_m0 = (warp % Tr::kDqWarpsM) * Tr::kDqWarpM;  // dQ tile: queries dq_m0.., dims dq_d0..
+  const int dq_d0 = (warp / Tr::kDqWarpsM) * Tr::kDqWarpD;
   const std::uint32_t sK_a = smem_addr(sK), sV_a = smem_addr(sV), sQ_a = smem_addr(sQ), sdO_a = smem_addr(sdO);
   const std::uint32_t sdS_a = smem_addr(sdS), sP_a = smem_addr(sP);
-  const int key0 = 16 * wn;    // first key row (in the block) of this warp
-  const int q0 = wd * kWarpM;  // first query column of this warp's Sᵀ slice
-  const std::uint32_t off_kv_a = SwD::lane_offset(key0 + a_row(lane), a_chunk(lane));             // K, V as A
-  const std::uint32_t off_q_b = SwD::lane_offset(q0 + b_row(lane), b_chunk(lane));                // Q, dO as B
-  const std::uint32_t off_q_bt = SwD::lane_offset(bt_row(lane), wd * kWarpD / 8 + bt_chunk(lane)); // Q, dO as Bᵀ
-  const std::uint32_t off_s_a = SwM::lane_offset(key0 + a_row(lane), a_chunk(lane));              // Pᵀ, dSᵀ as A
-  const std::uint32_t off_s_st = SwM::lane_offset(key0 + lane / 4, q0 / 8) + 4 * (lane % 4);      // Sᵀ fragment stores
-  const int qm = warp % Tr::kDqWarpsM, qd = warp / Tr::kDqWarpsM;  // dQ warp grid
-  const std::uint32_t off_ds_at = SwM::lane_offset(at_row(lane), 2 * qm + at_chunk(lane));         // dSᵀ as Aᵀ
-  const std::uint32_t off_k_bt = SwD::lane_offset(bt_row(lane), qd * Tr::kDqWarpD / 8 + bt_chunk(lane));  // K as Bᵀ
+  const std::uint32_t off_kv_a = SwD::lane_offset(key0 + a_row(lane), a_chunk(lane));           // K, V as A
+  const std::uint32_t off_q_b = SwD::lane_offset(q0 + b_row(lane), b_chunk(lane));              // Q, dO as B
+  const std::uint32_t off_q_bt = SwD::lane_offset(bt_row(lane), d0 / 8 + bt_chunk(lane));       // Q, dO as Bᵀ
+  const std::uint32_t off_s_a = SwM::lane_offset(kv0 + a_row(lane), a_chunk(lane));             // Pᵀ, dSᵀ as A
+  const std::uint32_t off_s_st = SwM::lane_offset(key0 + lane / 4, q0 / 8) + 4 * (lane % 4);    // Sᵀ fragment stores
+  const std::uint32_t off_ds_at = SwM::lane_offset(at_row(lane), dq_m0 / 8 + at_chunk(lane));   // dSᵀ as Aᵀ
+  const std::uint32_t off_k_bt = SwD::lane_offset(bt_row(lane), dq_d0 / 8 + bt_chunk(lane));    // K as Bᵀ
 
-  float acc_dk[kDTiles][4], acc_dv[kDTiles][4];  // (16, kWarpD) per warp: keys key0.., cols wd·kWarpD..
+  float acc_dk[kKVMT][kKVNT][4], acc_dv[kKVMT][kKVNT][4];  // (kKVWarpN, kKVWarpD) per warp
 #pragma unroll
-  for (int t = 0; t < kDTiles; ++t)
+  for (int mt = 0; mt < kKVMT; ++mt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc_dk[t][e] = acc_dv[t][e] = 0.0f;
+    for (int t = 0; t < kKVNT; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_dk[mt][t][e] = acc_dv[mt][t][e] = 0.0f;
 
   if (n_iter > 0) load_q_block(0, 0);
   else cp_async_commit();
@@ -322,7 +344,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   for (int it = 0; it < n_iter; ++it) {
     const int stage = Tr::kStages == 1 ? 0 : it % 2;
     cp_async_wait<0>();
-    __syncthreads();
+    __syncthreads();  // Q, dO of this step landed; every warp is done with the last step's Pᵀ, dSᵀ
     if (Tr::kStages == 2 && it + 1 < n_iter) load_q_block(it + 1, (it + 1) % 2);
 
     const std::uint32_t q_a = sQ_a + stage * Tr::kQElems * 2, do_a = sdO_a + stage * Tr::kQElems * 2;
@@ -354,137 +376,203 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       __syncthreads();
     }
 
-    // dV += P_dropᵀ dO and dK += dSᵀ Q for 16 query rows (step kk), A operands given. dV first,
-    // then dK, so that only one operand's B fragments are in flight.
-    auto mma_dkdv = [&](int kk, const std::uint32_t(&ap)[4], const std::uint32_t(&ads)[4]) {
+    // dV += P_dropᵀ dO and dK += dSᵀ Q over 16 query rows (step kk) for the warp's (kKVWarpN,
+    // kKVWarpD) tile, A operands given. dV first, then dK, so that only one operand's B fragments
+    // are in flight.
+    auto mma_dkdv = [&](int kk, const std::uint32_t(&ap)[kKVMT][4], const std::uint32_t(&ads)[kKVMT][4]) {
 #pragma unroll
-      for (int nj = 0; nj < kWarpD / 16; ++nj) {
+      for (int nj = 0; nj < kKVNT / 2; ++nj) {
         std::uint32_t bo[4];
         ldsm_x4_t(bo, do_a + SwD::step(off_q_bt, 16 * kk, 2 * nj));
         const std::uint32_t bo0[2] = {bo[0], bo[1]}, bo1[2] = {bo[2], bo[3]};
-        mma_16816<T>(acc_dv[2 * nj], ap, bo0);
-        mma_16816<T>(acc_dv[2 * nj + 1], ap, bo1);
+#pragma unroll
+        for (int mt = 0; mt < kKVMT; ++mt) {
+          mma_16816<T>(acc_dv[mt][2 * nj], ap[mt], bo0);
+          mma_16816<T>(acc_dv[mt][2 * nj + 1], ap[mt], bo1);
+        }
       }
 #pragma unroll
-      for (int nj = 0; nj < kWarpD / 16; ++nj) {
+      for (int nj = 0; nj < kKVNT / 2; ++nj) {
         std::uint32_t bq[4];
         ldsm_x4_t(bq, q_a + SwD::step(off_q_bt, 16 * kk, 2 * nj));
         const std::uint32_t bq0[2] = {bq[0], bq[1]}, bq1[2] = {bq[2], bq[3]};
-        mma_16816<T>(acc_dk[2 * nj], ads, bq0);
-        mma_16816<T>(acc_dk[2 * nj + 1], ads, bq1);
+#pragma unroll
+        for (int mt = 0; mt < kKVMT; ++mt) {
+          mma_16816<T>(acc_dk[mt][2 * nj], ads[mt], bq0);
+          mma_16816<T>(acc_dk[mt][2 * nj + 1], ads[mt], bq1);
+        }
       }
     };
 
-    const bool need_mask = band.tile_needs_mask(r0, r0 + kBlockM, kb, kb + kBlockN, si.len_k);
-    const float slope = detail::alibi_slope(p, b, head);
-
-    // The warp's (16, kWarpM) slice of Sᵀ is processed kSliceM query columns at a time: then only
-    // 2 · 16 fp32 registers of Sᵀ, dPᵀ live next to the 128 of dK, dV at hdim 128 (whole
-    // 64-column slices left ptxas at 255 registers with spills).
+    // Sᵀ = K Qᵀ (kSWarpN, kSWarpM), then dPᵀ = V dOᵀ in kDpPasses column passes, each followed by
+    // its P, dS and their stores: one product at a time keeps only its fragments live next to
+    // the accumulators and dK, dV (whole 32 × 32 dPᵀ at hdim 128: 32 bytes of spills).
+    float s[kSMT][kSNT][4];
 #pragma unroll
-    for (int slice = 0; slice < kWarpM / kSliceM; ++slice) {
-      const int qs = slice * kSliceM;  // offset of the slice from q0
-      // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, (16, kSliceM) each.
-      float s[kSTiles][4], dp[kSTiles][4];
+    for (int mt = 0; mt < kSMT; ++mt)
 #pragma unroll
-      for (int t = 0; t < kSTiles; ++t)
+      for (int t = 0; t < kSNT; ++t)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[t][e] = dp[t][e] = 0.0f;
+        for (int e = 0; e < 4; ++e) s[mt][t][e] = 0.0f;
+    // acc (kSWarpN, kNT·8) += A (kSWarpN, kHeadDim) · B (kHeadDim, query columns from 8·t0).
+    auto gemm_s = [&](auto& acc, std::uint32_t a_base, std::uint32_t b_base, int t0) {
+      constexpr int kNT = sizeof(acc[0]) / sizeof(acc[0][0]);
 #pragma unroll
       for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        std::uint32_t ak[4], av[4];
-        ldsm_x4(ak, sK_a + SwD::step(off_kv_a, 0, 2 * kk));
-        ldsm_x4(av, sV_a + SwD::step(off_kv_a, 0, 2 * kk));
+        std::uint32_t a[kSMT][4];
 #pragma unroll
-        for (int nj = 0; nj < kSliceM / 16; ++nj) {
-          std::uint32_t bq[4], bo[4];
-          ldsm_x4(bq, q_a + SwD::step(off_q_b, qs + 16 * nj, 2 * kk));
-          ldsm_x4(bo, do_a + SwD::step(off_q_b, qs + 16 * nj, 2 * kk));
-          const std::uint32_t bq0[2] = {bq[0], bq[1]}, bq1[2] = {bq[2], bq[3]};
-          const std::uint32_t bo0[2] = {bo[0], bo[1]}, bo1[2] = {bo[2], bo[3]};
-          mma_16816<T>(s[2 * nj], ak, bq0);
-          mma_16816<T>(s[2 * nj + 1], ak, bq1);
-          mma_16816<T>(dp[2 * nj], av, bo0);
-          mma_16816<T>(dp[2 * nj + 1], av, bo1);
+        for (int mt = 0; mt < kSMT; ++mt) ldsm_x4(a[mt], a_base + SwD::step(off_kv_a, 16 * mt, 2 * kk));
+#pragma unroll
+        for (int nj = 0; nj < kNT / 2; ++nj) {
+          std::uint32_t bb[4];
+          ldsm_x4(bb, b_base + SwD::step(off_q_b, 8 * t0 + 16 * nj, 2 * kk));
+          const std::uint32_t b0[2] = {bb[0], bb[1]}, b1[2] = {bb[2], bb[3]};
+#pragma unroll
+          for (int mt = 0; mt < kSMT; ++mt) {
+            mma_16816<T>(acc[mt][2 * nj], a[mt], b0);
+            mma_16816<T>(acc[mt][2 * nj + 1], a[mt], b1);
+          }
         }
       }
+    };
+    gemm_s(s, sK_a, q_a, 0);
 
-      // P = exp2(s·log2 e − lse·log2 e), dropout, dS = P ∘ (dP_drop − D) (∘ (1 − tanh²) under
-      // softcap). Afterwards s holds P_drop and dp holds dS, both (key, query) transposed.
+    // P = exp2(s·scale·log2 e − lse·log2 e), dropout, dS = P ∘ (dP_drop − D) (∘ (1 − tanh²) under
+    // softcap). Afterwards s holds P_drop and dp holds dS, both (key, query) transposed. A tile
+    // with no mask, softcap, ALiBi or dropout and all its query rows in the sequence (every tile
+    // but the diagonal and the edges at 16k) takes the short form: one FFMA and one MUFU per P.
+    const bool need_mask = band.tile_needs_mask(r0, r0 + kBlockM, kb, kb + kBlockN, si.len_k);
+    const bool plain = !need_mask && r0 + kBlockM <= si.len_q && !has_softcap && !has_dropout && p.alibi == nullptr;
+    // Per-tile 32-bit forms of the band test and the ALiBi distance: for key `key` and query
+    // column qc of this tile, i + diag - j = qc - key + tile_diag. The 64-bit per-element
+    // indices they replace cost ptxas 64 bytes of spills at hdim 128.
+    const float slope = detail::alibi_slope(p, b, head);
+    const std::int64_t tile_diag64 = r0 + band.diag - kb;
+    auto clamp32 = [](std::int64_t x) {
+      return static_cast<int>(x > INT32_MAX ? INT32_MAX : x < INT32_MIN ? INT32_MIN : x);
+    };
+    const int tile_diag = clamp32(tile_diag64);
+    const int dk_hi = band.right < 0 ? INT32_MAX : clamp32(tile_diag64 + band.right);  // key - qc <= dk_hi
+    const int dk_lo = band.left < 0 ? INT32_MIN : clamp32(tile_diag64 - band.left);   // key - qc >= dk_lo
+    const int rows_valid = static_cast<int>(si.len_q - r0 < kBlockM ? si.len_q - r0 : kBlockM);
+
+    constexpr int kDpNT = kSNT / Tr::kDpPasses;  // n8 tiles of dPᵀ per pass
 #pragma unroll
-      for (int t = 0; t < kSTiles; ++t)
+    for (int pass = 0; pass < Tr::kDpPasses; ++pass) {
+      const int t0 = pass * kDpNT;
+      float dp[kSMT][kDpNT][4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = key0 + lane / 4 + 8 * (e / 2);
-          const int qc = q0 + qs + t * 8 + 2 * (lane % 4) + (e % 2);
-          const std::int64_t i = r0 + qc, j = kb + key;
-          float s2, dcap = 1.0f;  // score · log2 e; d(score)/d(scale·q·k)
-          if (has_softcap) {
-            const float th = tanhf(s[t][e] * softcap_inv_scale);
-            s2 = th * softcap_log2;
-            dcap = 1.0f - th * th;
-          } else {
-            s2 = s[t][e] * p.scale_log2;
-          }
-          if (p.alibi != nullptr) s2 += detail::alibi_bias(slope, i, j, band.diag) * kLog2e;
-          const bool visible = !need_mask || (j < si.len_k && band.visible(i, j));
-          // Rows past the end or with no visible key (lse = -inf) get P = 0 exactly.
-          const float lse = lse_s[qc];
-          const bool live = visible && i < si.len_q && lse != -INFINITY;
-          const float pr = live ? exp2f(s2 - lse * kLog2e) : 0.0f;
-          float dpv = dp[t][e], pdrop = pr;
-          if (has_dropout) {
-            const bool keep = (sKeep[qc * kKeepWords + key / 32] >> (key % 32)) & 1u;
-            pdrop = keep ? pr * p.dropout_rescale : 0.0f;
-            dpv = keep ? dpv * p.dropout_rescale : 0.0f;
-          }
-          s[t][e] = pdrop;
-          dp[t][e] = pr * (dpv - d_s[qc]) * dcap;
-        }
+      for (int mt = 0; mt < kSMT; ++mt)
+#pragma unroll
+        for (int t = 0; t < kDpNT; ++t)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) dp[mt][t][e] = 0.0f;
+      gemm_s(dp, sV_a, do_a, t0);
+
+      if (plain) {
+#pragma unroll
+        for (int mt = 0; mt < kSMT; ++mt)
+#pragma unroll
+          for (int t = 0; t < kDpNT; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int qc = q0 + (t0 + t) * 8 + 2 * (lane % 4) + (e % 2);
+              const float pr = fast_exp2(fmaf(s[mt][t0 + t][e], p.scale_log2, -lse_s[qc] * kLog2e));
+              s[mt][t0 + t][e] = pr;
+              dp[mt][t][e] = pr * (dp[mt][t][e] - d_s[qc]);
+            }
+      } else {
+#pragma unroll
+        for (int mt = 0; mt < kSMT; ++mt)
+#pragma unroll
+          for (int t = 0; t < kDpNT; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int key = key0 + 16 * mt + lane / 4 + 8 * (e / 2);
+              const int qc = q0 + (t0 + t) * 8 + 2 * (lane % 4) + (e % 2);
+              float& sv = s[mt][t0 + t][e];
+              float s2, dcap = 1.0f;  // score · log2 e; d(score)/d(scale·q·k)
+              if (has_softcap) {
+                const float th = tanhf(sv * softcap_inv_scale);
+                s2 = th * softcap_log2;
+                dcap = 1.0f - th * th;
+              } else {
+                s2 = sv * p.scale_log2;
+              }
+              if (p.alibi != nullptr) {
+                const int dist = qc - key + tile_diag;
+                s2 -= slope * static_cast<float>(dist < 0 ? -dist : dist) * kLog2e;
+              }
+              const bool visible = key < keys_valid && key - qc <= dk_hi && key - qc >= dk_lo;
+              // Rows past the end or with no visible key (lse = -inf) get P = 0 exactly.
+              const float lse = lse_s[qc];
+              const bool live = visible && qc < rows_valid && lse != -INFINITY;
+              const float pr = live ? fast_exp2(s2 - lse * kLog2e) : 0.0f;
+              float dpv = dp[mt][t][e], pdrop = pr;
+              if (has_dropout) {
+                const bool keep = (sKeep[qc * kKeepWords + key / 32] >> (key % 32)) & 1u;
+                pdrop = keep ? pr * p.dropout_rescale : 0.0f;
+                dpv = keep ? dpv * p.dropout_rescale : 0.0f;
+              }
+              sv = pdrop;
+              dp[mt][t][e] = pr * (dpv - d_s[qc]) * dcap;
+            }
+      }
 
       // dSᵀ (for dQ, and for dK when other warps need it) and P_dropᵀ (likewise) to shared
       // memory as T.
 #pragma unroll
-      for (int t = 0; t < kSTiles; ++t)
+      for (int mt = 0; mt < kSMT; ++mt)
 #pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
-          const std::uint32_t off = SwM::step(off_s_st, 8 * h2, qs / 8 + t);
-          sts_b32(sdS_a + off, pack2<T>(dp[t][2 * h2], dp[t][2 * h2 + 1]));
-          if constexpr (Tr::kPInSmem) sts_b32(sP_a + off, pack2<T>(s[t][2 * h2], s[t][2 * h2 + 1]));
-        }
+        for (int t = 0; t < kDpNT; ++t)
+#pragma unroll
+          for (int h2 = 0; h2 < 2; ++h2) {
+            const std::uint32_t off = SwM::step(off_s_st, 16 * mt + 8 * h2, t0 + t);
+            sts_b32(sdS_a + off, pack2<T>(dp[mt][t][2 * h2], dp[mt][t][2 * h2 + 1]));
+            if constexpr (!Tr::kPInRegs)
+              sts_b32(sP_a + off, pack2<T>(s[mt][t0 + t][2 * h2], s[mt][t0 + t][2 * h2 + 1]));
+          }
 
-      if constexpr (!Tr::kPInSmem) {
+      if constexpr (Tr::kPInRegs) {
         // The accumulator layout of n8 tiles 2kk, 2kk+1 is the A layout of a 16x16 tile.
 #pragma unroll
-        for (int kk = 0; kk < kSliceM / 16; ++kk) {
-          const std::uint32_t ap[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                                       pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                       pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-          const std::uint32_t ads[4] = {pack2<T>(dp[2 * kk][0], dp[2 * kk][1]), pack2<T>(dp[2 * kk][2], dp[2 * kk][3]),
-                                        pack2<T>(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
-                                        pack2<T>(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
-          mma_dkdv((q0 + qs) / 16 + kk, ap, ads);
+        for (int kk = 0; kk < kDpNT / 2; ++kk) {
+          const float(&p0)[4] = s[0][t0 + 2 * kk], (&p1)[4] = s[0][t0 + 2 * kk + 1];
+          const float(&d0_)[4] = dp[0][2 * kk], (&d1_)[4] = dp[0][2 * kk + 1];
+          const std::uint32_t ap[1][4] = {
+              {pack2<T>(p0[0], p0[1]), pack2<T>(p0[2], p0[3]), pack2<T>(p1[0], p1[1]), pack2<T>(p1[2], p1[3])}};
+          const std::uint32_t ads[1][4] = {{pack2<T>(d0_[0], d0_[1]), pack2<T>(d0_[2], d0_[3]),
+                                            pack2<T>(d1_[0], d1_[1]), pack2<T>(d1_[2], d1_[3])}};
+          mma_dkdv(t0 / 2 + kk, ap, ads);
         }
       }
     }
-    __syncthreads();
+    __syncthreads();  // Pᵀ, dSᵀ complete
 
-    if constexpr (Tr::kPInSmem) {
+    if constexpr (!Tr::kPInRegs) {
 #pragma unroll
       for (int kk = 0; kk < kBlockM / 16; ++kk) {
-        std::uint32_t ap[4], ads[4];
-        ldsm_x4(ap, sP_a + SwM::step(off_s_a, 0, 2 * kk));
-        ldsm_x4(ads, sdS_a + SwM::step(off_s_a, 0, 2 * kk));
+        std::uint32_t ap[kKVMT][4], ads[kKVMT][4];
+#pragma unroll
+        for (int mt = 0; mt < kKVMT; ++mt) {
+          ldsm_x4(ap[mt], sP_a + SwM::step(off_s_a, 16 * mt, 2 * kk));
+          ldsm_x4(ads[mt], sdS_a + SwM::step(off_s_a, 16 * mt, 2 * kk));
+        }
         mma_dkdv(kk, ap, ads);
       }
     }
 
-    // dQ partial = dS K, (kBlockM, kHeadDim) over the 4 × 2 dQ warp grid, added into the fp32
-    // accumulator.
+    if constexpr (Tr::kStages == 1) {
+      // Q and dO are read by nobody past this point: the next step's copy overlaps dQ.
+      __syncthreads();
+      if (it + 1 < n_iter) load_q_block(it + 1, 0);
+    }
+
+    // dQ partial = dS K, (kBlockM, kHeadDim) over the dQ warp grid in passes of kDqPass columns,
+    // added into the fp32 accumulator.
     {
-      const int row = qm * 16 + lane / 4;  // and row + 8
+      const int row = dq_m0 + lane / 4;  // of m tile 0 half 0; + 16·mt + 8·half
       float* acc_row = dq_acc + (static_cast<std::int64_t>(head) * p.total_q + si.global_q_row0 + r0 + row) * p.d;
-      const bool row_ok0 = r0 + row < si.len_q, row_ok1 = r0 + row + 8 < si.len_q;
       int* tile_sem = nullptr;
       int turn = 0;  // how many key blocks added to this query tile before this one
       if (p.deterministic) {
@@ -496,68 +584,62 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       }
 #pragma unroll
       for (int pass = 0; pass < Tr::kDqWarpD / Tr::kDqPass; ++pass) {
-        float acc_dq[Tr::kDqPass / 8][4];  // (16, kDqPass) per warp
+        float acc_dq[kDqMT][kDqNT][4];  // (kDqWarpM, kDqPass) per warp
 #pragma unroll
-        for (int t = 0; t < Tr::kDqPass / 8; ++t)
+        for (int mt = 0; mt < kDqMT; ++mt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) acc_dq[t][e] = 0.0f;
+          for (int t = 0; t < kDqNT; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_dq[mt][t][e] = 0.0f;
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
-          std::uint32_t a[4];
-          ldsm_x4_t(a, sdS_a + SwM::step(off_ds_at, 16 * kk, 0));
+          std::uint32_t a[kDqMT][4];
 #pragma unroll
-          for (int nj = 0; nj < Tr::kDqPass / 16; ++nj) {
+          for (int mt = 0; mt < kDqMT; ++mt) ldsm_x4_t(a[mt], sdS_a + SwM::step(off_ds_at, 16 * kk, 2 * mt));
+#pragma unroll
+          for (int nj = 0; nj < kDqNT / 2; ++nj) {
             std::uint32_t bk[4];
             ldsm_x4_t(bk, sK_a + SwD::step(off_k_bt, 16 * kk, pass * Tr::kDqPass / 8 + 2 * nj));
             const std::uint32_t bk0[2] = {bk[0], bk[1]}, bk1[2] = {bk[2], bk[3]};
-            mma_16816<T>(acc_dq[2 * nj], a, bk0);
-            mma_16816<T>(acc_dq[2 * nj + 1], a, bk1);
+#pragma unroll
+            for (int mt = 0; mt < kDqMT; ++mt) {
+              mma_16816<T>(acc_dq[mt][2 * nj], a[mt], bk0);
+              mma_16816<T>(acc_dq[mt][2 * nj + 1], a[mt], bk1);
+            }
           }
         }
 #pragma unroll
-        for (int t = 0; t < Tr::kDqPass / 8; ++t) {
-          const int col = qd * Tr::kDqWarpD + pass * Tr::kDqPass + t * 8 + 2 * (lane % 4);
-          if (col >= p.d) continue;
-          float* r_0 = acc_row + col;
-          float* r_1 = acc_row + 8 * p.d + col;
-          if (p.deterministic) {
-            if (row_ok0) {
-              __stcg(r_0, __ldcg(r_0) + acc_dq[t][0]);
-              __stcg(r_0 + 1, __ldcg(r_0 + 1) + acc_dq[t][1]);
-            }
-            if (row_ok1) {
-              __stcg(r_1, __ldcg(r_1) + acc_dq[t][2]);
-              __stcg(r_1 + 1, __ldcg(r_1 + 1) + acc_dq[t][3]);
-            }
-          } else {
+        for (int mt = 0; mt < kDqMT; ++mt)
+#pragma unroll
+          for (int t = 0; t < kDqNT; ++t) {
+            const int col = dq_d0 + pass * Tr::kDqPass + t * 8 + 2 * (lane % 4);
+            if (col >= p.d) continue;
+#pragma unroll
+            for (int h2 = 0; h2 < 2; ++h2) {
+              if (r0 + row + 16 * mt + 8 * h2 >= si.len_q) continue;
+              float* r = acc_row + (16 * mt + 8 * h2) * p.d + col;
+              const float x = acc_dq[mt][t][2 * h2], y = acc_dq[mt][t][2 * h2 + 1];
+              if (p.deterministic) {
+                __stcg(r, __ldcg(r) + x);
+                __stcg(r + 1, __ldcg(r + 1) + y);
+              } else {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-            // One 8-byte reduction per pair: a warp's instruction then fills whole 32-byte
-            // sectors (4 lanes x 8 bytes per row) instead of half-filling twice as many.
-            if (row_ok0) atomicAdd(reinterpret_cast<float2*>(r_0), make_float2(acc_dq[t][0], acc_dq[t][1]));
-            if (row_ok1) atomicAdd(reinterpret_cast<float2*>(r_1), make_float2(acc_dq[t][2], acc_dq[t][3]));
+                // One 8-byte reduction per pair: a warp's instruction then fills whole 32-byte
+                // sectors (4 lanes x 8 bytes per row) instead of half-filling twice as many.
+                atomicAdd(reinterpret_cast<float2*>(r), make_float2(x, y));
 #else
-            if (row_ok0) {
-              atomicAdd(r_0, acc_dq[t][0]);
-              atomicAdd(r_0 + 1, acc_dq[t][1]);
-            }
-            if (row_ok1) {
-              atomicAdd(r_1, acc_dq[t][2]);
-              atomicAdd(r_1 + 1, acc_dq[t][3]);
-            }
+                atomicAdd(r, x);
+                atomicAdd(r + 1, y);
 #endif
+              }
+            }
           }
-        }
       }
       if (p.deterministic) {
         __threadfence();
         __syncthreads();
         if (tid == 0) sem_release(tile_sem, turn + 1);
       }
-    }
-
-    if constexpr (Tr::kStages == 1) {
-      __syncthreads();  // every warp is done with Q, dO before they are overwritten
-      if (it + 1 < n_iter) load_q_block(it + 1, 0);
     }
   }
   cp_async_wait<0>();  // a block with no query rows still has K, V in flight
@@ -567,19 +649,21 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   T* dk_g = static_cast<T*>(p.dk) + detail::offset_of(p.dk_stride, b, si.k_row0 + kb, hk);
   T* dv_g = static_cast<T*>(p.dv) + detail::offset_of(p.dv_stride, b, si.k_row0 + kb, hk);
 #pragma unroll
-  for (int t = 0; t < kDTiles; ++t) {
-    const int col = wd * kWarpD + t * 8 + 2 * (lane % 4);
-    if (col >= p.d) continue;
+  for (int mt = 0; mt < kKVMT; ++mt)
 #pragma unroll
-    for (int h2 = 0; h2 < 2; ++h2) {
-      const int key = key0 + lane / 4 + 8 * h2;
-      if (key >= keys_valid) continue;
-      *reinterpret_cast<std::uint32_t*>(dk_g + key * p.dk_stride.row + col) =
-          pack2<T>(acc_dk[t][2 * h2] * p.scale, acc_dk[t][2 * h2 + 1] * p.scale);
-      *reinterpret_cast<std::uint32_t*>(dv_g + key * p.dv_stride.row + col) =
-          pack2<T>(acc_dv[t][2 * h2], acc_dv[t][2 * h2 + 1]);
+    for (int t = 0; t < kKVNT; ++t) {
+      const int col = d0 + t * 8 + 2 * (lane % 4);
+      if (col >= p.d) continue;
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const int key = kv0 + 16 * mt + lane / 4 + 8 * h2;
+        if (key >= keys_valid) continue;
+        *reinterpret_cast<std::uint32_t*>(dk_g + key * p.dk_stride.row + col) =
+            pack2<T>(acc_dk[mt][t][2 * h2] * p.scale, acc_dk[mt][t][2 * h2 + 1] * p.scale);
+        *reinterpret_cast<std::uint32_t*>(dv_g + key * p.dv_stride.row + col) =
+            pack2<T>(acc_dv[mt][t][2 * h2], acc_dv[mt][t][2 * h2 + 1]);
+      }
     }
-  }
 }
 
 }  // namespace flashmonoid::cuda::bwd
