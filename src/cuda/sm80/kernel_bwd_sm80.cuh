@@ -31,8 +31,8 @@ inline constexpr float kLog2e = 1.4426950408889634f;
 // Square-ish warp tiles reuse each ldmatrix fragment in more MMAs: at hdim 128 a 32 × 32 Sᵀ tile
 // takes 4 ldmatrix.x4 per 8 MMAs per head-dim step where the v3 16 × 32 tile took 6 per 8.
 // dK, dV hold 2 · kBlockN·kHeadDim / 256 threads fp32 registers: 64 at hdim 64, 128 at hdim 128
-// (kBlockN 128) and 256 (kBlockN 64), the 64-key tile halves the dQ atomics and barriers per FLOP
-// of v3's kBlockN 64 (hdim 128) and 32 (hdim 256). At hdim 64 the Sᵀ and dK/dV grids coincide
+// (kBlockN 128) and 256 (kBlockN 64); these key tiles, twice the earlier 64 and 32, halve the dQ
+// atomics and barriers per FLOP (measured 2.0× at hdim 128, 16k; bench/NOTES.md v4). At hdim 64 the Sᵀ and dK/dV grids coincide
 // with whole query rows per warp (8 × 1), so Pᵀ and dSᵀ feed dV and dK straight from registers;
 // elsewhere they travel through shared memory to the warps that own their key rows.
 template <int kHeadDim_>
