@@ -82,24 +82,9 @@ for name in ("fm.json", "peers.json"):
     if os.path.exists(p):
         recs += json.load(open(p))
 json.dump(recs, open(os.path.join(out, "bench.json"), "w"), indent=1)
-key = lambda r: (r.get("pass"), r.get("hdim"), r.get("causal"), r.get("batch"), r.get("seqlen_q"), r.get("seqlen_k"))
-by = {}
-for r in recs:
-    by.setdefault(key(r), {})[r["impl"]] = r
-print(f"{'pass':4} {'d':>3} {'c':1} {'b':>3} {'s_q':>6} {'s_k':>6} | {'fm':>7} {'flash':>7} {'cudnn':>7} {'effic':>7} | fm/flash")
-for k in sorted(by, key=lambda k: tuple(str(x) for x in k)):
-    row = by[k]
-    if k[0] not in ("fwd", "bwd"):
-        continue
-    m = "tflops" if "tflops" in next(iter(row.values())) else "tbps"
-    g = lambda i: row[i][m] if i in row else float("nan")
-    fm, fl = g("flashmonoid"), g("torch_flash")
-    print(f"{k[0]:4} {k[1]:>3} {'y' if k[2] else 'n'} {k[3]:>3} {k[4]:>6} {k[5]:>6} | {fm:7.1f} {fl:7.1f} "
-          f"{g('torch_cudnn'):7.1f} {g('torch_efficient'):7.1f} | {fm / fl if fl == fl and fl else float('nan'):.2f}  {m}")
-for r in recs:
-    if r.get("pass") in ("copy", "fwd_memory"):
-        print(json.dumps({k: v for k, v in r.items() if k != "device"}))
 PY
+  python3 bench/summarize.py "$OUT/bench.json"
+  python3 bench/summarize.py "$OUT/bench.json" --markdown
 fi
 if [ "${FM_PYTHON:-1}" != 0 ]; then
   step "python: pip install, pytest (torch, CUDA), flashmonoid.bench"

@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""Summarise a GPU benchmark JSON (the list of records tools/device_run.sh writes).
+
+  summarize.py bench.json            one line per configuration: flashmonoid and each peer
+  summarize.py bench.json --markdown  per (pass, hdim, causal): TFLOP/s at 16k and the range of
+                                      flashmonoid / FlashAttention-2 over all seqlens; decoding
+                                      bandwidth as a share of the measured copy ceiling
+"""
+import collections
+import json
+import sys
+
+
+def configs(recs):
+    by = collections.defaultdict(dict)
+    for r in recs:
+        if r.get("pass") in ("fwd", "bwd"):
+            by[(r["pass"], r["hdim"], r["causal"], r["batch"], r["seqlen_q"], r["seqlen_k"])][r["impl"]] = r
+    return by
+
+
+def metric(row):
+    return "tflops" if "tflops" in next(iter(row.values())) else "tbps"
+
+
+def table(recs):
+    by = configs(recs)
+    print(f"{'pass':4} {'d':>3} {'c':1} {'b':>3} {'s_q':>6} {'s_k':>6} | {'fm':>7} {'flash':>7} {'cudnn':>7} "
+          f"{'effic':>7} | fm/flash")
+    for k in sorted(by, key=lambda k: tuple(str(x) for x in k)):
+        row, m = by[k], metric(by[k])
+        g = lambda i: row[i][m] if i in row else float("nan")
+        fm, fl = g("flashmonoid"), g("torch_flash")
+        print(f"{k[0]:4} {k[1]:>3} {'y' if k[2] else 'n'} {k[3]:>3} {k[4]:>6} {k[5]:>6} | {fm:7.1f} {fl:7.1f} "
+              f"{g('torch_cudnn'):7.1f} {g('torch_efficient'):7.1f} | {fm / fl if fl == fl and fl else float('nan'):.2f}  {m}")
+    for r in recs:
+        if r.get("pass") in ("copy", "fwd_memory"):
+            print(json.dumps({k: v for k, v in r.items() if k != "device"}))
+
+
+def markdown(recs):
+    by = configs(recs)
+    device = next((r["device"] for r in recs if "device" in r), "?")
+    print(f"Device: {device}. bf16 TFLOP/s at seqlen 16k; ratio = flashmonoid / FlashAttention-2 "
+          "(PyTorch's flash backend) over seqlen 512..16k, same run.\n")
+    print("| pass | hdim | causal | flashmonoid | flash | cudnn | ratio range |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for p in ("fwd", "bwd"):
+        for d in sorted({k[1] for k in by if k[0] == p}):
+            for c in (False, True):
+                ks = sorted((k for k in by if k[:3] == (p, d, c) and k[4] > 1), key=lambda k: k[4])
+                if not ks:
+                    continue
+                ratio = [by[k]["flashmonoid"]["tflops"] / by[k]["torch_flash"]["tflops"] for k in ks]
+                top = by[ks[-1]]
+                print(f"| {p} | {d} | {'yes' if c else 'no'} | {top['flashmonoid']['tflops']:.0f} | "
+                      f"{top['torch_flash']['tflops']:.0f} | {top['torch_cudnn']['tflops']:.0f} | "
+                      f"{min(ratio):.2f}–{max(ratio):.2f} |")
+    copy = next((r["tbps"] for r in recs if r.get("pass") == "copy"), None)
+    print("\n| decoding (s_q = 1) | flashmonoid TB/s | flash | cudnn | flashmonoid / copy |")
+    print("| --- | --- | --- | --- | --- |")
+    for k in sorted(k for k in by if k[4] == 1):
+        row = by[k]
+        g = lambda i: row[i]["tbps"] if i in row else float("nan")
+        share = f"{g('flashmonoid') / copy:.0%}" if copy else "?"
+        print(f"| b={k[3]}, s_k={k[5] // 1024}k | {g('flashmonoid'):.2f} | {g('torch_flash'):.2f} | "
+              f"{g('torch_cudnn'):.2f} | {share} |")
+    if copy:
+        print(f"\nCopy ceiling (device-to-device, bytes read + written): {copy:.2f} TB/s.")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    records = json.load(open(sys.argv[1]))
+    (markdown if "--markdown" in sys.argv else table)(records)
