@@ -57,9 +57,13 @@ struct BwdTraits {
   static constexpr int kDqWarpD = kHeadDim / kDqWarpsD;
   // dQ columns per pass: 32 keeps its accumulator at kDqWarpM registers next to dK and dV.
   static constexpr int kDqPass = 32;
-  // Q and dO tiles double-buffered while they fit next to K, V, Pᵀ and dSᵀ in the 163 KB an sm80
-  // block may have: 162 KB at hdim 128; at hdim 256 two stages would need 208 KB, so one.
-  static constexpr int kStages = kHeadDim > 128 ? 1 : 2;
+  // Q and dO tiles double-buffered, so that the next step's copy is in flight during the whole
+  // step, where they fit next to K, V, Pᵀ and dSᵀ: 162 KB at hdim 128, within the 163 KB an sm80
+  // block may have. At hdim 256 two stages take 208 KB, which only sm90's 227 KB hold; the
+  // launcher picks the stage count at run time from the device's limit (kMinStages..kMaxStages),
+  // so sm80 and sm90 share one instantiation. One stage overlaps the copy with dQ only.
+  static constexpr int kMaxStages = 2;
+  static constexpr int kMinStages = kHeadDim > 128 ? 1 : 2;
   static constexpr bool kPInRegs = kSWarpsM == 1 && kKVWarpsD == 1;
   // dPᵀ column passes (see the kernel): 2 at hdim 128, where the whole 32 × 32 tile spilled.
   static constexpr int kDpPasses = kHeadDim == 128 ? 2 : 1;
@@ -67,9 +71,14 @@ struct BwdTraits {
   static constexpr int kKVElems = kBlockN * kHeadDim;  // (kBlockN, kHeadDim) each for K, V
   static constexpr int kQElems = kBlockM * kHeadDim;   // (kBlockM, kHeadDim) each for Q, dO, per stage
   static constexpr int kSElems = kBlockN * kBlockM;    // (kBlockN, kBlockM) dSᵀ, and Pᵀ unless kPInRegs
-  static constexpr std::size_t kSmemBytes =
-      (2 * kKVElems + 2 * kStages * kQElems + (kPInRegs ? 1 : 2) * kSElems) * 2 +
-      2 * kStages * kBlockM * sizeof(float) + kBlockM * (kBlockN / 32) * sizeof(std::uint32_t);
+  // Everything but the Q/dO stages, which come last so that every other offset is a constant:
+  // K, V, dSᵀ, Pᵀ, then lse and D for kMaxStages stages and the dropout keep bits.
+  static constexpr std::size_t kFixedSmemBytes =
+      (2 * kKVElems + (kPInRegs ? 1 : 2) * kSElems) * 2 + 2 * kMaxStages * kBlockM * sizeof(float) +
+      kBlockM * (kBlockN / 32) * sizeof(std::uint32_t);
+  static constexpr std::size_t smem_bytes(int stages) { return kFixedSmemBytes + stages * 2 * kQElems * 2; }
+  static constexpr std::size_t kSmemBytes = smem_bytes(kMinStages);
+  static_assert(kFixedSmemBytes % 128 == 0, "Q/dO stages must start 128-byte aligned for the swizzle");
   static_assert(kSWarpN % 16 == 0 && kSWarpM % 16 == 0 && kKVWarpN % 16 == 0 && kKVWarpD % 16 == 0 &&
                     kDqWarpM % 16 == 0 && kDqWarpD % kDqPass == 0,
                 "warp tiles must be whole 16 × 16 MMA steps");
@@ -236,7 +245,8 @@ __device__ __forceinline__ float fast_exp2(float x) {
 
 template <class T, class Tr>
 __global__ void __launch_bounds__(Tr::kNThreads, 1)
-    bwd_main(const detail::BwdParams p, const float* __restrict__ dsum, float* __restrict__ dq_acc, int* __restrict__ sem) {
+    bwd_main(const detail::BwdParams p, const float* __restrict__ dsum, float* __restrict__ dq_acc, int* __restrict__ sem,
+             int n_stages) {
   constexpr int kHeadDim = Tr::kHeadDim, kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
   constexpr int kSMT = Tr::kSWarpN / 16, kSNT = Tr::kSWarpM / 8;     // Sᵀ: m16 (keys) × n8 (queries) tiles
   constexpr int kKVMT = Tr::kKVWarpN / 16, kKVNT = Tr::kKVWarpD / 8;  // dK, dV: m16 (keys) × n8 (dims)
@@ -248,13 +258,16 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sK = reinterpret_cast<T*>(smem_raw);   // (kBlockN, kHeadDim)
   T* sV = sK + Tr::kKVElems;                 // (kBlockN, kHeadDim)
-  T* sQ = sV + Tr::kKVElems;                 // kStages × (kBlockM, kHeadDim)
-  T* sdO = sQ + Tr::kStages * Tr::kQElems;   // kStages × (kBlockM, kHeadDim)
-  T* sdS = sdO + Tr::kStages * Tr::kQElems;  // (kBlockN, kBlockM) dSᵀ
+  T* sdS = sV + Tr::kKVElems;                // (kBlockN, kBlockM) dSᵀ
   T* sP = sdS + Tr::kSElems;                 // (kBlockN, kBlockM) P_dropᵀ, unless kPInRegs
-  float* sLse = reinterpret_cast<float*>(sdS + (Tr::kPInRegs ? 1 : 2) * Tr::kSElems);  // kStages × (kBlockM)
-  float* sD = sLse + Tr::kStages * kBlockM;                                           // kStages × (kBlockM)
-  std::uint32_t* sKeep = reinterpret_cast<std::uint32_t*>(sD + Tr::kStages * kBlockM);  // (kBlockM, kKeepWords)
+  float* sLse = reinterpret_cast<float*>(sdS + (Tr::kPInRegs ? 1 : 2) * Tr::kSElems);  // kMaxStages × (kBlockM)
+  float* sD = sLse + Tr::kMaxStages * kBlockM;                                        // kMaxStages × (kBlockM)
+  std::uint32_t* sKeep = reinterpret_cast<std::uint32_t*>(sD + Tr::kMaxStages * kBlockM);  // (kBlockM, kKeepWords)
+  // stages × [Q (kBlockM, kHeadDim), dO (kBlockM, kHeadDim)]
+  T* sQ = reinterpret_cast<T*>(smem_raw + Tr::kFixedSmemBytes);
+  T* sdO = sQ + Tr::kQElems;
+  // 1 or 2 (launcher); a constant where only one fits every device.
+  const int stages = Tr::kMinStages == Tr::kMaxStages ? Tr::kMaxStages : n_stages;
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int n_block = blockIdx.x;
@@ -296,8 +309,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     const int rows_valid = static_cast<int>(si.len_q - r0 < kBlockM ? si.len_q - r0 : kBlockM);
     const T* q_g = static_cast<const T*>(p.q) + detail::offset_of(p.q_stride, b, si.q_row0 + r0, head);
     const T* do_g = static_cast<const T*>(p.dout) + detail::offset_of(p.do_stride, b, si.q_row0 + r0, head);
-    load_tile_async<kBlockM, kHeadDim, Tr::kNThreads>(sQ + stage * Tr::kQElems, q_g, p.q_stride.row, rows_valid, p.d, tid);
-    load_tile_async<kBlockM, kHeadDim, Tr::kNThreads>(sdO + stage * Tr::kQElems, do_g, p.do_stride.row, rows_valid, p.d, tid);
+    load_tile_async<kBlockM, kHeadDim, Tr::kNThreads>(sQ + stage * 2 * Tr::kQElems, q_g, p.q_stride.row, rows_valid, p.d, tid);
+    load_tile_async<kBlockM, kHeadDim, Tr::kNThreads>(sdO + stage * 2 * Tr::kQElems, do_g, p.do_stride.row, rows_valid, p.d, tid);
     if (tid < kBlockM) {
       const bool ok = tid < rows_valid;
       const std::int64_t idx = ok ? detail::lse_index(p, b, head, si, r0 + tid) : 0;
@@ -342,12 +355,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   const float softcap_log2 = p.softcap * kLog2e;
 
   for (int it = 0; it < n_iter; ++it) {
-    const int stage = Tr::kStages == 1 ? 0 : it % 2;
+    const int stage = stages == 1 ? 0 : it % 2;
     cp_async_wait<0>();
     __syncthreads();  // Q, dO of this step landed; every warp is done with the last step's Pᵀ, dSᵀ
-    if (Tr::kStages == 2 && it + 1 < n_iter) load_q_block(it + 1, (it + 1) % 2);
+    if (stages == 2 && it + 1 < n_iter) load_q_block(it + 1, (it + 1) % 2);
 
-    const std::uint32_t q_a = sQ_a + stage * Tr::kQElems * 2, do_a = sdO_a + stage * Tr::kQElems * 2;
+    const std::uint32_t q_a = sQ_a + stage * 2 * Tr::kQElems * 2, do_a = sdO_a + stage * 2 * Tr::kQElems * 2;
     const float* lse_s = sLse + stage * kBlockM;
     const float* d_s = sD + stage * kBlockM;
     const int head = hk * group + it / n_m;
@@ -562,7 +575,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       }
     }
 
-    if constexpr (Tr::kStages == 1) {
+    if (stages == 1) {
       // Q and dO are read by nobody past this point: the next step's copy overlaps dQ.
       __syncthreads();
       if (it + 1 < n_iter) load_q_block(it + 1, 0);
