@@ -21,8 +21,9 @@ struct BwdLaunch {
   int num_sms = 0;  // of params.device; sizes nothing today, kept for a future persistent grid
 };
 
-// Query rows per tile of the backward, the same for every head dim so that the workspace size
-// does not depend on the head-dim bucket.
+// Query rows per tile of the backward at hdim 128 and 256; hdim 64 takes twice as many. The
+// workspace sizes the deterministic semaphores by this smallest tile, so that its size does not
+// depend on the head-dim bucket (hdim 64 needs about half of them).
 inline constexpr int kBwdBlockM = 64;
 
 // Layout of the fp32 workspace, in bytes from its start, each part 256-byte aligned:

@@ -7,8 +7,9 @@
 //      accumulator: float atomics, or, when deterministic, in key-block order (semaphores).
 //   3. bwd_convert_dq: dq = scale · dQ accumulator, cast to the input dtype.
 //
-// Scores in this kernel are computed transposed, Sᵀ = K Qᵀ (kBlockN, kBlockM), so that a warp that
-// owns 16 key rows holds Pᵀ and dSᵀ in exactly the A-operand layout of dV += Pᵀ dO and dK += dSᵀ Q.
+// Scores in this kernel are computed transposed, Sᵀ = K Qᵀ (kBlockN, kBlockM), so that Pᵀ and dSᵀ,
+// stored as (key, query) rows, are read back by plain ldmatrix as the A operands of dV += Pᵀ dO and
+// dK += dSᵀ Q (the two larger products), and by ldmatrix.trans only for dQ = dS K.
 #pragma once
 
 #include <cmath>
@@ -24,7 +25,8 @@ namespace flashmonoid::cuda::bwd {
 
 inline constexpr float kLog2e = 1.4426950408889634f;
 
-// Tile shapes. 8 warps; kBlockM query rows per step (kBwdBlockM, shared with the workspace size).
+// Tile shapes. 8 warps; kBlockM query rows per step (a multiple of kBwdBlockM, which sizes the
+// workspace's semaphores).
 // Three warp grids over one (kBlockN keys, kBlockM queries) step, as FlashAttention-2 lays them
 // out: Sᵀ and dPᵀ (kSWarpsN along keys × kSWarpsM along queries), dK and dV (kKVWarpsN along keys
 // × kKVWarpsD along the head dim), dQ (kDqWarpsM along queries × kDqWarpsD along the head dim).
@@ -32,18 +34,23 @@ inline constexpr float kLog2e = 1.4426950408889634f;
 // takes 4 ldmatrix.x4 per 8 MMAs per head-dim step where the v3 16 × 32 tile took 6 per 8.
 // dK, dV hold 2 · kBlockN·kHeadDim / 256 threads fp32 registers: 64 at hdim 64, 128 at hdim 128
 // (kBlockN 128) and 256 (kBlockN 64); these key tiles, twice the earlier 64 and 32, halve the dQ
-// atomics and barriers per FLOP (measured 2.0× at hdim 128, 16k; bench/NOTES.md v4). At hdim 64 the Sᵀ and dK/dV grids coincide
-// with whole query rows per warp (8 × 1), so Pᵀ and dSᵀ feed dV and dK straight from registers;
-// elsewhere they travel through shared memory to the warps that own their key rows.
+// atomics and barriers per FLOP (measured 2.0× at hdim 128, 16k; bench/NOTES.md v4). Pᵀ and dSᵀ
+// travel through shared memory to the warps that own their key rows (until v4, hdim 64 kept 16 keys
+// × all queries per warp to feed dV from registers, at 5 ldmatrix.x4 per 8 Sᵀ MMAs).
 template <int kHeadDim_>
 struct BwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head-dim buckets are 64, 128, 256");
   static constexpr int kNWarps = 8;
   static constexpr int kNThreads = kNWarps * 32;
-  static constexpr int kBlockM = kBwdBlockM;
+  // 128 query rows at hdim 64 as FlashAttention-2 takes there: the (32 keys, 64 queries) Sᵀ warp
+  // tile needs 6 ldmatrix.x4 per 16 MMAs per head-dim step where (32, 32) needs 4 per 8 and
+  // v4's (16, 64) 5 per 8, and the two block barriers and the fixed per-step costs are spread over
+  // twice the work. At hdim 128 and 256 registers hold no larger tile (dK, dV take 128 of them).
+  static constexpr int kBlockM = kHeadDim == 64 ? 2 * kBwdBlockM : kBwdBlockM;
+  static_assert(kBlockM % kBwdBlockM == 0, "the workspace sizes one semaphore per kBwdBlockM rows");
   static constexpr int kBlockN = kHeadDim > 128 ? 64 : 128;
-  static constexpr int kSWarpsN = kHeadDim == 64 ? 8 : kBlockN / 32;
+  static constexpr int kSWarpsN = kBlockN / 32;
   static constexpr int kSWarpsM = kNWarps / kSWarpsN;
   static constexpr int kSWarpN = kBlockN / kSWarpsN;  // (kSWarpN, kSWarpM) Sᵀ tile per warp
   static constexpr int kSWarpM = kBlockM / kSWarpsM;
@@ -59,22 +66,24 @@ struct BwdTraits {
   static constexpr int kDqPass = 32;
   // Q and dO tiles double-buffered, so that the next step's copy is in flight during the whole
   // step, where they fit next to K, V, Pᵀ and dSᵀ: 162 KB at hdim 128, within the 163 KB an sm80
-  // block may have. At hdim 256 two stages take 208 KB, which only sm90's 227 KB hold; the
-  // launcher picks the stage count at run time from the device's limit (kMinStages..kMaxStages),
-  // so sm80 and sm90 share one instantiation. One stage overlaps the copy with dQ only.
+  // block may have. Two stages take 164 KB at hdim 64 (kBlockM 128) and 208 KB at hdim 256, which
+  // only sm90's 227 KB hold; the launcher picks the stage count at run time from the device's
+  // limit (kMinStages..kMaxStages), so sm80 and sm90 share one instantiation. One stage overlaps
+  // the copy with dQ only.
   static constexpr int kMaxStages = 2;
-  static constexpr int kMinStages = kHeadDim > 128 ? 1 : 2;
-  static constexpr bool kPInRegs = kSWarpsM == 1 && kKVWarpsD == 1;
-  // dPᵀ column passes (see the kernel): 2 at hdim 128, where the whole 32 × 32 tile spilled.
-  static constexpr int kDpPasses = kHeadDim == 128 ? 2 : 1;
+  static constexpr int kMinStages = kHeadDim == 128 ? 2 : 1;
+  // dPᵀ column passes (see the kernel), so that dPᵀ and Sᵀ fit next to dK and dV: 2 at hdim 128,
+  // where the whole 32 × 32 tile spilled 32 bytes; 4 at hdim 64, where the whole 32 × 64 tile
+  // spilled 432 bytes (sm_90) and 2 passes 8.
+  static constexpr int kDpPasses = kHeadDim == 128 ? 2 : kHeadDim == 64 ? 4 : 1;
 
   static constexpr int kKVElems = kBlockN * kHeadDim;  // (kBlockN, kHeadDim) each for K, V
   static constexpr int kQElems = kBlockM * kHeadDim;   // (kBlockM, kHeadDim) each for Q, dO, per stage
-  static constexpr int kSElems = kBlockN * kBlockM;    // (kBlockN, kBlockM) dSᵀ, and Pᵀ unless kPInRegs
+  static constexpr int kSElems = kBlockN * kBlockM;    // (kBlockN, kBlockM) each for dSᵀ, Pᵀ
   // Everything but the Q/dO stages, which come last so that every other offset is a constant:
   // K, V, dSᵀ, Pᵀ, then lse and D for kMaxStages stages and the dropout keep bits.
   static constexpr std::size_t kFixedSmemBytes =
-      (2 * kKVElems + (kPInRegs ? 1 : 2) * kSElems) * 2 + 2 * kMaxStages * kBlockM * sizeof(float) +
+      (2 * kKVElems + 2 * kSElems) * 2 + 2 * kMaxStages * kBlockM * sizeof(float) +
       kBlockM * (kBlockN / 32) * sizeof(std::uint32_t);
   static constexpr std::size_t smem_bytes(int stages) { return kFixedSmemBytes + stages * 2 * kQElems * 2; }
   static constexpr std::size_t kSmemBytes = smem_bytes(kMinStages);
@@ -259,8 +268,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   T* sK = reinterpret_cast<T*>(smem_raw);   // (kBlockN, kHeadDim)
   T* sV = sK + Tr::kKVElems;                 // (kBlockN, kHeadDim)
   T* sdS = sV + Tr::kKVElems;                // (kBlockN, kBlockM) dSᵀ
-  T* sP = sdS + Tr::kSElems;                 // (kBlockN, kBlockM) P_dropᵀ, unless kPInRegs
-  float* sLse = reinterpret_cast<float*>(sdS + (Tr::kPInRegs ? 1 : 2) * Tr::kSElems);  // kMaxStages × (kBlockM)
+  T* sP = sdS + Tr::kSElems;                 // (kBlockN, kBlockM) P_dropᵀ
+  float* sLse = reinterpret_cast<float*>(sP + Tr::kSElems);  // kMaxStages × (kBlockM)
   float* sD = sLse + Tr::kMaxStages * kBlockM;                                        // kMaxStages × (kBlockM)
   std::uint32_t* sKeep = reinterpret_cast<std::uint32_t*>(sD + Tr::kMaxStages * kBlockM);  // (kBlockM, kKeepWords)
   // stages × [Q (kBlockM, kHeadDim), dO (kBlockM, kHeadDim)]
@@ -371,8 +380,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     // rather than one per element as a per-fragment evaluation would need (a lane's fragment
     // holds keys 8 apart).
     if (has_dropout) {
-      if (tid < kBlockM * kKeepWords) {
-        const int qr = tid / kKeepWords, w = tid % kKeepWords;
+#pragma unroll 1
+      for (int word = tid; word < kBlockM * kKeepWords; word += Tr::kNThreads) {  // 512 words at hdim 64
+        const int qr = word / kKeepWords, w = word % kKeepWords;
         std::uint32_t bits = 0;
         if (r0 + qr < si.len_q) {
           const std::uint32_t row_id = detail::dropout_row_id(p, head, si, r0 + qr);
@@ -532,8 +542,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
             }
       }
 
-      // dSᵀ (for dQ, and for dK when other warps need it) and P_dropᵀ (likewise) to shared
-      // memory as T.
+      // dSᵀ (for dK and dQ) and P_dropᵀ (for dV) to shared memory as T, for the warps of the other
+      // two grids.
 #pragma unroll
       for (int mt = 0; mt < kSMT; ++mt)
 #pragma unroll
@@ -542,37 +552,20 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
           for (int h2 = 0; h2 < 2; ++h2) {
             const std::uint32_t off = SwM::step(off_s_st, 16 * mt + 8 * h2, t0 + t);
             sts_b32(sdS_a + off, pack2<T>(dp[mt][t][2 * h2], dp[mt][t][2 * h2 + 1]));
-            if constexpr (!Tr::kPInRegs)
-              sts_b32(sP_a + off, pack2<T>(s[mt][t0 + t][2 * h2], s[mt][t0 + t][2 * h2 + 1]));
+            sts_b32(sP_a + off, pack2<T>(s[mt][t0 + t][2 * h2], s[mt][t0 + t][2 * h2 + 1]));
           }
-
-      if constexpr (Tr::kPInRegs) {
-        // The accumulator layout of n8 tiles 2kk, 2kk+1 is the A layout of a 16x16 tile.
-#pragma unroll
-        for (int kk = 0; kk < kDpNT / 2; ++kk) {
-          const float(&p0)[4] = s[0][t0 + 2 * kk], (&p1)[4] = s[0][t0 + 2 * kk + 1];
-          const float(&d0_)[4] = dp[0][2 * kk], (&d1_)[4] = dp[0][2 * kk + 1];
-          const std::uint32_t ap[1][4] = {
-              {pack2<T>(p0[0], p0[1]), pack2<T>(p0[2], p0[3]), pack2<T>(p1[0], p1[1]), pack2<T>(p1[2], p1[3])}};
-          const std::uint32_t ads[1][4] = {{pack2<T>(d0_[0], d0_[1]), pack2<T>(d0_[2], d0_[3]),
-                                            pack2<T>(d1_[0], d1_[1]), pack2<T>(d1_[2], d1_[3])}};
-          mma_dkdv(t0 / 2 + kk, ap, ads);
-        }
-      }
     }
     __syncthreads();  // Pᵀ, dSᵀ complete
 
-    if constexpr (!Tr::kPInRegs) {
 #pragma unroll
-      for (int kk = 0; kk < kBlockM / 16; ++kk) {
-        std::uint32_t ap[kKVMT][4], ads[kKVMT][4];
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      std::uint32_t ap[kKVMT][4], ads[kKVMT][4];
 #pragma unroll
-        for (int mt = 0; mt < kKVMT; ++mt) {
-          ldsm_x4(ap[mt], sP_a + SwM::step(off_s_a, 16 * mt, 2 * kk));
-          ldsm_x4(ads[mt], sdS_a + SwM::step(off_s_a, 16 * mt, 2 * kk));
-        }
-        mma_dkdv(kk, ap, ads);
+      for (int mt = 0; mt < kKVMT; ++mt) {
+        ldsm_x4(ap[mt], sP_a + SwM::step(off_s_a, 16 * mt, 2 * kk));
+        ldsm_x4(ads[mt], sdS_a + SwM::step(off_s_a, 16 * mt, 2 * kk));
       }
+      mma_dkdv(kk, ap, ads);
     }
 
     if (stages == 1) {
