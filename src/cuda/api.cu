@@ -48,6 +48,12 @@ int num_sms(int device) {
   return n;
 }
 
+std::size_t smem_optin(int device) {
+  int n = 0;
+  FM_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return static_cast<std::size_t>(n);
+}
+
 void check_pointer(const void* ptr, const char* name, int device, int align) {
   if (ptr == nullptr) return;  // absent optional argument; required ones are checked by validation
   cudaPointerAttributes attr{};
@@ -252,6 +258,7 @@ void forward(const detail::FwdParams& p, const Context& ctx) {
   FwdLaunch launch;
   launch.stream = static_cast<cudaStream_t>(ctx.stream);
   launch.num_sms = num_sms(p.device.index);
+  launch.smem_optin = smem_optin(p.device.index);
   int splits = ctx.num_splits > 0 ? ctx.num_splits : fwd_choose_num_splits(p, launch.num_sms);
   // Without room for the partials the call still runs, unsplit (documented in attention.hpp).
   if (splits > 1 && (ctx.workspace == nullptr || ctx.workspace_bytes < fwd_split_workspace_bytes(p, splits)))

@@ -21,6 +21,7 @@ struct FwdLaunch {
   float* out_partial = nullptr;
   float* lse_partial = nullptr;
   int num_sms = 0;  // of params.device, for the split heuristic
+  std::size_t smem_optin = 0;  // shared memory per block of params.device (opt-in limit), for ring depths
 };
 
 // Bytes of workspace that num_splits partials of p need (out and lse, each 256-byte aligned).

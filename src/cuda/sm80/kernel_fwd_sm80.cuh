@@ -1,7 +1,9 @@
 // The sm80 forward kernel (FlashAttention-2 schedule on mma.sync): one block per (query block,
 // head or KV head, batch[, KV split]). Q (kBlockM, kHeadDim) stays in shared memory; K and V tiles
-// (kBlockN, kHeadDim) stream through a kStages-deep cp.async ring, so one barrier per step and the
-// next tiles' copies overlap the whole of S = Q·Kᵀ, softmax and O += P·V. Key tiles are visited last
+// (kBlockN, kHeadDim) stream through a cp.async ring: as (K, V) pairs kStages deep, so one barrier
+// per step and the next tiles' copies overlap the whole of S = Q·Kᵀ, softmax and O += P·V; or, where
+// a pair ring would not fit (hdim 256, 64 keys), as single K or V slots with a barrier before each
+// product, so a slot is refilled as soon as its product is done. Key tiles are visited last
 // to first, so the diagonal (masked) tile of a causal block comes first. Only this file and
 // warp_gemm_sm80.cuh are specific to sm80; softmax, masks, epilogues and the combine live in common/.
 #pragma once
@@ -25,6 +27,7 @@ struct FwdKernelArgs {
   int pack = 1;          // query heads interleaved into the rows of one block (GQA with short s_q)
   int num_m_blocks = 0;  // per (head group, batch): ceil(max_seqlen_q · pack / kBlockM)
   int num_splits = 1;
+  int kv_slots = 0;  // slots of a kv_slots ring (fwd_kv_slots, 3 to 5); unused by (K, V) pair rings
   float* out_partial = nullptr;  // num_splits > 1 only
   float* lse_partial = nullptr;
 };
@@ -36,15 +39,20 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocks) fwd_kernel_sm80(cons
   constexpr int kNTiles = kBlockN / 8;
   constexpr int kDTiles = kHeadDim / 8;
   static_assert(kMTiles * 16 * kNWarps == kBlockM, "kBlockM must be a whole number of m16 tiles per warp");
-  constexpr bool kQInRegisters = fwd_tile_sm80(kHeadDim, kBlockM == kFwdNarrowRows).q_in_registers;
+  constexpr FwdTileSm80 kTile = fwd_tile_sm80(kHeadDim, kBlockM == kFwdNarrowRows);
+  constexpr bool kQInRegisters = kTile.q_in_registers;
+  constexpr bool kSlotRing = kTile.kv_slots;
 
-  constexpr int kStages = fwd_tile_sm80(kHeadDim, kBlockM == kFwdNarrowRows).stages;
+  constexpr int kStages = kTile.stages;
   constexpr int kStageElems = 2 * kBlockN * kHeadDim;
-  static_assert(kStages >= 2, "the K/V ring needs a stage in flight while one is read");
+  constexpr int kSlotElems = kBlockN * kHeadDim;
+  static_assert(kSlotRing || kStages >= 2, "the K/V ring needs a stage in flight while one is read");
+  static_assert(!(kSlotRing && kQInRegisters), "the kv_slots ring reads Q from shared memory every step");
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);  // (kBlockM, kHeadDim), later the output staging tile
   // kStages stages of K (kBlockN, kHeadDim) then V (kBlockN, kHeadDim).
+  // Or, for a kv_slots ring, args.kv_slots slots of K or V (kBlockN, kHeadDim).
   T* sK = sQ + kBlockM * kHeadDim;
 
   const detail::FwdParams& p = args.p;
@@ -93,7 +101,6 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocks) fwd_kernel_sm80(cons
   // Row 0 of this (batch, KV head)'s keys; tile n starts kBlockN rows further per step.
   const T* k_seq = k + detail::offset_of(p.k_stride, b, si.k_row0, kv_head);
   const T* v_seq = v + detail::offset_of(p.v_stride, b, si.k_row0, kv_head);
-  // Tile t of the visit order (n = s_hi - 1 - t) into ring stage t % kStages: K and V as one group.
   const int num_tiles = s_hi - s_lo;
   // Key tiles [key0, key0 + kBlockN) that need no mask for any row of the block are those with
   // unmasked_lo <= key0 <= unmasked_hi (detail::Band::tile_needs_mask solved for key0 once), so the
@@ -107,59 +114,114 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocks) fwd_kernel_sm80(cons
     unmasked_lo = static_cast<int>(std::max<std::int64_t>(lo, -kFar));
     unmasked_hi = static_cast<int>(std::max<std::int64_t>(std::min<std::int64_t>(hi, kFar), -kFar));
   }
-  auto load_kv = [&](int t) {
-    if (t < num_tiles) {
-      const int n = s_hi - 1 - t;
-      T* stage = sK + (t % kStages) * kStageElems;
-      load_rows_async<kBlockN, kHeadDim, kThreads>(stage, k_seq + n * kBlockN * p.k_stride.row, p.k_stride.row,
-                                                   si.len_k - n * kBlockN, p.d);
-      load_rows_async<kBlockN, kHeadDim, kThreads>(stage + kBlockN * kHeadDim, v_seq + n * kBlockN * p.v_stride.row,
-                                                   p.v_stride.row, si.len_k - n * kBlockN, p.d);
-    }
-    cp_async_commit();  // empty past the last tile, so that wait_group counts stay uniform
-  };
-
   const LdsmLane<kHeadDim> q_addr = q_lane<kHeadDim>(sQ, warp_row0, lane);
   const LdsmLane<kHeadDim> k_addr = k_lane<kHeadDim>(sK, lane);
-  const LdsmLane<kHeadDim> v_addr = v_lane<kHeadDim>(sK + kBlockN * kHeadDim, lane);
-  if (num_tiles > 0) {
-    load_tile_async<kBlockM, kHeadDim, kThreads>(sQ, q_row, p.d, q);
+  const LdsmLane<kHeadDim> v_addr = v_lane<kHeadDim>(kSlotRing ? sK : sK + kBlockN * kHeadDim, lane);
+  // s (16·kMTiles, kBlockN) of this warp = P of key tile key0, from the K tile k_bytes into the ring.
+  auto scores = [&](float (&s)[kMTiles][kNTiles][4], std::uint32_t k_bytes, int key0) {
+    if constexpr (kQInRegisters)
+      gemm_qk<T>(s, q_frag, k_addr.plus(k_bytes));
+    else
+      gemm_qk<T>(s, q_addr, k_addr.plus(k_bytes));
+    // Per-row ALiBi slopes and dropout row ids are rebuilt per tile inside these branches: kept
+    // for the whole loop they were 4 registers per m tile and spilled 16 bytes at hdim 128.
+    if (kScoreMods && mod.active()) {
+      float slope_log2[2 * kMTiles];
 #pragma unroll
-    for (int t = 0; t < kStages - 1; ++t) load_kv(t);
+      for (int r = 0; r < 2 * kMTiles; ++r)
+        slope_log2[r] = mod.alibi ? detail::alibi_slope(p, b, rows.head(r)) * kLog2e : 0.0f;
+      mod.apply(s, slope_log2, rows, band.diag, key0, lane);
+    }
+    if (key0 < unmasked_lo || key0 > unmasked_hi)
+      apply_mask(s, band, rows, si.len_k, key0, lane);
+    softmax.fold(s, o, mul);
+    if (dropout) {
+      std::uint32_t row_id[2 * kMTiles];
+#pragma unroll
+      for (int r = 0; r < 2 * kMTiles; ++r) row_id[r] = detail::dropout_row_id(p, rows.head(r), si, rows.i(r));
+      apply_dropout(s, p, row_id, key0, lane);
+    }
+  };
+  if constexpr (!kSlotRing) {
+    // Tile t of the visit order (n = s_hi - 1 - t) into ring stage t % kStages: K and V as one group.
+    auto load_kv = [&](int t) {
+      if (t < num_tiles) {
+        const int n = s_hi - 1 - t;
+        T* stage = sK + (t % kStages) * kStageElems;
+        load_rows_async<kBlockN, kHeadDim, kThreads>(stage, k_seq + n * kBlockN * p.k_stride.row, p.k_stride.row,
+                                                     si.len_k - n * kBlockN, p.d);
+        load_rows_async<kBlockN, kHeadDim, kThreads>(stage + kBlockN * kHeadDim,
+                                                     v_seq + n * kBlockN * p.v_stride.row, p.v_stride.row,
+                                                     si.len_k - n * kBlockN, p.d);
+      }
+      cp_async_commit();  // empty past the last tile, so that wait_group counts stay uniform
+    };
+    if (num_tiles > 0) {
+      load_tile_async<kBlockM, kHeadDim, kThreads>(sQ, q_row, p.d, q);
+#pragma unroll
+      for (int t = 0; t < kStages - 1; ++t) load_kv(t);
 #pragma unroll 1
-    for (int t = 0; t < num_tiles; ++t) {
-      const int key0 = (s_hi - 1 - t) * kBlockN;
-      cp_async_wait<kStages - 2>();
-      __syncthreads();  // tile t (and Q) landed; every warp is done with tile t - 1's stage
-      load_kv(t + kStages - 1);  // into the stage tile t - 1 used
-      if (kQInRegisters && t == 0 && warp_active) load_q_fragments(q_frag, q_addr);
-      const std::uint32_t stage_bytes = static_cast<unsigned>(t) % kStages * kStageElems * sizeof(T);
+      for (int t = 0; t < num_tiles; ++t) {
+        const int key0 = (s_hi - 1 - t) * kBlockN;
+        cp_async_wait<kStages - 2>();
+        __syncthreads();  // tile t (and Q) landed; every warp is done with tile t - 1's stage
+        load_kv(t + kStages - 1);  // into the stage tile t - 1 used
+        if (kQInRegisters && t == 0 && warp_active) load_q_fragments(q_frag, q_addr);
+        const std::uint32_t stage_bytes = static_cast<unsigned>(t) % kStages * kStageElems * sizeof(T);
 
-      if (warp_active) {
+        if (warp_active) {
+          float s[kMTiles][kNTiles][4] = {};  // (16·kMTiles, kBlockN) per warp
+          scores(s, stage_bytes, key0);
+          gemm_pv<T>(o, s, v_addr.plus(stage_bytes));
+        }
+      }
+    }
+  } else {
+    // Ring tile h is K (h even) or V (h odd) of visit step h / 2, in slot h % slots. Before tile h is
+    // read, tiles up to h + slots - 2 have been queued (one commit group each), so at most slots - 2
+    // may still be pending; the barrier after the wait also means every warp is done with tile
+    // h - 1, whose slot then takes tile h + slots - 1.
+    const int slots = args.kv_slots;
+    auto load_slot = [&](int h, int slot) {
+      if (h < 2 * num_tiles) {
+        const int n = s_hi - 1 - h / 2;
+        const bool is_v = h & 1;
+        const std::int64_t stride = is_v ? p.v_stride.row : p.k_stride.row;
+        load_rows_async<kBlockN, kHeadDim, kThreads>(sK + slot * kSlotElems, (is_v ? v_seq : k_seq) + n * kBlockN * stride,
+                                                     stride, si.len_k - n * kBlockN, p.d);
+      }
+      cp_async_commit();  // empty past the last tile, so that wait_group counts stay uniform
+    };
+    // wait_group takes an immediate: waiting for fewer pending groups than slots - 2 is also correct.
+    auto wait_slot = [&] {
+      if (slots >= 5)
+        cp_async_wait<3>();
+      else if (slots == 4)
+        cp_async_wait<2>();
+      else
+        cp_async_wait<1>();
+    };
+    if (num_tiles > 0) {
+      load_tile_async<kBlockM, kHeadDim, kThreads>(sQ, q_row, p.d, q);  // in tile 0's group
+#pragma unroll 1
+      for (int h = 0; h < slots - 1; ++h) load_slot(h, h);
+      int slot = 0;  // of the next tile to read
+#pragma unroll 1
+      for (int t = 0; t < num_tiles; ++t) {
+        const int key0 = (s_hi - 1 - t) * kBlockN;
         float s[kMTiles][kNTiles][4] = {};  // (16·kMTiles, kBlockN) per warp
-        if constexpr (kQInRegisters)
-          gemm_qk<T>(s, q_frag, k_addr.plus(stage_bytes));
-        else
-          gemm_qk<T>(s, q_addr, k_addr.plus(stage_bytes));
-        // Per-row ALiBi slopes and dropout row ids are rebuilt per tile inside these branches: kept
-        // for the whole loop they were 4 registers per m tile and spilled 16 bytes at hdim 128.
-        if (kScoreMods && mod.active()) {
-          float slope_log2[2 * kMTiles];
-#pragma unroll
-          for (int r = 0; r < 2 * kMTiles; ++r)
-            slope_log2[r] = mod.alibi ? detail::alibi_slope(p, b, rows.head(r)) * kLog2e : 0.0f;
-          mod.apply(s, slope_log2, rows, band.diag, key0, lane);
-        }
-        if (key0 < unmasked_lo || key0 > unmasked_hi)
-          apply_mask(s, band, rows, si.len_k, key0, lane);
-        softmax.fold(s, o, mul);
-        if (dropout) {
-          std::uint32_t row_id[2 * kMTiles];
-#pragma unroll
-          for (int r = 0; r < 2 * kMTiles; ++r) row_id[r] = detail::dropout_row_id(p, rows.head(r), si, rows.i(r));
-          apply_dropout(s, p, row_id, key0, lane);
-        }
-        gemm_pv<T>(o, s, v_addr.plus(stage_bytes));
+        wait_slot();
+        __syncthreads();  // K of step t (and Q) landed; every warp is done with V of step t - 1
+        load_slot(2 * t + slots - 1, slot == 0 ? slots - 1 : slot - 1);
+        const std::uint32_t k_bytes = slot * kSlotElems * sizeof(T);
+        slot = slot + 1 == slots ? 0 : slot + 1;
+        if (warp_active) scores(s, k_bytes, key0);
+        wait_slot();
+        __syncthreads();  // V of step t landed; every warp is done with K of step t
+        load_slot(2 * t + slots, slot == 0 ? slots - 1 : slot - 1);
+        const std::uint32_t v_bytes = slot * kSlotElems * sizeof(T);
+        slot = slot + 1 == slots ? 0 : slot + 1;
+        if (warp_active) gemm_pv<T>(o, s, v_addr.plus(v_bytes));
       }
     }
   }

@@ -16,12 +16,12 @@ template <class T, int kHeadDim, bool kNarrow, bool kScoreMods>
 void launch_fwd_tile_sm80(const FwdKernelArgs& args, const FwdPlanSm80& plan, cudaStream_t stream) {
   constexpr FwdTileSm80 kTile = fwd_tile_sm80(kHeadDim, kNarrow);
   auto* kernel = fwd_kernel_sm80<T, kHeadDim, kTile.block_m, kTile.block_n, kTile.warps, kTile.min_blocks, kScoreMods>;
-  constexpr std::size_t kSmem = kTile.smem_bytes(kHeadDim);
+  const std::size_t smem = kTile.smem_bytes(kHeadDim, args.kv_slots);
   // Above 48 KB a block needs the opt-in limit (up to 227 KB on sm90, 163 KB on sm80).
-  if constexpr (kSmem > 48 * 1024)
-    FM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
+  if (smem > 48 * 1024)
+    FM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const dim3 grid(plan.num_m_blocks * args.num_splits, plan.grid_heads, args.p.batch);
-  kernel<<<grid, kTile.warps * 32, kSmem, stream>>>(args);
+  kernel<<<grid, kTile.warps * 32, smem, stream>>>(args);
   FM_CUDA_CHECK_LAUNCH();
 }
 
@@ -36,6 +36,7 @@ void run_fwd_sm80(const detail::FwdParams& p, const FwdLaunch& launch) {
   args.num_splits = launch.num_splits > 1 ? launch.num_splits : 1;
   args.out_partial = launch.out_partial;
   args.lse_partial = launch.lse_partial;
+  args.kv_slots = plan.tile.kv_slots ? fwd_kv_slots(plan.tile, kHeadDim, launch.smem_optin) : 0;
   // Softcap, ALiBi and dropout are compiled into a second variant so the common path carries none
   // of their registers (tanhf and 10-round Philox per element would otherwise crowd out O and S).
   const bool score_mods = p.softcap > 0.0f || p.alibi != nullptr || p.dropout_p > 0.0f;

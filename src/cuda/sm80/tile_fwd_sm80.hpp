@@ -14,9 +14,14 @@ struct FwdTileSm80 {
   int warps;
   int min_blocks;  // blocks per multiprocessor to keep resident: caps registers at 64K / (threads · this)
   bool q_in_registers;  // Q's A fragments loaded once (head_dim / 4 registers) instead of every step
-  int stages;           // K/V ring depth: stages - 1 tiles in flight while one is computed
-  constexpr std::size_t smem_bytes(int head_dim) const {
-    return static_cast<std::size_t>(block_m + 2 * block_n * stages) * head_dim * 2;  // Q, K/V ring of 2-byte T
+  int stages;           // K/V ring depth: stages - 1 (K, V) pairs in flight while one is computed
+  // K and V as separate slots of one ring (a barrier before each product), the slot count picked at
+  // run time from the device's shared memory (fwd_kv_slots); `stages` is then unused.
+  bool kv_slots;
+  // Q, then the K/V ring of 2-byte T: `stages` (K, V) pairs, or `slots` single tiles.
+  constexpr std::size_t smem_bytes(int head_dim, int slots = 0) const {
+    const int ring_tiles = kv_slots ? slots : 2 * stages;
+    return static_cast<std::size_t>(block_m + block_n * ring_tiles) * head_dim * 2;
   }
 };
 
@@ -33,18 +38,32 @@ inline constexpr int kFwdNarrowRows = 64;
 // Q is re-read from shared memory per step (in registers it spilled 52 bytes in the score-mod
 // variant at hdim 64). hdim 64 takes 64 keys (128: S 128 + O 64 spilled 160 bytes), hdim 128 32
 // keys (64: O 128 + S 64 spilled 40 bytes; ptxas, 255 registers). hdim 256: O at 2 m tiles would be
-// 256 registers, so 8 warps of 16 rows, 32 keys, 3 stages: 160 KB fits sm80's 163 KB limit (64 keys
-// double-buffered, 192 KB, would not).
-// Every tile streams K/V through a ring (one barrier per step; the next tile's copy overlaps the
-// whole step): Q 32 KB + 2 · 16 KB at hdim 128, so 2 blocks per multiprocessor.
+// 256 registers, so 8 warps of 16 rows. 64 keys per step as FlashAttention-2 (253 registers, no
+// spill since the LdsmLane addresses; 32 keys read 320 bytes of shared memory per MMA against 288
+// and rescaled O twice as often, device run 2: 0.78-0.98x of FA2). A 64-key (K, V) pair is 64 KB,
+// so pairs double-buffered (Q 64 KB + 128 KB) would not fit sm80's 163 KB: K and V are single 32 KB
+// slots of one ring instead, 3 on sm80 (160 KB), 5 on sm90 (224 of 227 KB), waited on separately.
+// The other tiles stream K/V as (K, V) pairs (one barrier per step; the next pair's copy overlaps
+// the whole step): Q 32 KB + 2 · 16 KB at hdim 128, so 2 blocks per multiprocessor.
 // Narrow (decoding, short prompts): 4 warps of 16 rows, at most 255 registers so that 2 blocks fit;
 // 3 stages at hdim <= 128 (2 tiles, 64 KB, in flight per block: one 16 KB tile per block was under
 // the ~35 KB per multiprocessor that 3 TB/s needs at ~1.5 us latency), 2 at hdim 256 (96 KB).
 constexpr FwdTileSm80 fwd_tile_sm80(int head_dim_bucket, bool narrow) {
-  if (narrow) return head_dim_bucket <= 128 ? FwdTileSm80{64, 64, 4, 2, true, 3} : FwdTileSm80{64, 32, 4, 2, false, 2};
-  if (head_dim_bucket <= 64) return {128, 64, 4, 2, false, 2};
-  if (head_dim_bucket <= 128) return {128, 32, 4, 2, false, 2};
-  return {128, 32, 8, 1, false, 3};
+  if (narrow)
+    return head_dim_bucket <= 128 ? FwdTileSm80{64, 64, 4, 2, true, 3, false} : FwdTileSm80{64, 32, 4, 2, false, 2, false};
+  if (head_dim_bucket <= 64) return {128, 64, 4, 2, false, 2, false};
+  if (head_dim_bucket <= 128) return {128, 32, 4, 2, false, 2, false};
+  return {128, 64, 8, 1, false, 0, true};
+}
+
+// Slots of a kv_slots ring on a device with smem_optin bytes of shared memory per block: as many as
+// fit, from 3 (while one tile is read the next two are in flight, as many tiles as a 2-stage pair
+// ring has) to 5 (two whole steps ahead). Fewer than 3 fit nowhere this tile runs (it needs 160 KB):
+// the launch then reports the device's limit.
+inline int fwd_kv_slots(const FwdTileSm80& tile, int head_dim, std::size_t smem_optin) {
+  const std::size_t q_bytes = tile.smem_bytes(head_dim, 0), slot_bytes = static_cast<std::size_t>(tile.block_n) * head_dim * 2;
+  const std::size_t fit = smem_optin > q_bytes ? (smem_optin - q_bytes) / slot_bytes : 0;
+  return fit < 3 ? 3 : (fit > 5 ? 5 : static_cast<int>(fit));
 }
 
 // How a call maps onto blocks: the tile, GQA packing, and the grid (x: query blocks · splits,
