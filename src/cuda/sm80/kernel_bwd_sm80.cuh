@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "api/params.hpp"
 #include "common/mma_sm80.cuh"
@@ -427,16 +428,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       }
     };
 
-    // Sᵀ = K Qᵀ (kSWarpN, kSWarpM), then dPᵀ = V dOᵀ in kDpPasses column passes, each followed by
-    // its P, dS and their stores: one product at a time keeps only its fragments live next to
-    // the accumulators and dK, dV (whole 32 × 32 dPᵀ at hdim 128: 32 bytes of spills).
-    float s[kSMT][kSNT][4];
-#pragma unroll
-    for (int mt = 0; mt < kSMT; ++mt)
-#pragma unroll
-      for (int t = 0; t < kSNT; ++t)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[mt][t][e] = 0.0f;
     // acc (kSWarpN, kNT·8) += A (kSWarpN, kHeadDim) · B (kHeadDim, query columns from 8·t0).
     auto gemm_s = [&](auto& acc, std::uint32_t a_base, std::uint32_t b_base, int t0) {
       constexpr int kNT = sizeof(acc[0]) / sizeof(acc[0][0]);
@@ -458,7 +449,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         }
       }
     };
-    gemm_s(s, sK_a, q_a, 0);
 
     // P = exp2(s·scale·log2 e − lse·log2 e), dropout, dS = P ∘ (dP_drop − D) (∘ (1 − tanh²) under
     // softcap). Afterwards s holds P_drop and dp holds dS, both (key, query) transposed. A tile
@@ -466,95 +456,116 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     // but the diagonal and the edges at 16k) takes the short form: one FFMA and one MUFU per P.
     const bool need_mask = band.tile_needs_mask(r0, r0 + kBlockM, kb, kb + kBlockN, si.len_k);
     const bool plain = !need_mask && r0 + kBlockM <= si.len_q && !has_softcap && !has_dropout && p.alibi == nullptr;
-    // Per-tile 32-bit forms of the band test and the ALiBi distance: for key `key` and query
-    // column qc of this tile, i + diag - j = qc - key + tile_diag. The 64-bit per-element
-    // indices they replace cost ptxas 64 bytes of spills at hdim 128.
-    const float slope = detail::alibi_slope(p, b, head);
-    const std::int64_t tile_diag64 = r0 + band.diag - kb;
-    auto clamp32 = [](std::int64_t x) {
-      return static_cast<int>(x > INT32_MAX ? INT32_MAX : x < INT32_MIN ? INT32_MIN : x);
-    };
-    const int tile_diag = clamp32(tile_diag64);
-    const int dk_hi = band.right < 0 ? INT32_MAX : clamp32(tile_diag64 + band.right);  // key - qc <= dk_hi
-    const int dk_lo = band.left < 0 ? INT32_MIN : clamp32(tile_diag64 - band.left);   // key - qc >= dk_lo
-    const int rows_valid = static_cast<int>(si.len_q - r0 < kBlockM ? si.len_q - r0 : kBlockM);
+    // Sᵀ = K Qᵀ (kSWarpN, kSWarpM), then dPᵀ = V dOᵀ in kDpPasses column passes, each followed by
+    // its P, dS and their stores: one product at a time keeps only its fragments live next to
+    // the accumulators and dK, dV (whole 32 × 32 dPᵀ at hdim 128: 32 bytes of spills).
+    float s[kSMT][kSNT][4];
+#pragma unroll
+    for (int mt = 0; mt < kSMT; ++mt)
+#pragma unroll
+      for (int t = 0; t < kSNT; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][t][e] = 0.0f;
+    gemm_s(s, sK_a, q_a, 0);
 
-    constexpr int kDpNT = kSNT / Tr::kDpPasses;  // n8 tiles of dPᵀ per pass
-#pragma unroll
-    for (int pass = 0; pass < Tr::kDpPasses; ++pass) {
-      const int t0 = pass * kDpNT;
-      float dp[kSMT][kDpNT][4];
-#pragma unroll
-      for (int mt = 0; mt < kSMT; ++mt)
-#pragma unroll
-        for (int t = 0; t < kDpNT; ++t)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) dp[mt][t][e] = 0.0f;
-      gemm_s(dp, sV_a, do_a, t0);
+    // The dPᵀ passes are compiled twice, short and full form, and picked per tile before their
+    // products: a branch between a pass's products and its elementwise code splits them into
+    // basic blocks that ptxas schedules apart (in the forward that cost 7-10 %, NOTES v3), so one
+    // pass's exp2 could not overlap the last MMAs of its dPᵀ or the next pass's.
+    auto scores = [&](auto plain_tag) {
+      constexpr bool kPlain = decltype(plain_tag)::value;
+      // Per-tile 32-bit forms of the band test and the ALiBi distance: for key `key` and query
+      // column qc of this tile, i + diag - j = qc - key + tile_diag. The 64-bit per-element
+      // indices they replace cost ptxas 64 bytes of spills at hdim 128.
+      const float slope = detail::alibi_slope(p, b, head);
+      const std::int64_t tile_diag64 = r0 + band.diag - kb;
+      auto clamp32 = [](std::int64_t x) {
+        return static_cast<int>(x > INT32_MAX ? INT32_MAX : x < INT32_MIN ? INT32_MIN : x);
+      };
+      const int tile_diag = clamp32(tile_diag64);
+      const int dk_hi = band.right < 0 ? INT32_MAX : clamp32(tile_diag64 + band.right);  // key - qc <= dk_hi
+      const int dk_lo = band.left < 0 ? INT32_MIN : clamp32(tile_diag64 - band.left);   // key - qc >= dk_lo
+      const int rows_valid = static_cast<int>(si.len_q - r0 < kBlockM ? si.len_q - r0 : kBlockM);
 
-      if (plain) {
+      constexpr int kDpNT = kSNT / Tr::kDpPasses;  // n8 tiles of dPᵀ per pass
+#pragma unroll
+      for (int pass = 0; pass < Tr::kDpPasses; ++pass) {
+        const int t0 = pass * kDpNT;
+        float dp[kSMT][kDpNT][4];
 #pragma unroll
         for (int mt = 0; mt < kSMT; ++mt)
 #pragma unroll
           for (int t = 0; t < kDpNT; ++t)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int qc = q0 + (t0 + t) * 8 + 2 * (lane % 4) + (e % 2);
-              const float pr = fast_exp2(fmaf(s[mt][t0 + t][e], p.scale_log2, -lse_s[qc] * kLog2e));
-              s[mt][t0 + t][e] = pr;
-              dp[mt][t][e] = pr * (dp[mt][t][e] - d_s[qc]);
-            }
-      } else {
+            for (int e = 0; e < 4; ++e) dp[mt][t][e] = 0.0f;
+        gemm_s(dp, sV_a, do_a, t0);
+
+        if constexpr (kPlain) {
+#pragma unroll
+          for (int mt = 0; mt < kSMT; ++mt)
+#pragma unroll
+            for (int t = 0; t < kDpNT; ++t)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const int qc = q0 + (t0 + t) * 8 + 2 * (lane % 4) + (e % 2);
+                const float pr = fast_exp2(fmaf(s[mt][t0 + t][e], p.scale_log2, -lse_s[qc] * kLog2e));
+                s[mt][t0 + t][e] = pr;
+                dp[mt][t][e] = pr * (dp[mt][t][e] - d_s[qc]);
+              }
+        } else {
+#pragma unroll
+          for (int mt = 0; mt < kSMT; ++mt)
+#pragma unroll
+            for (int t = 0; t < kDpNT; ++t)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const int key = key0 + 16 * mt + lane / 4 + 8 * (e / 2);
+                const int qc = q0 + (t0 + t) * 8 + 2 * (lane % 4) + (e % 2);
+                float& sv = s[mt][t0 + t][e];
+                float s2, dcap = 1.0f;  // score · log2 e; d(score)/d(scale·q·k)
+                if (has_softcap) {
+                  const float th = tanhf(sv * softcap_inv_scale);
+                  s2 = th * softcap_log2;
+                  dcap = 1.0f - th * th;
+                } else {
+                  s2 = sv * p.scale_log2;
+                }
+                if (p.alibi != nullptr) {
+                  const int dist = qc - key + tile_diag;
+                  s2 -= slope * static_cast<float>(dist < 0 ? -dist : dist) * kLog2e;
+                }
+                const bool visible = key < keys_valid && key - qc <= dk_hi && key - qc >= dk_lo;
+                // Rows past the end or with no visible key (lse = -inf) get P = 0 exactly.
+                const float lse = lse_s[qc];
+                const bool live = visible && qc < rows_valid && lse != -INFINITY;
+                const float pr = live ? fast_exp2(s2 - lse * kLog2e) : 0.0f;
+                float dpv = dp[mt][t][e], pdrop = pr;
+                if (has_dropout) {
+                  const bool keep = (sKeep[qc * kKeepWords + key / 32] >> (key % 32)) & 1u;
+                  pdrop = keep ? pr * p.dropout_rescale : 0.0f;
+                  dpv = keep ? dpv * p.dropout_rescale : 0.0f;
+                }
+                sv = pdrop;
+                dp[mt][t][e] = pr * (dpv - d_s[qc]) * dcap;
+              }
+        }
+
+        // dSᵀ (for dK and dQ) and P_dropᵀ (for dV) to shared memory as T, for the warps of the other
+        // two grids.
 #pragma unroll
         for (int mt = 0; mt < kSMT; ++mt)
 #pragma unroll
           for (int t = 0; t < kDpNT; ++t)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int key = key0 + 16 * mt + lane / 4 + 8 * (e / 2);
-              const int qc = q0 + (t0 + t) * 8 + 2 * (lane % 4) + (e % 2);
-              float& sv = s[mt][t0 + t][e];
-              float s2, dcap = 1.0f;  // score · log2 e; d(score)/d(scale·q·k)
-              if (has_softcap) {
-                const float th = tanhf(sv * softcap_inv_scale);
-                s2 = th * softcap_log2;
-                dcap = 1.0f - th * th;
-              } else {
-                s2 = sv * p.scale_log2;
-              }
-              if (p.alibi != nullptr) {
-                const int dist = qc - key + tile_diag;
-                s2 -= slope * static_cast<float>(dist < 0 ? -dist : dist) * kLog2e;
-              }
-              const bool visible = key < keys_valid && key - qc <= dk_hi && key - qc >= dk_lo;
-              // Rows past the end or with no visible key (lse = -inf) get P = 0 exactly.
-              const float lse = lse_s[qc];
-              const bool live = visible && qc < rows_valid && lse != -INFINITY;
-              const float pr = live ? fast_exp2(s2 - lse * kLog2e) : 0.0f;
-              float dpv = dp[mt][t][e], pdrop = pr;
-              if (has_dropout) {
-                const bool keep = (sKeep[qc * kKeepWords + key / 32] >> (key % 32)) & 1u;
-                pdrop = keep ? pr * p.dropout_rescale : 0.0f;
-                dpv = keep ? dpv * p.dropout_rescale : 0.0f;
-              }
-              sv = pdrop;
-              dp[mt][t][e] = pr * (dpv - d_s[qc]) * dcap;
+            for (int h2 = 0; h2 < 2; ++h2) {
+              const std::uint32_t off = SwM::step(off_s_st, 16 * mt + 8 * h2, t0 + t);
+              sts_b32(sdS_a + off, pack2<T>(dp[mt][t][2 * h2], dp[mt][t][2 * h2 + 1]));
+              sts_b32(sP_a + off, pack2<T>(s[mt][t0 + t][2 * h2], s[mt][t0 + t][2 * h2 + 1]));
             }
       }
-
-      // dSᵀ (for dK and dQ) and P_dropᵀ (for dV) to shared memory as T, for the warps of the other
-      // two grids.
-#pragma unroll
-      for (int mt = 0; mt < kSMT; ++mt)
-#pragma unroll
-        for (int t = 0; t < kDpNT; ++t)
-#pragma unroll
-          for (int h2 = 0; h2 < 2; ++h2) {
-            const std::uint32_t off = SwM::step(off_s_st, 16 * mt + 8 * h2, t0 + t);
-            sts_b32(sdS_a + off, pack2<T>(dp[mt][t][2 * h2], dp[mt][t][2 * h2 + 1]));
-            sts_b32(sP_a + off, pack2<T>(s[mt][t0 + t][2 * h2], s[mt][t0 + t][2 * h2 + 1]));
-          }
-    }
+    };
+    if (plain) scores(std::true_type{});
+    else scores(std::false_type{});
     __syncthreads();  // Pᵀ, dSᵀ complete
 
 #pragma unroll
