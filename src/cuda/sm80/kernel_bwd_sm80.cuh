@@ -270,12 +270,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   T* sV = sK + Tr::kKVElems;                 // (kBlockN, kHeadDim)
   T* sdS = sV + Tr::kKVElems;                // (kBlockN, kBlockM) dSᵀ
   T* sP = sdS + Tr::kSElems;                 // (kBlockN, kBlockM) P_dropᵀ
-  float* sLse = reinterpret_cast<float*>(sP + Tr::kSElems);  // kMaxStages × (kBlockM)
-  float* sD = sLse + Tr::kMaxStages * kBlockM;                                        // kMaxStages × (kBlockM)
+  float* sLse = reinterpret_cast<float*>(sP + Tr::kSElems);                                 // kMaxStages × (kBlockM)
+  float* sD = sLse + Tr::kMaxStages * kBlockM;                                              // kMaxStages × (kBlockM)
   std::uint32_t* sKeep = reinterpret_cast<std::uint32_t*>(sD + Tr::kMaxStages * kBlockM);  // (kBlockM, kKeepWords)
-  // stages × [Q (kBlockM, kHeadDim), dO (kBlockM, kHeadDim)]
-  T* sQ = reinterpret_cast<T*>(smem_raw + Tr::kFixedSmemBytes);
-  T* sdO = sQ + Tr::kQElems;
+  T* sQ = reinterpret_cast<T*>(smem_raw + Tr::kFixedSmemBytes);  // stage s: sQ + s · 2 kQElems, (kBlockM, kHeadDim)
+  T* sdO = sQ + Tr::kQElems;                                      // stage s: sdO + s · 2 kQElems, (kBlockM, kHeadDim)
   // 1 or 2 (launcher); a constant where only one fits every device.
   const int stages = Tr::kMinStages == Tr::kMaxStages ? Tr::kMaxStages : n_stages;
 
