@@ -399,10 +399,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       __syncthreads();
     }
 
-    // dV += P_dropᵀ dO and dK += dSᵀ Q over 16 query rows (step kk) for the warp's (kKVWarpN,
-    // kKVWarpD) tile, A operands given. dV first, then dK, so that only one operand's B fragments
-    // are in flight.
-    auto mma_dkdv = [&](int kk, const std::uint32_t(&ap)[kKVMT][4], const std::uint32_t(&ads)[kKVMT][4]) {
+    // dV += P_dropᵀ dO (mma_dv) and dK += dSᵀ Q (mma_dk) over 16 query rows (step kk) for the
+    // warp's (kKVWarpN, kKVWarpD) tile, A operands given.
+    auto mma_dv = [&](int kk, const std::uint32_t(&ap)[kKVMT][4]) {
 #pragma unroll
       for (int nj = 0; nj < kKVNT / 2; ++nj) {
         std::uint32_t bo[4];
@@ -414,6 +413,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
           mma_16816<T>(acc_dv[mt][2 * nj + 1], ap[mt], bo1);
         }
       }
+    };
+    auto mma_dk = [&](int kk, const std::uint32_t(&ads)[kKVMT][4]) {
 #pragma unroll
       for (int nj = 0; nj < kKVNT / 2; ++nj) {
         std::uint32_t bq[4];
@@ -569,24 +570,24 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
 
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      std::uint32_t ap[kKVMT][4], ads[kKVMT][4];
+      std::uint32_t ap[kKVMT][4];
 #pragma unroll
-      for (int mt = 0; mt < kKVMT; ++mt) {
-        ldsm_x4(ap[mt], sP_a + SwM::step(off_s_a, 16 * mt, 2 * kk));
-        ldsm_x4(ads[mt], sdS_a + SwM::step(off_s_a, 16 * mt, 2 * kk));
+      for (int mt = 0; mt < kKVMT; ++mt) ldsm_x4(ap[mt], sP_a + SwM::step(off_s_a, 16 * mt, 2 * kk));
+      mma_dv(kk, ap);
+    }
+    auto dk_products = [&] {
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk) {
+        std::uint32_t ads[kKVMT][4];
+#pragma unroll
+        for (int mt = 0; mt < kKVMT; ++mt) ldsm_x4(ads[mt], sdS_a + SwM::step(off_s_a, 16 * mt, 2 * kk));
+        mma_dk(kk, ads);
       }
-      mma_dkdv(kk, ap, ads);
-    }
-
-    if (stages == 1) {
-      // Q and dO are read by nobody past this point: the next step's copy overlaps dQ.
-      __syncthreads();
-      if (it + 1 < n_iter) load_q_block(it + 1, 0);
-    }
+    };
 
     // dQ partial = dS K, (kBlockM, kHeadDim) over the dQ warp grid in passes of kDqPass columns,
     // added into the fp32 accumulator.
-    {
+    auto dq_products = [&] {
       const int row = dq_m0 + lane / 4;  // of m tile 0 half 0; + 16·mt + 8·half
       float* acc_row = dq_acc + (static_cast<std::int64_t>(head) * p.total_q + si.global_q_row0 + r0 + row) * p.d;
       int* tile_sem = nullptr;
@@ -656,6 +657,19 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         __syncthreads();
         if (tid == 0) sem_release(tile_sem, turn + 1);
       }
+    };
+    // Order after dV: with two stages dQ comes before dK, as FlashAttention-2 orders them, so that
+    // the dK products overlap the dQ reductions in flight instead of the next step's barrier
+    // waiting on them. With one stage dK comes first, so that Q and dO are free and the next
+    // step's copy overlaps dQ.
+    if (stages == 1) {
+      dk_products();
+      __syncthreads();
+      if (it + 1 < n_iter) load_q_block(it + 1, 0);
+      dq_products();
+    } else {
+      dq_products();
+      dk_products();
     }
   }
   cp_async_wait<0>();  // a block with no query rows still has K, V in flight
