@@ -246,6 +246,18 @@ __device__ __forceinline__ void sem_release(int* sem, int value) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(sem), "r"(value) : "memory");
 }
 
+// dQ accumulator += (x, y) at r, r + 1 (8-byte aligned: even column, even row length).
+__device__ __forceinline__ void add_dq_pair(float* r, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // One 8-byte reduction per pair: a warp's instruction then fills whole 32-byte sectors (4 lanes
+  // x 8 bytes per row) instead of half-filling twice as many.
+  atomicAdd(reinterpret_cast<float2*>(r), make_float2(x, y));
+#else
+  atomicAdd(r, x);
+  atomicAdd(r + 1, y);
+#endif
+}
+
 // 2^x on the MUFU unit (ex2.approx.ftz: 2 ulp, exp2(-inf) = +0), without exp2f's range handling.
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
@@ -599,6 +611,45 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         if (tid == 0) sem_wait(tile_sem, turn);
         __syncthreads();
       }
+      // acc_dq (kDqWarpM, kDqPass) of pass `pass` into the accumulator. Whole tiles of the atomic
+      // path (every row in the sequence, p.d == kHeadDim, so acc_row's rows are kHeadDim long) take
+      // a short form compiled apart: reductions at constant offsets from one address per lane, no
+      // bounds tests. The general form wraps each 8-byte reduction in a branch region with 64-bit
+      // bounds compares and the deterministic test (SASS: ~10 instructions and 2 branches each,
+      // 16 per warp and step). Only with one dQ pass (hdim 64, 128): at hdim 256 (2 passes) the
+      // short form spilled 16 bytes on sm_90.
+      constexpr bool kShortAdds = Tr::kDqWarpD == Tr::kDqPass;
+      const bool whole = !p.deterministic && p.d == kHeadDim && r0 + kBlockM <= si.len_q;
+      auto add_dq = [&](const auto& acc_dq, int pass, auto whole_tag) {
+        constexpr bool kWhole = decltype(whole_tag)::value;
+#pragma unroll
+        for (int mt = 0; mt < kDqMT; ++mt)
+#pragma unroll
+          for (int t = 0; t < kDqNT; ++t) {
+            if constexpr (kWhole) {
+#pragma unroll
+              for (int h2 = 0; h2 < 2; ++h2)
+                add_dq_pair(acc_row + dq_d0 + 2 * (lane % 4) + (16 * mt + 8 * h2) * kHeadDim +
+                                pass * Tr::kDqPass + t * 8,
+                            acc_dq[mt][t][2 * h2], acc_dq[mt][t][2 * h2 + 1]);
+            } else {
+              const int col = dq_d0 + pass * Tr::kDqPass + t * 8 + 2 * (lane % 4);
+              if (col >= p.d) continue;
+#pragma unroll
+              for (int h2 = 0; h2 < 2; ++h2) {
+                if (r0 + row + 16 * mt + 8 * h2 >= si.len_q) continue;
+                float* r = acc_row + (16 * mt + 8 * h2) * p.d + col;
+                const float x = acc_dq[mt][t][2 * h2], y = acc_dq[mt][t][2 * h2 + 1];
+                if (p.deterministic) {
+                  __stcg(r, __ldcg(r) + x);
+                  __stcg(r + 1, __ldcg(r + 1) + y);
+                } else {
+                  add_dq_pair(r, x, y);
+                }
+              }
+            }
+          }
+      };
 #pragma unroll
       for (int pass = 0; pass < Tr::kDqWarpD / Tr::kDqPass; ++pass) {
         float acc_dq[kDqMT][kDqNT][4];  // (kDqWarpM, kDqPass) per warp
@@ -625,32 +676,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
             }
           }
         }
-#pragma unroll
-        for (int mt = 0; mt < kDqMT; ++mt)
-#pragma unroll
-          for (int t = 0; t < kDqNT; ++t) {
-            const int col = dq_d0 + pass * Tr::kDqPass + t * 8 + 2 * (lane % 4);
-            if (col >= p.d) continue;
-#pragma unroll
-            for (int h2 = 0; h2 < 2; ++h2) {
-              if (r0 + row + 16 * mt + 8 * h2 >= si.len_q) continue;
-              float* r = acc_row + (16 * mt + 8 * h2) * p.d + col;
-              const float x = acc_dq[mt][t][2 * h2], y = acc_dq[mt][t][2 * h2 + 1];
-              if (p.deterministic) {
-                __stcg(r, __ldcg(r) + x);
-                __stcg(r + 1, __ldcg(r + 1) + y);
-              } else {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-                // One 8-byte reduction per pair: a warp's instruction then fills whole 32-byte
-                // sectors (4 lanes x 8 bytes per row) instead of half-filling twice as many.
-                atomicAdd(reinterpret_cast<float2*>(r), make_float2(x, y));
-#else
-                atomicAdd(r, x);
-                atomicAdd(r + 1, y);
-#endif
-              }
-            }
-          }
+        if constexpr (kShortAdds) {
+          if (whole) add_dq(acc_dq, pass, std::true_type{});
+          else add_dq(acc_dq, pass, std::false_type{});
+        } else {
+          add_dq(acc_dq, pass, std::false_type{});
+        }
       }
       if (p.deterministic) {
         __threadfence();
