@@ -29,6 +29,17 @@ struct Rounder {
   double operator()(double x) const { return active ? round_to(dtype, static_cast<float>(x)) : x; }
   // An fp32 accumulator when emulating, float64 otherwise.
   double acc(double x) const { return active ? static_cast<double>(static_cast<float>(x)) : x; }
+  // sum_c a(c)·b(c): float64, or a plain fp32 running sum (a naive fp32 matrix product) when emulating.
+  template <class A, class B> double dot(int n, A&& a, B&& b) const {
+    if (active) {
+      float sum = 0.0f;
+      for (int c = 0; c < n; ++c) sum += a(c) * b(c);
+      return sum;
+    }
+    double sum = 0.0;
+    for (int c = 0; c < n; ++c) sum += static_cast<double>(a(c)) * b(c);
+    return sum;
+  }
 };
 
 // The scores, probabilities and keep-mask of one (batch, head): everything backward needs.
@@ -58,9 +69,9 @@ HeadForward head_forward(const FwdParams& p, int b, int hq, const SeqInfo& si, c
     double mx = kNegInf;
     for (int j = 0; j < si.len_k; ++j) {
       const std::int64_t ko = detail::offset_of(p.k_stride, b, si.k_row0 + j, hk);
-      double dot = 0.0;
-      for (int c = 0; c < p.d; ++c) dot += static_cast<double>(load(p.q, p.dtype, qo + c)) * load(p.k, p.dtype, ko + c);
-      double x = rnd(rnd.acc(dot) * p.scale);
+      double x = rnd(rnd.dot(p.d, [&](int c) { return load(p.q, p.dtype, qo + c); },
+                             [&](int c) { return load(p.k, p.dtype, ko + c); }) *
+                     p.scale);
       f.raw[static_cast<std::size_t>(i) * si.len_k + j] = x;
       if (p.softcap > 0.0f) x = rnd(p.softcap * std::tanh(x / p.softcap));
       if (p.alibi) x = rnd(x + detail::alibi_bias(slope, i, j, band.diag));
@@ -94,7 +105,7 @@ template <class Fn> void for_each_head(const FwdParams& p, Fn&& fn) {
 }  // namespace
 
 void reference_forward(const FwdParams& p, Precision prec) {
-  const Rounder rnd{prec == Precision::input && p.dtype != DType::f32, p.dtype};
+  const Rounder rnd{prec == Precision::input, p.dtype};
   for_each_head(p, [&](int b, int hq, const SeqInfo& si) {
     const HeadForward f = head_forward(p, b, hq, si, rnd);
     const int hk = hq / p.group();
@@ -118,7 +129,7 @@ void reference_forward(const FwdParams& p, Precision prec) {
 // dQ = scale·dS K;  dK = scale·dSᵀ Q. dK and dV are summed over the query heads of a KV group, so
 // the loop runs over (batch, KV head) and visits the group's query heads in order.
 void reference_backward(const BwdParams& p, Precision prec) {
-  const Rounder rnd{prec == Precision::input && p.dtype != DType::f32, p.dtype};
+  const Rounder rnd{prec == Precision::input, p.dtype};
   const int pairs = p.batch * p.h_k;
 #pragma omp parallel for schedule(dynamic)
   for (int bk = 0; bk < pairs; ++bk) {

@@ -161,9 +161,14 @@ TEST(Numerics, HugeScoresStayFiniteAndExact) {
   for (std::int64_t i = 0; i < pb.k.numel(); ++i) pb.k.set(i, pb.k.get(i) * 60.0f);
   auto [o, l] = pb.forward(Context{});
   auto [ro, rl] = pb.reference(Precision::f64);
+  auto [fo, fl] = pb.reference(Precision::input);  // standard attention done in fp32
   EXPECT_GT(max_abs(rl.values()), 5e3);
   for (double x : o.values()) ASSERT_TRUE(std::isfinite(x));
-  EXPECT_LE(max_abs_diff(o.values(), ro.values()), 1e-5 * max_abs(ro.values()));
+  // A score near 1e4 carries only ~1e-3 absolute precision in fp32 (ulp 2^-10), and exp turns that
+  // into ~1e-3 relative error of P: no fp32 implementation meets 1e-5 against float64 here. The
+  // FlashAttention rule applies instead: at most 2x the error of the same math done in fp32.
+  const double scale = std::max(max_abs(ro.values()), 1.0);
+  EXPECT_LE(max_abs_diff(o.values(), ro.values()), 2.0 * max_abs_diff(fo.values(), ro.values()) + 1e-5 * scale);
   EXPECT_LE(max_abs_diff(l.values(), rl.values()), 1e-6 * max_abs(rl.values()));
   auto g = pb.backward(o, l, Context{});
   for (auto* t : {&g.dq, &g.dk, &g.dv})
