@@ -41,7 +41,9 @@ struct Options {
 
 // Packed variable-length batches: q is (total_q, h, d), k and v are (total_k, h_k, d); sequence b
 // owns rows [cu_seqlens_q[b], cu_seqlens_q[b+1]) of q. cu_seqlens_* are int32 of length b+1 on
-// the device of q. max_seqlen_* bound every sequence length (used to size launches).
+// the device of q. max_seqlen_* bound every sequence length (used to size launches). On the CPU
+// the offsets are checked (non-decreasing, within the tensor, within max_seqlen); on CUDA reading
+// them would need a synchronisation, so they are trusted as in FlashAttention-2.
 struct Varlen {
   TensorView cu_seqlens_q;
   TensorView cu_seqlens_k;

@@ -115,7 +115,8 @@ void check_int_range(std::int64_t v, const std::string& name) {
 
 // cu_seqlens: int32, (b + 1), contiguous, on q's device; when host-readable, starts at >= 0, is
 // non-decreasing, stays within the packed tensor and within max_seqlen. Device-resident offsets
-// cannot be read without a synchronisation; kernels clamp them to the tensor instead.
+// cannot be read without a synchronisation, which launchers never do: on CUDA they are trusted,
+// as in FlashAttention-2 (options.hpp says so).
 int check_cu_seqlens(const TensorView& cu, const std::string& name, std::int64_t total, std::int64_t max_seqlen,
                      Device dev, const std::string& max_name) {
   if (!cu.defined()) fail(name, "is required for varlen attention");
