@@ -1,6 +1,6 @@
 // CPU flash backward (FlashAttention-2), deterministic for any thread count: no two threads ever
 // write the same output element, and every sum runs in a fixed order.
-//   pass 0: D = rowsum(dO ∘ O) for every (head, query row).
+//   pass 0: Q, dO (and their transposes), K, V packed to fp32 tiles once; D = rowsum(dO ∘ O).
 //   pass 1: threads over (batch, KV head, key block); each accumulates its dK, dV rows over all
 //           query heads of the GQA group and all query blocks, recomputing P from lse.
 //   pass 2: threads over (batch, query head, query block); each accumulates its dQ rows over the
@@ -84,32 +84,86 @@ void pack_tile(const BwdParams& p, const BlockGrid& kgrid, PackedKV& kv, std::in
   tiles::load_tile(p.v, p.dtype, p.v_stride, b, r0, hk, n, kBlockN, p.d, kv.dp, 1.0f, kv.v.data() + t * kBlockN * kv.dp);
 }
 
-// Pass 0: dsum[lse_index(b, head, i)] = Σ_c dO[i, c] · O[i, c] (accumulated in double) for the
-// rows of query block `block` (numbered across the batch) of head hq. o, dout: (d) staging rows.
-void row_dot(const BwdParams& p, const BlockGrid& qgrid, std::int64_t block, int hq, float* o, float* dout,
-             std::vector<float>& dsum) {
+// Q and dO of every (query block, query head) in fp32, packed once per call like K and V, in the four
+// layouts the products read, zero-padded: (scale·Q)ᵀ, dOᵀ (d, kBlockM) and scale·Q, dO (kBlockM, dp);
+// plus each row's lse (-inf -> +inf so that exp(s - lse) is exactly 0 for a row that saw no key;
+// padding +inf) and D = rowsum(dO ∘ O) (padding 0). Pass 1 used to repack (and transpose) Q and dO
+// for every (key block, query block) pair: O(N²·d / kBlockN) conversion work, now O(N·d) once.
+// Memory: four fp32 copies of Q's size, O(total_q·h·d) like PackedKV.
+struct PackedQ {
+  int d = 0, dp = 0;
+  std::vector<float> qt, dot, q, dout;  // tile index: query block · h + query head
+  std::vector<float> lse, dsum;         // (kBlockM) per tile
+  const float* qt_tile(std::int64_t t) const { return qt.data() + t * d * kBlockM; }
+  const float* dot_tile(std::int64_t t) const { return dot.data() + t * d * kBlockM; }
+  const float* q_tile(std::int64_t t) const { return q.data() + t * kBlockM * dp; }
+  const float* dout_tile(std::int64_t t) const { return dout.data() + t * kBlockM * dp; }
+  const float* lse_tile(std::int64_t t) const { return lse.data() + t * kBlockM; }
+  const float* dsum_tile(std::int64_t t) const { return dsum.data() + t * kBlockM; }
+};
+
+void size_packed(const BwdParams& p, const BlockGrid& qgrid, PackedQ& pq) {
+  pq.d = p.d;
+  pq.dp = tiles::round_up(p.d, kLanes);
+  const std::int64_t n_tiles = qgrid.total() * p.h;
+  pq.qt.resize(static_cast<std::size_t>(n_tiles) * p.d * kBlockM);
+  pq.dot.resize(pq.qt.size());
+  pq.q.resize(static_cast<std::size_t>(n_tiles) * kBlockM * pq.dp);
+  pq.dout.resize(pq.q.size());
+  pq.lse.resize(static_cast<std::size_t>(n_tiles) * kBlockM);
+  pq.dsum.resize(pq.lse.size());
+}
+
+// Packs tile t (query block t / h, head t % h) and computes its rows' D = Σ_c dO[i, c] · O[i, c],
+// accumulated in double. o: (d) staging row.
+void pack_tile(const BwdParams& p, const BlockGrid& qgrid, PackedQ& pq, std::int64_t t, float* o) {
+  const std::int64_t block = t / p.h;
+  const int hq = static_cast<int>(t % p.h);
   const int b = qgrid.batch_of(block);
   const SeqInfo si = seq_info(p, b);
   const std::int64_t i0 = (block - qgrid.first[b]) * kBlockM;
-  const std::int64_t i1 = std::min<std::int64_t>(i0 + kBlockM, si.len_q);
-  for (std::int64_t i = i0; i < i1; ++i) {
-    tiles::load_row(p.out, p.dtype, offset_of(p.o_stride, b, si.q_row0 + i, hq), p.d, 1.0f, o);
-    tiles::load_row(p.dout, p.dtype, offset_of(p.do_stride, b, si.q_row0 + i, hq), p.d, 1.0f, dout);
-    double acc = 0.0;
-    for (int c = 0; c < p.d; ++c) acc += static_cast<double>(o[c]) * dout[c];
-    dsum[lse_index(p, b, hq, si, i)] = static_cast<float>(acc);
+  const int m = static_cast<int>(std::min<std::int64_t>(kBlockM, si.len_q - i0));
+  const std::int64_t r0 = si.q_row0 + i0;
+  const int d = p.d, dp = pq.dp;
+  float* q = pq.q.data() + t * kBlockM * dp;
+  float* dout = pq.dout.data() + t * kBlockM * dp;
+  tiles::load_tile(p.q, p.dtype, p.q_stride, b, r0, hq, m, kBlockM, d, dp, p.scale, q);
+  tiles::load_tile(p.dout, p.dtype, p.do_stride, b, r0, hq, m, kBlockM, d, dp, 1.0f, dout);
+  float* qt = pq.qt.data() + t * d * kBlockM;
+  float* dot = pq.dot.data() + t * d * kBlockM;
+  for (int c = 0; c < d; ++c)
+    for (int r = 0; r < kBlockM; ++r) {
+      qt[c * kBlockM + r] = q[r * dp + c];
+      dot[c * kBlockM + r] = dout[r * dp + c];
+    }
+  float* lse = pq.lse.data() + t * kBlockM;
+  float* dsum = pq.dsum.data() + t * kBlockM;
+  for (int r = 0; r < kBlockM; ++r) {
+    if (r < m) {
+      const std::int64_t idx = lse_index(p, b, hq, si, i0 + r);
+      lse[r] = p.lse[idx] == -INFINITY ? INFINITY : p.lse[idx];
+      tiles::load_row(p.out, p.dtype, offset_of(p.o_stride, b, r0 + r, hq), d, 1.0f, o);
+      double acc = 0.0;
+      for (int c = 0; c < d; ++c) acc += static_cast<double>(o[c]) * dout[r * dp + c];
+      dsum[r] = static_cast<float>(acc);
+    } else {
+      lse[r] = INFINITY;
+      dsum[r] = 0.0f;
+    }
   }
 }
 
 // The gradient of one row of a score tile. Element c is query i, key j = ij(c). On entry s[c] is
-// scale·q·k and dp[c] = dO·v; lse[c], dsum[c] are those of element c's query row, lse with -inf
-// replaced by +inf so that exp(s - lse) is exactly 0 for a row that saw no key. On return
+// scale·q·k and dp[c] = dO·v. lse and dsum are the packed row statistics (lse already +inf where
+// the row saw no key): one per element (pass 1, where a row of the tile is a key and its elements
+// are queries) or, with kRowStats, lse[0] and dsum[0] for the whole row (pass 2). On return
 //   s[c]  = P·Z                      (Z = keep/(1-p), or 1 without dropout): the dV operand
 //   dp[c] = ds_mul · P∘(dP·Z − D) · (1 − tanh²)   (softcap chain rule): the dK / dQ operand.
 // cnt is the number of valid elements; s and dp have room for round_up(cnt, 8).
-template <class IJ>
+template <bool kRowStats, class IJ>
 void score_grads(const BwdParams& p, const Band& band, float slope, bool needs_mask, int hq, const SeqInfo& si,
                  int cnt, IJ ij, const float* lse, const float* dsum, float ds_mul, float* s, float* dp, float* th) {
+  const auto stat = [](const float* x, int c) { return kRowStats ? _mm256_set1_ps(x[0]) : _mm256_loadu_ps(x + c); };
   if (p.softcap > 0.0f) {
     const float inv = 1.0f / p.softcap;
     for (int c = 0; c < cnt; ++c) {
@@ -127,39 +181,34 @@ void score_grads(const BwdParams& p, const Band& band, float slope, bool needs_m
       auto [i, j] = ij(c);
       if (!band.visible(i, j)) s[c] = -INFINITY;
     }
-  for (int c = 0; c < cnt; c += kLanes)
-    _mm256_storeu_ps(s + c, tiles::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), _mm256_loadu_ps(lse + c))));
-
-  if (p.dropout_p > 0.0f) {
+  if (p.dropout_p > 0.0f || p.softcap > 0.0f) {
+    for (int c = 0; c < cnt; c += kLanes)
+      _mm256_storeu_ps(s + c, tiles::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), stat(lse, c))));
     for (int c = 0; c < cnt; ++c) {
-      auto [i, j] = ij(c);
-      const bool keep = detail::dropout_keep(p.seed, p.offset, p.dropout_threshold,
-                                             detail::dropout_row_id(p, hq, si, i), static_cast<std::uint32_t>(j));
-      const float z = keep ? p.dropout_rescale : 0.0f;
-      const float prob = s[c];
-      dp[c] = prob * (dp[c] * z - dsum[c]);
-      s[c] = prob * z;
+      const float d_row = dsum[kRowStats ? 0 : c];
+      if (p.dropout_p > 0.0f) {
+        auto [i, j] = ij(c);
+        const bool keep = detail::dropout_keep(p.seed, p.offset, p.dropout_threshold,
+                                               detail::dropout_row_id(p, hq, si, i), static_cast<std::uint32_t>(j));
+        const float z = keep ? p.dropout_rescale : 0.0f;
+        const float prob = s[c];
+        dp[c] = prob * (dp[c] * z - d_row);
+        s[c] = prob * z;
+      } else {
+        dp[c] = s[c] * (dp[c] - d_row);
+      }
+      if (p.softcap > 0.0f) dp[c] *= 1.0f - th[c] * th[c];
+      dp[c] *= ds_mul;
     }
-  } else {
-    for (int c = 0; c < cnt; ++c) dp[c] = s[c] * (dp[c] - dsum[c]);
+    return;
   }
-  if (p.softcap > 0.0f)
-    for (int c = 0; c < cnt; ++c) dp[c] *= 1.0f - th[c] * th[c];
-  for (int c = 0; c < cnt; ++c) dp[c] *= ds_mul;
-}
-
-// (kBlockM) lse of rows [i0, i0 + m) of head hq with -inf -> +inf, padding +inf; dsum likewise (0).
-void load_row_stats(const BwdParams& p, const std::vector<float>& dsum_all, int b, int hq, const SeqInfo& si,
-                    std::int64_t i0, int m, float* lse, float* dsum) {
-  for (int r = 0; r < kBlockM; ++r) {
-    if (r < m) {
-      const std::int64_t idx = lse_index(p, b, hq, si, i0 + r);
-      lse[r] = p.lse[idx] == -INFINITY ? INFINITY : p.lse[idx];
-      dsum[r] = dsum_all[idx];
-    } else {
-      lse[r] = INFINITY;
-      dsum[r] = 0.0f;
-    }
+  // No dropout, no softcap: P and dS in one pass over the registers.
+  const __m256 mul = _mm256_set1_ps(ds_mul);
+  for (int c = 0; c < cnt; c += kLanes) {
+    const __m256 prob = tiles::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), stat(lse, c)));
+    _mm256_storeu_ps(s + c, prob);
+    const __m256 ds = _mm256_mul_ps(prob, _mm256_sub_ps(_mm256_loadu_ps(dp + c), stat(dsum, c)));
+    _mm256_storeu_ps(dp + c, _mm256_mul_ps(ds, mul));
   }
 }
 
@@ -172,18 +221,16 @@ bool tile_visible(const Band& band, std::int64_t i0, int m, std::int64_t j0, int
 // Pass 1: dK, dV of key block kb of KV head hk.
 struct KeyWorkspace {
   int dp;
-  std::vector<float> qt, q, dot, dout;  // (d, kBlockM) (scale·Q)ᵀ, (kBlockM, dp) scale·Q, dOᵀ, dO
-  std::vector<float> st, dpt, th;       // (kBlockN, kBlockM) Sᵀ -> (P·Z)ᵀ, dPᵀ -> dSᵀ, tanh
-  std::vector<float> dk, dv;            // (kBlockN, dp) accumulators
-  std::vector<float> lse, dsum, row;    // (kBlockM), (kBlockM), (d)
+  std::vector<float> st, dpt, th;  // (kBlockN, kBlockM) Sᵀ -> (P·Z)ᵀ, dPᵀ -> dSᵀ, tanh
+  std::vector<float> dk, dv;       // (kBlockN, dp) accumulators
+  std::vector<float> row;          // (d) staging row for packing
   explicit KeyWorkspace(int d)
-      : dp(tiles::round_up(d, kLanes)), qt(static_cast<std::size_t>(d) * kBlockM), q(kBlockM * dp), dot(qt.size()),
-        dout(q.size()), st(kBlockN * kBlockM), dpt(st.size()), th(st.size()), dk(kBlockN * dp), dv(dk.size()),
-        lse(kBlockM), dsum(kBlockM), row(d) {}
+      : dp(tiles::round_up(d, kLanes)), st(kBlockN * kBlockM), dpt(st.size()), th(st.size()), dk(kBlockN * dp),
+        dv(dk.size()), row(d) {}
 };
 
-void key_block(const BwdParams& p, const PackedKV& kv, const std::vector<float>& dsum_all, int b, std::int64_t tile,
-               std::int64_t j0, int hk, KeyWorkspace& ws) {
+void key_block(const BwdParams& p, const PackedKV& kv, const BlockGrid& qgrid, const PackedQ& pq, int b,
+               std::int64_t tile, std::int64_t j0, int hk, KeyWorkspace& ws) {
   const SeqInfo si = seq_info(p, b);
   const Band band = band_of(p, si);
   const int d = p.d, dp = ws.dp;
@@ -196,26 +243,21 @@ void key_block(const BwdParams& p, const PackedKV& kv, const std::vector<float>&
     for (std::int64_t i0 = 0; i0 < si.len_q; i0 += kBlockM) {
       const int m = static_cast<int>(std::min<std::int64_t>(kBlockM, si.len_q - i0));
       if (!tile_visible(band, i0, m, j0, n, si.len_k)) continue;
-      const std::int64_t r0 = si.q_row0 + i0;
-      tiles::load_tile_transposed(p.q, p.dtype, p.q_stride, b, r0, hq, m, d, kBlockM, p.scale, ws.row.data(), ws.qt.data());
-      tiles::load_tile(p.q, p.dtype, p.q_stride, b, r0, hq, m, m, d, dp, p.scale, ws.q.data());
-      tiles::load_tile_transposed(p.dout, p.dtype, p.do_stride, b, r0, hq, m, d, kBlockM, 1.0f, ws.row.data(), ws.dot.data());
-      tiles::load_tile(p.dout, p.dtype, p.do_stride, b, r0, hq, m, m, d, dp, 1.0f, ws.dout.data());
-      load_row_stats(p, dsum_all, b, hq, si, i0, m, ws.lse.data(), ws.dsum.data());
+      const std::int64_t qtile = (qgrid.first[b] + i0 / kBlockM) * p.h + hq;
 
       // Sᵀ (n, kBlockM) = K (n, d) · (scale·Q)ᵀ (d, kBlockM);  dPᵀ (n, kBlockM) = V (n, d) · dOᵀ (d, kBlockM)
-      tiles::gemm<false>(n, kBlockM, d, kv.k_tile(tile), dp, ws.qt.data(), kBlockM, ws.st.data(), kBlockM);
-      tiles::gemm<false>(n, kBlockM, d, kv.v_tile(tile), dp, ws.dot.data(), kBlockM, ws.dpt.data(), kBlockM);
+      tiles::gemm<false>(n, kBlockM, d, kv.k_tile(tile), dp, pq.qt_tile(qtile), kBlockM, ws.st.data(), kBlockM);
+      tiles::gemm<false>(n, kBlockM, d, kv.v_tile(tile), dp, pq.dot_tile(qtile), kBlockM, ws.dpt.data(), kBlockM);
       const bool needs_mask = band.tile_needs_mask(i0, i0 + m, j0, j0 + n, si.len_k);
       for (int r = 0; r < n; ++r) {
         const std::int64_t j = j0 + r;
         auto ij = [i0, j](int c) { return std::pair<std::int64_t, std::int64_t>{i0 + c, j}; };
-        score_grads(p, band, slope, needs_mask, hq, si, m, ij, ws.lse.data(), ws.dsum.data(), 1.0f,
-                    ws.st.data() + r * kBlockM, ws.dpt.data() + r * kBlockM, ws.th.data() + r * kBlockM);
+        score_grads<false>(p, band, slope, needs_mask, hq, si, m, ij, pq.lse_tile(qtile), pq.dsum_tile(qtile), 1.0f,
+                           ws.st.data() + r * kBlockM, ws.dpt.data() + r * kBlockM, ws.th.data() + r * kBlockM);
       }
       // dV (n, dp) += (P·Z)ᵀ (n, m) · dO (m, dp);  dK (n, dp) += dSᵀ (n, m) · (scale·Q) (m, dp)
-      tiles::gemm<true>(n, dp, m, ws.st.data(), kBlockM, ws.dout.data(), dp, ws.dv.data(), dp);
-      tiles::gemm<true>(n, dp, m, ws.dpt.data(), kBlockM, ws.q.data(), dp, ws.dk.data(), dp);
+      tiles::gemm<true>(n, dp, m, ws.st.data(), kBlockM, pq.dout_tile(qtile), dp, ws.dv.data(), dp);
+      tiles::gemm<true>(n, dp, m, ws.dpt.data(), kBlockM, pq.q_tile(qtile), dp, ws.dk.data(), dp);
     }
   }
   for (int r = 0; r < n; ++r) {
@@ -224,31 +266,24 @@ void key_block(const BwdParams& p, const PackedKV& kv, const std::vector<float>&
   }
 }
 
-// Pass 2: dQ of query block (rows i0 ..) of head hq.
+// Pass 2: dQ of query tile qtile (rows i0 .. of head hq).
 struct QueryWorkspace {
   int dp;
-  std::vector<float> q, dout;    // (kBlockM, d) scale·Q, dO
-  std::vector<float> s, dps, th; // (kBlockM, kBlockN) S -> P, dP -> scale·dS, tanh
-  std::vector<float> dq;         // (kBlockM, dp) accumulator
-  std::vector<float> lse, dsum;  // (kBlockN) one row's value repeated, for score_grads
-  std::vector<float> row_lse, row_dsum;  // (kBlockM)
-  std::vector<float> row;                // (d) staging row
+  std::vector<float> s, dps, th;  // (kBlockM, kBlockN) S -> P, dP -> scale·dS, tanh
+  std::vector<float> dq;          // (kBlockM, dp) accumulator
   explicit QueryWorkspace(int d)
-      : dp(tiles::round_up(d, kLanes)), q(kBlockM * d), dout(q.size()), s(kBlockM * kBlockN), dps(s.size()),
-        th(s.size()), dq(kBlockM * dp), lse(kBlockN), dsum(kBlockN), row_lse(kBlockM), row_dsum(kBlockM), row(d) {}
+      : dp(tiles::round_up(d, kLanes)), s(kBlockM * kBlockN), dps(s.size()), th(s.size()), dq(kBlockM * dp) {}
 };
 
-void query_block(const BwdParams& p, const PackedKV& kv, const BlockGrid& kgrid, const std::vector<float>& dsum_all,
-                 int b, int hq, std::int64_t i0, QueryWorkspace& ws) {
+void query_block(const BwdParams& p, const PackedKV& kv, const BlockGrid& kgrid, const PackedQ& pq, int b, int hq,
+                 std::int64_t i0, std::int64_t qtile, QueryWorkspace& ws) {
   const SeqInfo si = seq_info(p, b);
   const Band band = band_of(p, si);
   const int d = p.d, dp = ws.dp, hk = hq / p.group();
   const int m = static_cast<int>(std::min<std::int64_t>(kBlockM, si.len_q - i0));
   const float slope = detail::alibi_slope(p, b, hq);
-  const std::int64_t r0 = si.q_row0 + i0;
-  tiles::load_tile(p.q, p.dtype, p.q_stride, b, r0, hq, m, m, d, d, p.scale, ws.q.data());
-  tiles::load_tile(p.dout, p.dtype, p.do_stride, b, r0, hq, m, m, d, d, 1.0f, ws.dout.data());
-  load_row_stats(p, dsum_all, b, hq, si, i0, m, ws.row_lse.data(), ws.row_dsum.data());
+  const float* lse = pq.lse_tile(qtile);
+  const float* dsum = pq.dsum_tile(qtile);
   std::fill(ws.dq.begin(), ws.dq.end(), 0.0f);
 
   for (std::int64_t j0 = 0; j0 < si.len_k; j0 += kBlockN) {
@@ -256,22 +291,20 @@ void query_block(const BwdParams& p, const PackedKV& kv, const BlockGrid& kgrid,
     if (!tile_visible(band, i0, m, j0, n, si.len_k)) continue;
     const std::int64_t tile = (kgrid.first[b] + j0 / kBlockN) * p.h_k + hk;
     // S (m, kBlockN) = (scale·Q) (m, d) · Kᵀ (d, kBlockN);  dP (m, kBlockN) = dO (m, d) · Vᵀ (d, kBlockN)
-    tiles::gemm<false>(m, kBlockN, d, ws.q.data(), d, kv.kt_tile(tile), kBlockN, ws.s.data(), kBlockN);
-    tiles::gemm<false>(m, kBlockN, d, ws.dout.data(), d, kv.vt_tile(tile), kBlockN, ws.dps.data(), kBlockN);
+    tiles::gemm<false>(m, kBlockN, d, pq.q_tile(qtile), dp, kv.kt_tile(tile), kBlockN, ws.s.data(), kBlockN);
+    tiles::gemm<false>(m, kBlockN, d, pq.dout_tile(qtile), dp, kv.vt_tile(tile), kBlockN, ws.dps.data(), kBlockN);
     const bool needs_mask = band.tile_needs_mask(i0, i0 + m, j0, j0 + n, si.len_k);
     for (int r = 0; r < m; ++r) {
       const std::int64_t i = i0 + r;
-      std::fill(ws.lse.begin(), ws.lse.end(), ws.row_lse[r]);
-      std::fill(ws.dsum.begin(), ws.dsum.end(), ws.row_dsum[r]);
       auto ij = [i, j0](int c) { return std::pair<std::int64_t, std::int64_t>{i, j0 + c}; };
-      score_grads(p, band, slope, needs_mask, hq, si, n, ij, ws.lse.data(), ws.dsum.data(), p.scale,
-                  ws.s.data() + r * kBlockN, ws.dps.data() + r * kBlockN, ws.th.data() + r * kBlockN);
+      score_grads<true>(p, band, slope, needs_mask, hq, si, n, ij, lse + r, dsum + r, p.scale,
+                        ws.s.data() + r * kBlockN, ws.dps.data() + r * kBlockN, ws.th.data() + r * kBlockN);
     }
     // dQ (m, dp) += scale·dS (m, n) · K (n, dp)
     tiles::gemm<true>(m, dp, n, ws.dps.data(), kBlockN, kv.k_tile(tile), dp, ws.dq.data(), dp);
   }
   for (int r = 0; r < m; ++r)
-    tiles::store_row(p.dq, p.dtype, offset_of(p.dq_stride, b, r0 + r, hq), d, ws.dq.data() + r * dp);
+    tiles::store_row(p.dq, p.dtype, offset_of(p.dq_stride, b, si.q_row0 + i0 + r, hq), d, ws.dq.data() + r * dp);
 }
 
 }  // namespace
@@ -279,9 +312,11 @@ void query_block(const BwdParams& p, const PackedKV& kv, const BlockGrid& kgrid,
 void flash_backward(const BwdParams& p, int num_threads) {
   const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
   const BlockGrid qgrid(p, kBlockM, false), kgrid(p, kBlockN, true);
-  std::vector<float> dsum(static_cast<std::size_t>(p.h) * p.total_q);
   PackedKV kv;
   size_packed(p, kgrid, kv);
+  PackedQ pq;
+  size_packed(p, qgrid, pq);
+  const std::int64_t n_ktiles = kgrid.total() * p.h_k, n_qtiles = qgrid.total() * p.h;
 
   // One parallel region, its loops separated by barriers: on a loaded 2-core machine each
   // fork/join cost ~10 ms (see flash_fwd.cpp).
@@ -290,23 +325,22 @@ void flash_backward(const BwdParams& p, int num_threads) {
     KeyWorkspace kws(p.d);
     QueryWorkspace qws(p.d);
 #pragma omp for schedule(static) nowait
-    for (std::int64_t t = 0; t < qgrid.total() * p.h; ++t)
-      row_dot(p, qgrid, t / p.h, static_cast<int>(t % p.h), kws.row.data(), qws.row.data(), dsum);
+    for (std::int64_t t = 0; t < n_qtiles; ++t) pack_tile(p, qgrid, pq, t, kws.row.data());
 #pragma omp for schedule(static)
-    for (std::int64_t t = 0; t < kgrid.total() * p.h_k; ++t) pack_tile(p, kgrid, kv, t, kws.row.data());
+    for (std::int64_t t = 0; t < n_ktiles; ++t) pack_tile(p, kgrid, kv, t, kws.row.data());
 
     // Dynamic: under causal masks the work of a key block shrinks with its index.
 #pragma omp for schedule(dynamic, 1)
-    for (std::int64_t t = 0; t < kgrid.total() * p.h_k; ++t) {
+    for (std::int64_t t = 0; t < n_ktiles; ++t) {
       const std::int64_t block = t / p.h_k;
       const int b = kgrid.batch_of(block);
-      key_block(p, kv, dsum, b, t, (block - kgrid.first[b]) * kBlockN, static_cast<int>(t % p.h_k), kws);
+      key_block(p, kv, qgrid, pq, b, t, (block - kgrid.first[b]) * kBlockN, static_cast<int>(t % p.h_k), kws);
     }
 #pragma omp for schedule(dynamic, 1) nowait
-    for (std::int64_t t = 0; t < qgrid.total() * p.h; ++t) {
+    for (std::int64_t t = 0; t < n_qtiles; ++t) {
       const std::int64_t block = t / p.h;
       const int b = qgrid.batch_of(block);
-      query_block(p, kv, kgrid, dsum, b, static_cast<int>(t % p.h), (block - qgrid.first[b]) * kBlockM, qws);
+      query_block(p, kv, kgrid, pq, b, static_cast<int>(t % p.h), (block - qgrid.first[b]) * kBlockM, t, qws);
     }
   }
 }
