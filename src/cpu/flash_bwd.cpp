@@ -1,12 +1,14 @@
 // CPU flash backward (FlashAttention-2), deterministic for any thread count: no two threads ever
-// write the same output element, and every sum runs in a fixed order.
+// write the same output element, and every sum runs in an order fixed by the shape alone.
 //   pass 0: Q, dO (and their transposes), K, V packed to fp32 tiles once; D = rowsum(dO ∘ O).
-//   pass 1: threads over (batch, KV head, key block); each accumulates its dK, dV rows over all
-//           query heads of the GQA group and all query blocks, recomputing P from lse.
-//   pass 2: threads over (batch, query head, query block); each accumulates its dQ rows over the
-//           key blocks, recomputing P and dP.
-// Pass 2 recomputes two of pass 1's four products (7 block products instead of FlashAttention-2's
-// 5 with atomic dQ): the price of determinism without per-thread dQ copies.
+//   pass 1: threads over (batch, key chunk, KV head). A key chunk is a fixed run of key blocks;
+//           for each of its key blocks the task accumulates dK, dV over all query heads of the GQA
+//           group and all query blocks, and adds dS·K into the chunk's own partial dQ.
+//   pass 2: threads over (batch, query head, query block): dQ = scale · Σ_c partial_c, chunks in
+//           order.
+// Five block products per tile pair, as FlashAttention-2 with atomic dQ. The earlier version
+// recomputed S and dP in a separate dQ pass (7 products); the partials cost O(chunks·total_q·h·d)
+// memory instead, with the chunk count bounded by kMaxChunks.
 #include <omp.h>
 
 #include <algorithm>
@@ -46,6 +48,28 @@ struct BlockGrid {
     return static_cast<int>(std::upper_bound(first.begin(), first.end(), block) - first.begin()) - 1;
   }
 };
+
+// Key chunks of pass 1: enough (batch, chunk, KV head) tasks to balance the threads, at most
+// kMaxChunks partial dQ buffers (each the size of Q in fp32). Depends on the shape only, never on
+// the thread count, so the order of the dQ sum is the same for any number of threads.
+constexpr int kTargetTasks = 32;
+constexpr int kMaxChunks = 8;
+
+int chunks_per_entry(const BwdParams& p) {
+  const int per_entry = (kTargetTasks + p.batch * p.h_k - 1) / (p.batch * p.h_k);
+  return std::clamp(per_entry, 1, kMaxChunks);
+}
+
+// Chunks of batch entry b: one per key block when it has fewer blocks than chunks (0 if no key).
+int used_chunks(const BlockGrid& kgrid, int b, int chunks) {
+  return static_cast<int>(std::min<std::int64_t>(chunks, kgrid.first[b + 1] - kgrid.first[b]));
+}
+
+// Key block range [begin, end) of chunk c of batch entry b: chunks split the entry's blocks evenly.
+std::pair<std::int64_t, std::int64_t> chunk_blocks(const BlockGrid& kgrid, int b, int used, int c) {
+  const std::int64_t nb = kgrid.first[b + 1] - kgrid.first[b];
+  return {nb * c / used, nb * (c + 1) / used};
+}
 
 // K and V of every (key block, KV head) in fp32, in the four layouts the products read, zero-padded:
 // Kᵀ, Vᵀ (d, kBlockN) and K, V (kBlockN, dp). O(total_k·h_k·d) memory, converted once.
@@ -218,7 +242,8 @@ bool tile_visible(const Band& band, std::int64_t i0, int m, std::int64_t j0, int
   return band.key_begin(i0, len_k) < j0 + n && band.key_end(i0 + m, len_k) > j0;
 }
 
-// Pass 1: dK, dV of key block kb of KV head hk.
+// Pass 1: dK, dV of the key blocks of chunk c of batch entry b and KV head hk, and that chunk's
+// partial dQ for every query head of the group.
 struct KeyWorkspace {
   int dp;
   std::vector<float> st, dpt, th;  // (kBlockN, kBlockM) Sᵀ -> (P·Z)ᵀ, dPᵀ -> dSᵀ, tanh
@@ -229,82 +254,76 @@ struct KeyWorkspace {
         dv(dk.size()), row(d) {}
 };
 
-void key_block(const BwdParams& p, const PackedKV& kv, const BlockGrid& qgrid, const PackedQ& pq, int b,
-               std::int64_t tile, std::int64_t j0, int hk, KeyWorkspace& ws) {
+// dq_part: this chunk's partial dQ, (query tile, kBlockM, dp) tiles indexed like PackedQ.
+void key_chunk(const BwdParams& p, const PackedKV& kv, const BlockGrid& kgrid, const BlockGrid& qgrid, const PackedQ& pq,
+               int b, int hk, std::int64_t kb_begin, std::int64_t kb_end, float* dq_part, KeyWorkspace& ws) {
   const SeqInfo si = seq_info(p, b);
   const Band band = band_of(p, si);
   const int d = p.d, dp = ws.dp;
-  const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, si.len_k - j0));
-  std::fill(ws.dk.begin(), ws.dk.end(), 0.0f);
-  std::fill(ws.dv.begin(), ws.dv.end(), 0.0f);
+  const std::size_t q_tile_size = static_cast<std::size_t>(kBlockM) * dp;
+  for (int hq = hk * p.group(); hq < (hk + 1) * p.group(); ++hq)
+    for (std::int64_t qb = qgrid.first[b]; qb < qgrid.first[b + 1]; ++qb)
+      std::fill_n(dq_part + (qb * p.h + hq) * q_tile_size, q_tile_size, 0.0f);
 
-  for (int hq = hk * p.group(); hq < (hk + 1) * p.group(); ++hq) {
-    const float slope = detail::alibi_slope(p, b, hq);
-    for (std::int64_t i0 = 0; i0 < si.len_q; i0 += kBlockM) {
-      const int m = static_cast<int>(std::min<std::int64_t>(kBlockM, si.len_q - i0));
-      if (!tile_visible(band, i0, m, j0, n, si.len_k)) continue;
-      const std::int64_t qtile = (qgrid.first[b] + i0 / kBlockM) * p.h + hq;
+  for (std::int64_t kb = kb_begin; kb < kb_end; ++kb) {
+    const std::int64_t j0 = kb * kBlockN;
+    const std::int64_t tile = (kgrid.first[b] + kb) * p.h_k + hk;
+    const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, si.len_k - j0));
+    std::fill(ws.dk.begin(), ws.dk.end(), 0.0f);
+    std::fill(ws.dv.begin(), ws.dv.end(), 0.0f);
+    for (int hq = hk * p.group(); hq < (hk + 1) * p.group(); ++hq) {
+      const float slope = detail::alibi_slope(p, b, hq);
+      for (std::int64_t i0 = 0; i0 < si.len_q; i0 += kBlockM) {
+        const int m = static_cast<int>(std::min<std::int64_t>(kBlockM, si.len_q - i0));
+        if (!tile_visible(band, i0, m, j0, n, si.len_k)) continue;
+        const std::int64_t qtile = (qgrid.first[b] + i0 / kBlockM) * p.h + hq;
 
-      // Sᵀ (n, kBlockM) = K (n, d) · (scale·Q)ᵀ (d, kBlockM);  dPᵀ (n, kBlockM) = V (n, d) · dOᵀ (d, kBlockM)
-      tiles::gemm<false>(n, kBlockM, d, kv.k_tile(tile), dp, pq.qt_tile(qtile), kBlockM, ws.st.data(), kBlockM);
-      tiles::gemm<false>(n, kBlockM, d, kv.v_tile(tile), dp, pq.dot_tile(qtile), kBlockM, ws.dpt.data(), kBlockM);
-      const bool needs_mask = band.tile_needs_mask(i0, i0 + m, j0, j0 + n, si.len_k);
-      for (int r = 0; r < n; ++r) {
-        const std::int64_t j = j0 + r;
-        auto ij = [i0, j](int c) { return std::pair<std::int64_t, std::int64_t>{i0 + c, j}; };
-        score_grads<false>(p, band, slope, needs_mask, hq, si, m, ij, pq.lse_tile(qtile), pq.dsum_tile(qtile), 1.0f,
-                           ws.st.data() + r * kBlockM, ws.dpt.data() + r * kBlockM, ws.th.data() + r * kBlockM);
+        // Sᵀ (n, kBlockM) = K (n, d) · (scale·Q)ᵀ (d, kBlockM);  dPᵀ (n, kBlockM) = V (n, d) · dOᵀ (d, kBlockM)
+        tiles::gemm<false>(n, kBlockM, d, kv.k_tile(tile), dp, pq.qt_tile(qtile), kBlockM, ws.st.data(), kBlockM);
+        tiles::gemm<false>(n, kBlockM, d, kv.v_tile(tile), dp, pq.dot_tile(qtile), kBlockM, ws.dpt.data(), kBlockM);
+        const bool needs_mask = band.tile_needs_mask(i0, i0 + m, j0, j0 + n, si.len_k);
+        for (int r = 0; r < n; ++r) {
+          const std::int64_t j = j0 + r;
+          auto ij = [i0, j](int c) { return std::pair<std::int64_t, std::int64_t>{i0 + c, j}; };
+          score_grads<false>(p, band, slope, needs_mask, hq, si, m, ij, pq.lse_tile(qtile), pq.dsum_tile(qtile),
+                             1.0f, ws.st.data() + r * kBlockM, ws.dpt.data() + r * kBlockM, ws.th.data() + r * kBlockM);
+        }
+        // dV (n, dp) += (P·Z)ᵀ (n, m) · dO (m, dp);  dK (n, dp) += dSᵀ (n, m) · (scale·Q) (m, dp)
+        tiles::gemm<true>(n, dp, m, ws.st.data(), kBlockM, pq.dout_tile(qtile), dp, ws.dv.data(), dp);
+        tiles::gemm<true>(n, dp, m, ws.dpt.data(), kBlockM, pq.q_tile(qtile), dp, ws.dk.data(), dp);
+        // dQ partial (m, dp) += dS (m, n) · K (n, dp), dS read from the dSᵀ tile; scale applied in pass 2.
+        tiles::gemm<true, true>(m, dp, n, ws.dpt.data(), kBlockM, kv.k_tile(tile), dp, dq_part + qtile * q_tile_size, dp);
       }
-      // dV (n, dp) += (P·Z)ᵀ (n, m) · dO (m, dp);  dK (n, dp) += dSᵀ (n, m) · (scale·Q) (m, dp)
-      tiles::gemm<true>(n, dp, m, ws.st.data(), kBlockM, pq.dout_tile(qtile), dp, ws.dv.data(), dp);
-      tiles::gemm<true>(n, dp, m, ws.dpt.data(), kBlockM, pq.q_tile(qtile), dp, ws.dk.data(), dp);
     }
-  }
-  for (int r = 0; r < n; ++r) {
-    tiles::store_row(p.dk, p.dtype, offset_of(p.dk_stride, b, si.k_row0 + j0 + r, hk), d, ws.dk.data() + r * dp);
-    tiles::store_row(p.dv, p.dtype, offset_of(p.dv_stride, b, si.k_row0 + j0 + r, hk), d, ws.dv.data() + r * dp);
+    for (int r = 0; r < n; ++r) {
+      tiles::store_row(p.dk, p.dtype, offset_of(p.dk_stride, b, si.k_row0 + j0 + r, hk), d, ws.dk.data() + r * dp);
+      tiles::store_row(p.dv, p.dtype, offset_of(p.dv_stride, b, si.k_row0 + j0 + r, hk), d, ws.dv.data() + r * dp);
+    }
   }
 }
 
-// Pass 2: dQ of query tile qtile (rows i0 .. of head hq).
-struct QueryWorkspace {
-  int dp;
-  std::vector<float> s, dps, th;  // (kBlockM, kBlockN) S -> P, dP -> scale·dS, tanh
-  std::vector<float> dq;          // (kBlockM, dp) accumulator
-  explicit QueryWorkspace(int d)
-      : dp(tiles::round_up(d, kLanes)), s(kBlockM * kBlockN), dps(s.size()), th(s.size()), dq(kBlockM * dp) {}
-};
-
-void query_block(const BwdParams& p, const PackedKV& kv, const BlockGrid& kgrid, const PackedQ& pq, int b, int hq,
-                 std::int64_t i0, std::int64_t qtile, QueryWorkspace& ws) {
+// Pass 2: dQ rows of query tile qtile = scale · (partial_0 + partial_1 + ...), chunks in order.
+// row: (dp) staging row.
+void reduce_dq(const BwdParams& p, const BlockGrid& kgrid, const BlockGrid& qgrid, const std::vector<float>& dq_parts, int chunks,
+               std::int64_t qtile, int dp, float* row) {
+  const std::int64_t block = qtile / p.h;
+  const int hq = static_cast<int>(qtile % p.h);
+  const int b = qgrid.batch_of(block);
   const SeqInfo si = seq_info(p, b);
-  const Band band = band_of(p, si);
-  const int d = p.d, dp = ws.dp, hk = hq / p.group();
+  const std::int64_t i0 = (block - qgrid.first[b]) * kBlockM;
   const int m = static_cast<int>(std::min<std::int64_t>(kBlockM, si.len_q - i0));
-  const float slope = detail::alibi_slope(p, b, hq);
-  const float* lse = pq.lse_tile(qtile);
-  const float* dsum = pq.dsum_tile(qtile);
-  std::fill(ws.dq.begin(), ws.dq.end(), 0.0f);
-
-  for (std::int64_t j0 = 0; j0 < si.len_k; j0 += kBlockN) {
-    const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, si.len_k - j0));
-    if (!tile_visible(band, i0, m, j0, n, si.len_k)) continue;
-    const std::int64_t tile = (kgrid.first[b] + j0 / kBlockN) * p.h_k + hk;
-    // S (m, kBlockN) = (scale·Q) (m, d) · Kᵀ (d, kBlockN);  dP (m, kBlockN) = dO (m, d) · Vᵀ (d, kBlockN)
-    tiles::gemm<false>(m, kBlockN, d, pq.q_tile(qtile), dp, kv.kt_tile(tile), kBlockN, ws.s.data(), kBlockN);
-    tiles::gemm<false>(m, kBlockN, d, pq.dout_tile(qtile), dp, kv.vt_tile(tile), kBlockN, ws.dps.data(), kBlockN);
-    const bool needs_mask = band.tile_needs_mask(i0, i0 + m, j0, j0 + n, si.len_k);
-    for (int r = 0; r < m; ++r) {
-      const std::int64_t i = i0 + r;
-      auto ij = [i, j0](int c) { return std::pair<std::int64_t, std::int64_t>{i, j0 + c}; };
-      score_grads<true>(p, band, slope, needs_mask, hq, si, n, ij, lse + r, dsum + r, p.scale,
-                        ws.s.data() + r * kBlockN, ws.dps.data() + r * kBlockN, ws.th.data() + r * kBlockN);
+  const std::size_t part_size = static_cast<std::size_t>(qgrid.total()) * p.h * kBlockM * dp;
+  const int used = used_chunks(kgrid, b, chunks);
+  const __m256 scale = _mm256_set1_ps(p.scale);
+  for (int r = 0; r < m; ++r) {
+    const float* src = dq_parts.data() + (qtile * kBlockM + r) * dp;
+    for (int c = 0; c < dp; c += kLanes) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int part = 0; part < used; ++part) acc = _mm256_add_ps(acc, _mm256_loadu_ps(src + part * part_size + c));
+      _mm256_storeu_ps(row + c, _mm256_mul_ps(acc, scale));
     }
-    // dQ (m, dp) += scale·dS (m, n) · K (n, dp)
-    tiles::gemm<true>(m, dp, n, ws.dps.data(), kBlockN, kv.k_tile(tile), dp, ws.dq.data(), dp);
+    tiles::store_row(p.dq, p.dtype, offset_of(p.dq_stride, b, si.q_row0 + i0 + r, hq), p.d, row);
   }
-  for (int r = 0; r < m; ++r)
-    tiles::store_row(p.dq, p.dtype, offset_of(p.dq_stride, b, si.q_row0 + i0 + r, hq), d, ws.dq.data() + r * dp);
 }
 
 }  // namespace
@@ -317,31 +336,37 @@ void flash_backward(const BwdParams& p, int num_threads) {
   PackedQ pq;
   size_packed(p, qgrid, pq);
   const std::int64_t n_ktiles = kgrid.total() * p.h_k, n_qtiles = qgrid.total() * p.h;
+  const int chunks = chunks_per_entry(p);
+  // Chunk c's partial dQ, tiles laid out like PackedQ's; an entry with fewer key blocks than
+  // chunks uses only the first ones (chunk_blocks would give the others no block).
+  std::vector<float> dq_parts(static_cast<std::size_t>(chunks) * n_qtiles * kBlockM * pq.dp);
+  const std::int64_t n_tasks = static_cast<std::int64_t>(p.batch) * chunks * p.h_k;
 
   // One parallel region, its loops separated by barriers: on a loaded 2-core machine each
   // fork/join cost ~10 ms (see flash_fwd.cpp).
 #pragma omp parallel num_threads(threads)
   {
-    KeyWorkspace kws(p.d);
-    QueryWorkspace qws(p.d);
+    KeyWorkspace ws(p.d);
 #pragma omp for schedule(static) nowait
-    for (std::int64_t t = 0; t < n_qtiles; ++t) pack_tile(p, qgrid, pq, t, kws.row.data());
+    for (std::int64_t t = 0; t < n_qtiles; ++t) pack_tile(p, qgrid, pq, t, ws.row.data());
 #pragma omp for schedule(static)
-    for (std::int64_t t = 0; t < n_ktiles; ++t) pack_tile(p, kgrid, kv, t, kws.row.data());
+    for (std::int64_t t = 0; t < n_ktiles; ++t) pack_tile(p, kgrid, kv, t, ws.row.data());
 
-    // Dynamic: under causal masks the work of a key block shrinks with its index.
+    // Dynamic, chunks in ascending order: under causal masks chunk 0 sees the most query blocks,
+    // so the largest tasks start first.
 #pragma omp for schedule(dynamic, 1)
-    for (std::int64_t t = 0; t < n_ktiles; ++t) {
-      const std::int64_t block = t / p.h_k;
-      const int b = kgrid.batch_of(block);
-      key_block(p, kv, qgrid, pq, b, t, (block - kgrid.first[b]) * kBlockN, static_cast<int>(t % p.h_k), kws);
+    for (std::int64_t t = 0; t < n_tasks; ++t) {
+      const int c = static_cast<int>(t / (static_cast<std::int64_t>(p.batch) * p.h_k));
+      const int b = static_cast<int>(t / p.h_k % p.batch);
+      const int hk = static_cast<int>(t % p.h_k);
+      const int used = used_chunks(kgrid, b, chunks);
+      if (c >= used) continue;
+      auto [kb_begin, kb_end] = chunk_blocks(kgrid, b, used, c);
+      key_chunk(p, kv, kgrid, qgrid, pq, b, hk, kb_begin, kb_end,
+                dq_parts.data() + static_cast<std::size_t>(c) * n_qtiles * kBlockM * pq.dp, ws);
     }
-#pragma omp for schedule(dynamic, 1) nowait
-    for (std::int64_t t = 0; t < n_qtiles; ++t) {
-      const std::int64_t block = t / p.h;
-      const int b = qgrid.batch_of(block);
-      query_block(p, kv, kgrid, pq, b, static_cast<int>(t % p.h), (block - qgrid.first[b]) * kBlockM, t, qws);
-    }
+#pragma omp for schedule(static) nowait
+    for (std::int64_t t = 0; t < n_qtiles; ++t) reduce_dq(p, kgrid, qgrid, dq_parts, chunks, t, pq.dp, ws.dk.data());
   }
 }
 

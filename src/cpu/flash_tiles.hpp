@@ -97,7 +97,9 @@ inline void scale_row(float* x, int n, float a) {
 // GCC 12 keeps c[][] on the stack, storing all 12 accumulators every k step (65 instead of 105
 // GFLOP/s at 96×64×128), unless the constant loops are unrolled before scalar replacement: hence
 // the pragmas.
-template <int MR, int NV, bool Acc>
+// TransA: A is stored transposed, element (r, k) at A[k·lda + r] (the backward's dSᵀ tile feeds
+// dQ = dS·K without a transpose); the broadcasts are scalar loads either way.
+template <int MR, int NV, bool Acc, bool TransA = false>
 inline void micro_kernel(int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc) {
   __m256 c[MR][NV];
 #pragma GCC unroll 8
@@ -111,7 +113,7 @@ inline void micro_kernel(int K, const float* A, int lda, const float* B, int ldb
     for (int v = 0; v < NV; ++v) b[v] = _mm256_loadu_ps(B + static_cast<std::int64_t>(k) * ldb + v * kLanes);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      __m256 a = _mm256_broadcast_ss(A + r * lda + k);
+      __m256 a = _mm256_broadcast_ss(TransA ? A + static_cast<std::int64_t>(k) * lda + r : A + r * lda + k);
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) c[r][v] = _mm256_fmadd_ps(a, b[v], c[r][v]);
     }
@@ -124,29 +126,30 @@ inline void micro_kernel(int K, const float* A, int lda, const float* B, int ldb
 
 constexpr int kMR = 6;
 
-template <int NV, bool Acc>
+template <int NV, bool Acc, bool TransA>
 inline void gemm_panel(int M, int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc) {
+  const auto a_rows = [&](int i) { return TransA ? A + i : A + i * lda; };
   int i = 0;
-  for (; i + kMR <= M; i += kMR) micro_kernel<kMR, NV, Acc>(K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
-  const float* a = A + i * lda;
+  for (; i + kMR <= M; i += kMR) micro_kernel<kMR, NV, Acc, TransA>(K, a_rows(i), lda, B, ldb, C + i * ldc, ldc);
+  const float* a = a_rows(i);
   float* c = C + i * ldc;
   switch (M - i) {
-    case 5: micro_kernel<5, NV, Acc>(K, a, lda, B, ldb, c, ldc); break;
-    case 4: micro_kernel<4, NV, Acc>(K, a, lda, B, ldb, c, ldc); break;
-    case 3: micro_kernel<3, NV, Acc>(K, a, lda, B, ldb, c, ldc); break;
-    case 2: micro_kernel<2, NV, Acc>(K, a, lda, B, ldb, c, ldc); break;
-    case 1: micro_kernel<1, NV, Acc>(K, a, lda, B, ldb, c, ldc); break;
+    case 5: micro_kernel<5, NV, Acc, TransA>(K, a, lda, B, ldb, c, ldc); break;
+    case 4: micro_kernel<4, NV, Acc, TransA>(K, a, lda, B, ldb, c, ldc); break;
+    case 3: micro_kernel<3, NV, Acc, TransA>(K, a, lda, B, ldb, c, ldc); break;
+    case 2: micro_kernel<2, NV, Acc, TransA>(K, a, lda, B, ldb, c, ldc); break;
+    case 1: micro_kernel<1, NV, Acc, TransA>(K, a, lda, B, ldb, c, ldc); break;
     default: break;
   }
 }
 
 // Column panels outermost: one K×16 panel of B (4 KiB at K = 64) stays in L1 while the row blocks
 // of A stream past it.
-template <bool Acc>
+template <bool Acc, bool TransA = false>
 inline void gemm(int M, int N, int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc) {
   int j = 0;
-  for (; j + 2 * kLanes <= N; j += 2 * kLanes) gemm_panel<2, Acc>(M, K, A, lda, B + j, ldb, C + j, ldc);
-  if (j < N) gemm_panel<1, Acc>(M, K, A, lda, B + j, ldb, C + j, ldc);
+  for (; j + 2 * kLanes <= N; j += 2 * kLanes) gemm_panel<2, Acc, TransA>(M, K, A, lda, B + j, ldb, C + j, ldc);
+  if (j < N) gemm_panel<1, Acc, TransA>(M, K, A, lda, B + j, ldb, C + j, ldc);
 }
 
 // dst[c] = mul · src[c] for c < d, src a row of dtype t; fp16 via F16C (exact, like half_to_float).
