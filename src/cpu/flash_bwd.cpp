@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -71,11 +72,22 @@ std::pair<std::int64_t, std::int64_t> chunk_blocks(const BlockGrid& kgrid, int b
   return {nb * c / used, nb * (c + 1) / used};
 }
 
+// An uninitialised float array. The packed copies and the dQ partials are written in full by the
+// workers before anything reads them; std::vector's zero fill ran on one thread before the parallel
+// region (24 MiB at s = 1k, d = 128, h = 4: ~8 of the 40 ms with 2 threads) and put every page
+// fault on that thread too.
+struct Floats {
+  std::unique_ptr<float[]> p;
+  void resize(std::size_t n) { p = std::make_unique_for_overwrite<float[]>(n); }
+  float* data() { return p.get(); }
+  const float* data() const { return p.get(); }
+};
+
 // K and V of every (key block, KV head) in fp32, in the four layouts the products read, zero-padded:
 // Kᵀ, Vᵀ (d, kBlockN) and K, V (kBlockN, dp). O(total_k·h_k·d) memory, converted once.
 struct PackedKV {
   int d = 0, dp = 0;
-  std::vector<float> kt, vt, k, v;
+  Floats kt, vt, k, v;
   const float* kt_tile(std::int64_t t) const { return kt.data() + t * d * kBlockN; }
   const float* vt_tile(std::int64_t t) const { return vt.data() + t * d * kBlockN; }
   const float* k_tile(std::int64_t t) const { return k.data() + t * kBlockN * dp; }
@@ -87,9 +99,9 @@ void size_packed(const BwdParams& p, const BlockGrid& kgrid, PackedKV& kv) {
   kv.dp = tiles::round_up(p.d, kLanes);
   const std::int64_t n_tiles = kgrid.total() * p.h_k;  // tile index: key block · h_k + KV head
   kv.kt.resize(static_cast<std::size_t>(n_tiles) * p.d * kBlockN);
-  kv.vt.resize(kv.kt.size());
+  kv.vt.resize(static_cast<std::size_t>(n_tiles) * p.d * kBlockN);
   kv.k.resize(static_cast<std::size_t>(n_tiles) * kBlockN * kv.dp);
-  kv.v.resize(kv.k.size());
+  kv.v.resize(static_cast<std::size_t>(n_tiles) * kBlockN * kv.dp);
 }
 
 void pack_tile(const BwdParams& p, const BlockGrid& kgrid, PackedKV& kv, std::int64_t t, float* row) {
@@ -116,8 +128,8 @@ void pack_tile(const BwdParams& p, const BlockGrid& kgrid, PackedKV& kv, std::in
 // Memory: four fp32 copies of Q's size, O(total_q·h·d) like PackedKV.
 struct PackedQ {
   int d = 0, dp = 0;
-  std::vector<float> qt, dot, q, dout;  // tile index: query block · h + query head
-  std::vector<float> lse, dsum;         // (kBlockM) per tile
+  Floats qt, dot, q, dout;  // tile index: query block · h + query head
+  Floats lse, dsum;         // (kBlockM) per tile
   const float* qt_tile(std::int64_t t) const { return qt.data() + t * d * kBlockM; }
   const float* dot_tile(std::int64_t t) const { return dot.data() + t * d * kBlockM; }
   const float* q_tile(std::int64_t t) const { return q.data() + t * kBlockM * dp; }
@@ -131,11 +143,11 @@ void size_packed(const BwdParams& p, const BlockGrid& qgrid, PackedQ& pq) {
   pq.dp = tiles::round_up(p.d, kLanes);
   const std::int64_t n_tiles = qgrid.total() * p.h;
   pq.qt.resize(static_cast<std::size_t>(n_tiles) * p.d * kBlockM);
-  pq.dot.resize(pq.qt.size());
+  pq.dot.resize(static_cast<std::size_t>(n_tiles) * p.d * kBlockM);
   pq.q.resize(static_cast<std::size_t>(n_tiles) * kBlockM * pq.dp);
-  pq.dout.resize(pq.q.size());
+  pq.dout.resize(static_cast<std::size_t>(n_tiles) * kBlockM * pq.dp);
   pq.lse.resize(static_cast<std::size_t>(n_tiles) * kBlockM);
-  pq.dsum.resize(pq.lse.size());
+  pq.dsum.resize(static_cast<std::size_t>(n_tiles) * kBlockM);
 }
 
 // Packs tile t (query block t / h, head t % h) and computes its rows' D = Σ_c dO[i, c] · O[i, c],
@@ -254,16 +266,16 @@ struct KeyWorkspace {
         dv(dk.size()), row(d) {}
 };
 
-// dq_part: this chunk's partial dQ, (query tile, kBlockM, dp) tiles indexed like PackedQ.
+// dq_part: this chunk's partial dQ, (query tile, kBlockM, dp) tiles indexed like PackedQ; the
+// first product into a tile overwrites it and sets touched[tile], so tiles no key of the chunk sees
+// (half of them under a causal mask) are neither cleared nor summed.
 void key_chunk(const BwdParams& p, const PackedKV& kv, const BlockGrid& kgrid, const BlockGrid& qgrid, const PackedQ& pq,
-               int b, int hk, std::int64_t kb_begin, std::int64_t kb_end, float* dq_part, KeyWorkspace& ws) {
+               int b, int hk, std::int64_t kb_begin, std::int64_t kb_end, float* dq_part, unsigned char* touched,
+               KeyWorkspace& ws) {
   const SeqInfo si = seq_info(p, b);
   const Band band = band_of(p, si);
   const int d = p.d, dp = ws.dp;
   const std::size_t q_tile_size = static_cast<std::size_t>(kBlockM) * dp;
-  for (int hq = hk * p.group(); hq < (hk + 1) * p.group(); ++hq)
-    for (std::int64_t qb = qgrid.first[b]; qb < qgrid.first[b + 1]; ++qb)
-      std::fill_n(dq_part + (qb * p.h + hq) * q_tile_size, q_tile_size, 0.0f);
 
   for (std::int64_t kb = kb_begin; kb < kb_end; ++kb) {
     const std::int64_t j0 = kb * kBlockN;
@@ -292,7 +304,13 @@ void key_chunk(const BwdParams& p, const PackedKV& kv, const BlockGrid& kgrid, c
         tiles::gemm<true>(n, dp, m, ws.st.data(), kBlockM, pq.dout_tile(qtile), dp, ws.dv.data(), dp);
         tiles::gemm<true>(n, dp, m, ws.dpt.data(), kBlockM, pq.q_tile(qtile), dp, ws.dk.data(), dp);
         // dQ partial (m, dp) += dS (m, n) · K (n, dp), dS read from the dSᵀ tile; scale applied in pass 2.
-        tiles::gemm<true, true>(m, dp, n, ws.dpt.data(), kBlockM, kv.k_tile(tile), dp, dq_part + qtile * q_tile_size, dp);
+        float* dq = dq_part + qtile * q_tile_size;
+        if (touched[qtile]) {
+          tiles::gemm<true, true>(m, dp, n, ws.dpt.data(), kBlockM, kv.k_tile(tile), dp, dq, dp);
+        } else {
+          tiles::gemm<false, true>(m, dp, n, ws.dpt.data(), kBlockM, kv.k_tile(tile), dp, dq, dp);
+          touched[qtile] = 1;
+        }
       }
     }
     for (int r = 0; r < n; ++r) {
@@ -302,24 +320,26 @@ void key_chunk(const BwdParams& p, const PackedKV& kv, const BlockGrid& kgrid, c
   }
 }
 
-// Pass 2: dQ rows of query tile qtile = scale · (partial_0 + partial_1 + ...), chunks in order.
-// row: (dp) staging row.
-void reduce_dq(const BwdParams& p, const BlockGrid& kgrid, const BlockGrid& qgrid, const std::vector<float>& dq_parts, int chunks,
-               std::int64_t qtile, int dp, float* row) {
+// Pass 2: dQ rows of query tile qtile = scale · (partial_0 + partial_1 + ...), the touched chunks in
+// order. row: (dp) staging row.
+void reduce_dq(const BwdParams& p, const BlockGrid& kgrid, const BlockGrid& qgrid, const Floats& dq_parts,
+               const std::vector<unsigned char>& touched, int chunks, std::int64_t qtile, int dp, float* row) {
   const std::int64_t block = qtile / p.h;
   const int hq = static_cast<int>(qtile % p.h);
   const int b = qgrid.batch_of(block);
   const SeqInfo si = seq_info(p, b);
   const std::int64_t i0 = (block - qgrid.first[b]) * kBlockM;
   const int m = static_cast<int>(std::min<std::int64_t>(kBlockM, si.len_q - i0));
-  const std::size_t part_size = static_cast<std::size_t>(qgrid.total()) * p.h * kBlockM * dp;
+  const std::int64_t n_qtiles = qgrid.total() * p.h;
+  const std::size_t part_size = static_cast<std::size_t>(n_qtiles) * kBlockM * dp;
   const int used = used_chunks(kgrid, b, chunks);
   const __m256 scale = _mm256_set1_ps(p.scale);
   for (int r = 0; r < m; ++r) {
     const float* src = dq_parts.data() + (qtile * kBlockM + r) * dp;
     for (int c = 0; c < dp; c += kLanes) {
       __m256 acc = _mm256_setzero_ps();
-      for (int part = 0; part < used; ++part) acc = _mm256_add_ps(acc, _mm256_loadu_ps(src + part * part_size + c));
+      for (int part = 0; part < used; ++part)
+        if (touched[part * n_qtiles + qtile]) acc = _mm256_add_ps(acc, _mm256_loadu_ps(src + part * part_size + c));
       _mm256_storeu_ps(row + c, _mm256_mul_ps(acc, scale));
     }
     tiles::store_row(p.dq, p.dtype, offset_of(p.dq_stride, b, si.q_row0 + i0 + r, hq), p.d, row);
@@ -339,7 +359,9 @@ void flash_backward(const BwdParams& p, int num_threads) {
   const int chunks = chunks_per_entry(p);
   // Chunk c's partial dQ, tiles laid out like PackedQ's; an entry with fewer key blocks than
   // chunks uses only the first ones (chunk_blocks would give the others no block).
-  std::vector<float> dq_parts(static_cast<std::size_t>(chunks) * n_qtiles * kBlockM * pq.dp);
+  Floats dq_parts;
+  dq_parts.resize(static_cast<std::size_t>(chunks) * n_qtiles * kBlockM * pq.dp);
+  std::vector<unsigned char> touched(static_cast<std::size_t>(chunks) * n_qtiles, 0);
   const std::int64_t n_tasks = static_cast<std::int64_t>(p.batch) * chunks * p.h_k;
 
   // One parallel region, its loops separated by barriers: on a loaded 2-core machine each
@@ -363,10 +385,11 @@ void flash_backward(const BwdParams& p, int num_threads) {
       if (c >= used) continue;
       auto [kb_begin, kb_end] = chunk_blocks(kgrid, b, used, c);
       key_chunk(p, kv, kgrid, qgrid, pq, b, hk, kb_begin, kb_end,
-                dq_parts.data() + static_cast<std::size_t>(c) * n_qtiles * kBlockM * pq.dp, ws);
+                dq_parts.data() + static_cast<std::size_t>(c) * n_qtiles * kBlockM * pq.dp, touched.data() + c * n_qtiles,
+                ws);
     }
 #pragma omp for schedule(static) nowait
-    for (std::int64_t t = 0; t < n_qtiles; ++t) reduce_dq(p, kgrid, qgrid, dq_parts, chunks, t, pq.dp, ws.dk.data());
+    for (std::int64_t t = 0; t < n_qtiles; ++t) reduce_dq(p, kgrid, qgrid, dq_parts, touched, chunks, t, pq.dp, ws.dk.data());
   }
 }
 
