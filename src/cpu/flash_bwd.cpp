@@ -190,21 +190,21 @@ void pack_tile(const BwdParams& p, const BlockGrid& qgrid, PackedQ& pq, std::int
 }
 
 // The gradient of one row of a score tile. Element c is query i, key j = ij(c). On entry s[c] is
-// scale·q·k and dp[c] = dO·v. lse and dsum are the packed row statistics (lse already +inf where
-// the row saw no key): one per element (pass 1, where a row of the tile is a key and its elements
-// are queries) or, with kRowStats, lse[0] and dsum[0] for the whole row (pass 2). On return
-//   s[c]  = P·Z                      (Z = keep/(1-p), or 1 without dropout): the dV operand
-//   dp[c] = ds_mul · P∘(dP·Z − D) · (1 − tanh²)   (softcap chain rule): the dK / dQ operand.
-// cnt is the number of valid elements; s and dp have room for round_up(cnt, 8).
-template <bool kRowStats, class IJ>
+// scale·q·k and dp[c] = dO·v; lse[c], dsum[c] are the packed statistics of element c's query row
+// (lse already +inf where the row saw no key). On return
+//   s[c]  = P·Z                 (Z = keep/(1-p), or 1 without dropout): the dV operand
+//   dp[c] = P∘(dP·Z − D) · (1 − tanh²)   (softcap chain rule): the dK / dQ operand (dS).
+// cnt is the number of valid elements; s, dp and th have room for round_up(cnt, 8).
+template <class IJ>
 void score_grads(const BwdParams& p, const Band& band, float slope, bool needs_mask, int hq, const SeqInfo& si,
-                 int cnt, IJ ij, const float* lse, const float* dsum, float ds_mul, float* s, float* dp, float* th) {
-  const auto stat = [](const float* x, int c) { return kRowStats ? _mm256_set1_ps(x[0]) : _mm256_loadu_ps(x + c); };
-  if (p.softcap > 0.0f) {
-    const float inv = 1.0f / p.softcap;
-    for (int c = 0; c < cnt; ++c) {
-      th[c] = std::tanh(s[c] * inv);
-      s[c] = p.softcap * th[c];
+                 int cnt, IJ ij, const float* lse, const float* dsum, float* s, float* dp, float* th) {
+  const bool softcap = p.softcap > 0.0f;
+  if (softcap) {
+    const __m256 inv = _mm256_set1_ps(1.0f / p.softcap), cap = _mm256_set1_ps(p.softcap);
+    for (int c = 0; c < cnt; c += kLanes) {
+      const __m256 t = tiles::tanh8(_mm256_mul_ps(_mm256_loadu_ps(s + c), inv));
+      _mm256_storeu_ps(th + c, t);
+      _mm256_storeu_ps(s + c, _mm256_mul_ps(cap, t));
     }
   }
   if (p.alibi != nullptr)
@@ -217,34 +217,32 @@ void score_grads(const BwdParams& p, const Band& band, float slope, bool needs_m
       auto [i, j] = ij(c);
       if (!band.visible(i, j)) s[c] = -INFINITY;
     }
-  if (p.dropout_p > 0.0f || p.softcap > 0.0f) {
+  if (p.dropout_p > 0.0f) {
     for (int c = 0; c < cnt; c += kLanes)
-      _mm256_storeu_ps(s + c, tiles::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), stat(lse, c))));
+      _mm256_storeu_ps(s + c, tiles::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), _mm256_loadu_ps(lse + c))));
     for (int c = 0; c < cnt; ++c) {
-      const float d_row = dsum[kRowStats ? 0 : c];
-      if (p.dropout_p > 0.0f) {
-        auto [i, j] = ij(c);
-        const bool keep = detail::dropout_keep(p.seed, p.offset, p.dropout_threshold,
-                                               detail::dropout_row_id(p, hq, si, i), static_cast<std::uint32_t>(j));
-        const float z = keep ? p.dropout_rescale : 0.0f;
-        const float prob = s[c];
-        dp[c] = prob * (dp[c] * z - d_row);
-        s[c] = prob * z;
-      } else {
-        dp[c] = s[c] * (dp[c] - d_row);
-      }
-      if (p.softcap > 0.0f) dp[c] *= 1.0f - th[c] * th[c];
-      dp[c] *= ds_mul;
+      auto [i, j] = ij(c);
+      const bool keep = detail::dropout_keep(p.seed, p.offset, p.dropout_threshold,
+                                             detail::dropout_row_id(p, hq, si, i), static_cast<std::uint32_t>(j));
+      const float z = keep ? p.dropout_rescale : 0.0f;
+      const float prob = s[c];
+      dp[c] = prob * (dp[c] * z - dsum[c]);
+      if (softcap) dp[c] *= 1.0f - th[c] * th[c];
+      s[c] = prob * z;
     }
     return;
   }
-  // No dropout, no softcap: P and dS in one pass over the registers.
-  const __m256 mul = _mm256_set1_ps(ds_mul);
+  // No dropout: P and dS in one pass over the registers.
+  const __m256 one = _mm256_set1_ps(1.0f);
   for (int c = 0; c < cnt; c += kLanes) {
-    const __m256 prob = tiles::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), stat(lse, c)));
+    const __m256 prob = tiles::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), _mm256_loadu_ps(lse + c)));
     _mm256_storeu_ps(s + c, prob);
-    const __m256 ds = _mm256_mul_ps(prob, _mm256_sub_ps(_mm256_loadu_ps(dp + c), stat(dsum, c)));
-    _mm256_storeu_ps(dp + c, _mm256_mul_ps(ds, mul));
+    __m256 ds = _mm256_mul_ps(prob, _mm256_sub_ps(_mm256_loadu_ps(dp + c), _mm256_loadu_ps(dsum + c)));
+    if (softcap) {
+      const __m256 t = _mm256_loadu_ps(th + c);
+      ds = _mm256_mul_ps(ds, _mm256_fnmadd_ps(t, t, one));
+    }
+    _mm256_storeu_ps(dp + c, ds);
   }
 }
 
@@ -297,8 +295,8 @@ void key_chunk(const BwdParams& p, const PackedKV& kv, const BlockGrid& kgrid, c
         for (int r = 0; r < n; ++r) {
           const std::int64_t j = j0 + r;
           auto ij = [i0, j](int c) { return std::pair<std::int64_t, std::int64_t>{i0 + c, j}; };
-          score_grads<false>(p, band, slope, needs_mask, hq, si, m, ij, pq.lse_tile(qtile), pq.dsum_tile(qtile),
-                             1.0f, ws.st.data() + r * kBlockM, ws.dpt.data() + r * kBlockM, ws.th.data() + r * kBlockM);
+          score_grads(p, band, slope, needs_mask, hq, si, m, ij, pq.lse_tile(qtile), pq.dsum_tile(qtile),
+                      ws.st.data() + r * kBlockM, ws.dpt.data() + r * kBlockM, ws.th.data() + r * kBlockM);
         }
         // dV (n, dp) += (P·Z)ᵀ (n, m) · dO (m, dp);  dK (n, dp) += dSᵀ (n, m) · (scale·Q) (m, dp)
         tiles::gemm<true>(n, dp, m, ws.st.data(), kBlockM, pq.dout_tile(qtile), dp, ws.dv.data(), dp);

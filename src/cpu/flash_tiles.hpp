@@ -52,6 +52,28 @@ inline __m256 exp8(__m256 x) {
   return _mm256_andnot_ps(underflow, y);
 }
 
+// tanh(x) for 8 lanes, within 1.4 ulp of tanh (every 64th float checked against float64), for the
+// backward's softcap: a scalar std::tanh per score made a softcapped backward 2.3x slower than a
+// plain one (s = 2k, d = 64). |x| < 0.625: x + x³·P(x²), P of degree 5 fitted by least squares to
+// tanh's relative error in float64 (0.8 ulp in float32); above: 1 − 2/(exp(2|x|) + 1), where the
+// result is >= 0.55 so the subtraction loses at most one bit. Odd, so x's sign is copied.
+inline __m256 tanh8(__m256 x) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+  const __m256 ax = _mm256_andnot_ps(sign, x);
+  const __m256 e = exp8(_mm256_add_ps(ax, ax));
+  const __m256 big = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
+  const __m256 u = _mm256_mul_ps(ax, ax);
+  __m256 p = _mm256_set1_ps(0.0021780235692858696f);
+  p = _mm256_fmadd_ps(p, u, _mm256_set1_ps(-0.008214971981942654f));
+  p = _mm256_fmadd_ps(p, u, _mm256_set1_ps(0.021715553477406502f));
+  p = _mm256_fmadd_ps(p, u, _mm256_set1_ps(-0.053949397057294846f));
+  p = _mm256_fmadd_ps(p, u, _mm256_set1_ps(0.1333322674036026f));
+  p = _mm256_fmadd_ps(p, u, _mm256_set1_ps(-0.3333333134651184f));
+  const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(ax, u), p, ax);
+  const __m256 r = _mm256_blendv_ps(big, small, _mm256_cmp_ps(ax, _mm256_set1_ps(0.625f), _CMP_LT_OQ));
+  return _mm256_or_ps(r, _mm256_and_ps(x, sign));
+}
+
 inline float hmax(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
