@@ -263,15 +263,22 @@ bool tile_visible(const Band& band, std::int64_t i0, int m, std::int64_t j0, int
 }
 
 // Pass 1: dK, dV of the key blocks of chunk c of batch entry b and KV head hk, and that chunk's
-// partial dQ for every query head of the group.
+// partial dQ for every query head of the group. Key blocks are taken kKeyGroup at a time, the
+// query tiles outside them, so that each query tile's four packed operands and its dQ partial are
+// read from memory once per group instead of once per key block: at s = 4k, d = 64 one head's
+// Q-side tiles (4 MiB) and partials (1 MiB) no longer fit the 1 MiB-per-core L2 and streamed from L3
+// for every key block. The sums keep their order: each dK/dV row still adds (head, query tile) in
+// order, each dQ partial still adds key blocks in ascending order.
+constexpr int kKeyGroup = 4;
+
 struct KeyWorkspace {
   int dp;
   std::vector<float> st, dpt, th, zt;  // (kBlockN, kBlockM) Sᵀ -> (P·Z)ᵀ, dPᵀ -> dSᵀ, tanh, dropout Zᵀ
-  std::vector<float> dk, dv;           // (kBlockN, dp) accumulators
+  std::vector<float> dk, dv;           // (kKeyGroup, kBlockN, dp) accumulators
   std::vector<float> row;              // (d) staging row for packing
   explicit KeyWorkspace(int d)
       : dp(tiles::round_up(d, kLanes)), st(kBlockN * kBlockM), dpt(st.size()), th(st.size()), zt(st.size()),
-        dk(kBlockN * dp), dv(dk.size()), row(d) {}
+        dk(static_cast<std::size_t>(kKeyGroup) * kBlockN * dp), dv(dk.size()), row(d) {}
 };
 
 // dq_part: this chunk's partial dQ, (query tile, kBlockM, dp) tiles indexed like PackedQ; the
@@ -284,48 +291,60 @@ void key_chunk(const BwdParams& p, const PackedKV& kv, const BlockGrid& kgrid, c
   const Band band = band_of(p, si);
   const int d = p.d, dp = ws.dp;
   const std::size_t q_tile_size = static_cast<std::size_t>(kBlockM) * dp;
+  const std::size_t kv_acc_size = static_cast<std::size_t>(kBlockN) * dp;
 
-  for (std::int64_t kb = kb_begin; kb < kb_end; ++kb) {
-    const std::int64_t j0 = kb * kBlockN;
-    const std::int64_t tile = (kgrid.first[b] + kb) * p.h_k + hk;
-    const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, si.len_k - j0));
+  for (std::int64_t g0 = kb_begin; g0 < kb_end; g0 += kKeyGroup) {
+    const std::int64_t g1 = std::min<std::int64_t>(g0 + kKeyGroup, kb_end);
     std::fill(ws.dk.begin(), ws.dk.end(), 0.0f);
     std::fill(ws.dv.begin(), ws.dv.end(), 0.0f);
     for (int hq = hk * p.group(); hq < (hk + 1) * p.group(); ++hq) {
       const float slope = detail::alibi_slope(p, b, hq);
       for (std::int64_t i0 = 0; i0 < si.len_q; i0 += kBlockM) {
         const int m = static_cast<int>(std::min<std::int64_t>(kBlockM, si.len_q - i0));
-        if (!tile_visible(band, i0, m, j0, n, si.len_k)) continue;
         const std::int64_t qtile = (qgrid.first[b] + i0 / kBlockM) * p.h + hq;
+        for (std::int64_t kb = g0; kb < g1; ++kb) {
+          const std::int64_t j0 = kb * kBlockN;
+          const std::int64_t tile = (kgrid.first[b] + kb) * p.h_k + hk;
+          const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, si.len_k - j0));
+          if (!tile_visible(band, i0, m, j0, n, si.len_k)) continue;
+          float* dk = ws.dk.data() + (kb - g0) * kv_acc_size;
+          float* dv = ws.dv.data() + (kb - g0) * kv_acc_size;
 
-        // Sᵀ (n, kBlockM) = K (n, d) · (scale·Q)ᵀ (d, kBlockM);  dPᵀ (n, kBlockM) = V (n, d) · dOᵀ (d, kBlockM)
-        tiles::gemm<false>(n, kBlockM, d, kv.k_tile(tile), dp, pq.qt_tile(qtile), kBlockM, ws.st.data(), kBlockM);
-        tiles::gemm<false>(n, kBlockM, d, kv.v_tile(tile), dp, pq.dot_tile(qtile), kBlockM, ws.dpt.data(), kBlockM);
-        const bool needs_mask = band.tile_needs_mask(i0, i0 + m, j0, j0 + n, si.len_k);
-        if (p.dropout_p > 0.0f) dropout_tile(p, hq, si, i0, m, j0, n, ws.zt.data());
-        for (int r = 0; r < n; ++r) {
-          const std::int64_t j = j0 + r;
-          auto ij = [i0, j](int c) { return std::pair<std::int64_t, std::int64_t>{i0 + c, j}; };
-          score_grads(p, band, slope, needs_mask, m, ij, pq.lse_tile(qtile), pq.dsum_tile(qtile),
-                      p.dropout_p > 0.0f ? ws.zt.data() + r * kBlockM : nullptr, ws.st.data() + r * kBlockM,
-                      ws.dpt.data() + r * kBlockM, ws.th.data() + r * kBlockM);
-        }
-        // dV (n, dp) += (P·Z)ᵀ (n, m) · dO (m, dp);  dK (n, dp) += dSᵀ (n, m) · (scale·Q) (m, dp)
-        tiles::gemm<true>(n, dp, m, ws.st.data(), kBlockM, pq.dout_tile(qtile), dp, ws.dv.data(), dp);
-        tiles::gemm<true>(n, dp, m, ws.dpt.data(), kBlockM, pq.q_tile(qtile), dp, ws.dk.data(), dp);
-        // dQ partial (m, dp) += dS (m, n) · K (n, dp), dS read from the dSᵀ tile; scale applied in pass 2.
-        float* dq = dq_part + qtile * q_tile_size;
-        if (touched[qtile]) {
-          tiles::gemm<true, true>(m, dp, n, ws.dpt.data(), kBlockM, kv.k_tile(tile), dp, dq, dp);
-        } else {
-          tiles::gemm<false, true>(m, dp, n, ws.dpt.data(), kBlockM, kv.k_tile(tile), dp, dq, dp);
-          touched[qtile] = 1;
+          // Sᵀ (n, kBlockM) = K (n, d) · (scale·Q)ᵀ (d, kBlockM);  dPᵀ (n, kBlockM) = V (n, d) · dOᵀ (d, kBlockM)
+          tiles::gemm<false>(n, kBlockM, d, kv.k_tile(tile), dp, pq.qt_tile(qtile), kBlockM, ws.st.data(), kBlockM);
+          tiles::gemm<false>(n, kBlockM, d, kv.v_tile(tile), dp, pq.dot_tile(qtile), kBlockM, ws.dpt.data(), kBlockM);
+          const bool needs_mask = band.tile_needs_mask(i0, i0 + m, j0, j0 + n, si.len_k);
+          if (p.dropout_p > 0.0f) dropout_tile(p, hq, si, i0, m, j0, n, ws.zt.data());
+          for (int r = 0; r < n; ++r) {
+            const std::int64_t j = j0 + r;
+            auto ij = [i0, j](int c) { return std::pair<std::int64_t, std::int64_t>{i0 + c, j}; };
+            score_grads(p, band, slope, needs_mask, m, ij, pq.lse_tile(qtile), pq.dsum_tile(qtile),
+                        p.dropout_p > 0.0f ? ws.zt.data() + r * kBlockM : nullptr, ws.st.data() + r * kBlockM,
+                        ws.dpt.data() + r * kBlockM, ws.th.data() + r * kBlockM);
+          }
+          // dV (n, dp) += (P·Z)ᵀ (n, m) · dO (m, dp);  dK (n, dp) += dSᵀ (n, m) · (scale·Q) (m, dp)
+          tiles::gemm<true>(n, dp, m, ws.st.data(), kBlockM, pq.dout_tile(qtile), dp, dv, dp);
+          tiles::gemm<true>(n, dp, m, ws.dpt.data(), kBlockM, pq.q_tile(qtile), dp, dk, dp);
+          // dQ partial (m, dp) += dS (m, n) · K (n, dp), dS read from the dSᵀ tile; scale applied in pass 2.
+          float* dq = dq_part + qtile * q_tile_size;
+          if (touched[qtile]) {
+            tiles::gemm<true, true>(m, dp, n, ws.dpt.data(), kBlockM, kv.k_tile(tile), dp, dq, dp);
+          } else {
+            tiles::gemm<false, true>(m, dp, n, ws.dpt.data(), kBlockM, kv.k_tile(tile), dp, dq, dp);
+            touched[qtile] = 1;
+          }
         }
       }
     }
-    for (int r = 0; r < n; ++r) {
-      tiles::store_row(p.dk, p.dtype, offset_of(p.dk_stride, b, si.k_row0 + j0 + r, hk), d, ws.dk.data() + r * dp);
-      tiles::store_row(p.dv, p.dtype, offset_of(p.dv_stride, b, si.k_row0 + j0 + r, hk), d, ws.dv.data() + r * dp);
+    for (std::int64_t kb = g0; kb < g1; ++kb) {
+      const std::int64_t j0 = kb * kBlockN;
+      const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, si.len_k - j0));
+      const float* dk = ws.dk.data() + (kb - g0) * kv_acc_size;
+      const float* dv = ws.dv.data() + (kb - g0) * kv_acc_size;
+      for (int r = 0; r < n; ++r) {
+        tiles::store_row(p.dk, p.dtype, offset_of(p.dk_stride, b, si.k_row0 + j0 + r, hk), d, dk + r * dp);
+        tiles::store_row(p.dv, p.dtype, offset_of(p.dv_stride, b, si.k_row0 + j0 + r, hk), d, dv + r * dp);
+      }
     }
   }
 }
