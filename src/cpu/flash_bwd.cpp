@@ -87,28 +87,24 @@ struct Floats {
   const float* data() const { return p.get(); }
 };
 
-// K and V of every (key block, KV head) in fp32, in the four layouts the products read, zero-padded:
-// Kᵀ, Vᵀ (d, kBlockN) and K, V (kBlockN, dp). O(total_k·h_k·d) memory, converted once.
+// K and V of every (key block, KV head) in fp32, zero-padded (kBlockN, dp) tiles: every product
+// reads them in this layout (Kᵀ and Vᵀ were for the dQ pass that recomputed S and dP). O(total_k·h_k·d)
+// memory, converted once.
 struct PackedKV {
-  int d = 0, dp = 0;
-  Floats kt, vt, k, v;
-  const float* kt_tile(std::int64_t t) const { return kt.data() + t * d * kBlockN; }
-  const float* vt_tile(std::int64_t t) const { return vt.data() + t * d * kBlockN; }
+  int dp = 0;
+  Floats k, v;
   const float* k_tile(std::int64_t t) const { return k.data() + t * kBlockN * dp; }
   const float* v_tile(std::int64_t t) const { return v.data() + t * kBlockN * dp; }
 };
 
 void size_packed(const BwdParams& p, const BlockGrid& kgrid, PackedKV& kv) {
-  kv.d = p.d;
   kv.dp = tiles::round_up(p.d, kLanes);
   const std::int64_t n_tiles = kgrid.total() * p.h_k;  // tile index: key block · h_k + KV head
-  kv.kt.resize(static_cast<std::size_t>(n_tiles) * p.d * kBlockN);
-  kv.vt.resize(static_cast<std::size_t>(n_tiles) * p.d * kBlockN);
   kv.k.resize(static_cast<std::size_t>(n_tiles) * kBlockN * kv.dp);
   kv.v.resize(static_cast<std::size_t>(n_tiles) * kBlockN * kv.dp);
 }
 
-void pack_tile(const BwdParams& p, const BlockGrid& kgrid, PackedKV& kv, std::int64_t t, float* row) {
+void pack_tile(const BwdParams& p, const BlockGrid& kgrid, PackedKV& kv, std::int64_t t) {
   const std::int64_t block = t / p.h_k;
   const int hk = static_cast<int>(t % p.h_k);
   const int b = kgrid.batch_of(block);
@@ -116,10 +112,6 @@ void pack_tile(const BwdParams& p, const BlockGrid& kgrid, PackedKV& kv, std::in
   const std::int64_t j0 = (block - kgrid.first[b]) * kBlockN;
   const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, si.len_k - j0));
   const std::int64_t r0 = si.k_row0 + j0;
-  tiles::load_tile_transposed(p.k, p.dtype, p.k_stride, b, r0, hk, n, p.d, kBlockN, 1.0f, row,
-                              kv.kt.data() + t * p.d * kBlockN);
-  tiles::load_tile_transposed(p.v, p.dtype, p.v_stride, b, r0, hk, n, p.d, kBlockN, 1.0f, row,
-                              kv.vt.data() + t * p.d * kBlockN);
   tiles::load_tile(p.k, p.dtype, p.k_stride, b, r0, hk, n, kBlockN, p.d, kv.dp, 1.0f, kv.k.data() + t * kBlockN * kv.dp);
   tiles::load_tile(p.v, p.dtype, p.v_stride, b, r0, hk, n, kBlockN, p.d, kv.dp, 1.0f, kv.v.data() + t * kBlockN * kv.dp);
 }
@@ -405,7 +397,7 @@ void flash_backward(const BwdParams& p, int num_threads) {
 #pragma omp for schedule(static) nowait
     for (std::int64_t t = 0; t < n_qtiles; ++t) pack_tile(p, qgrid, pq, t, ws.row.data());
 #pragma omp for schedule(static)
-    for (std::int64_t t = 0; t < n_ktiles; ++t) pack_tile(p, kgrid, kv, t, ws.row.data());
+    for (std::int64_t t = 0; t < n_ktiles; ++t) pack_tile(p, kgrid, kv, t);
 
     // Dynamic, chunks in ascending order: under causal masks chunk 0 sees the most query blocks,
     // so the largest tasks start first.
