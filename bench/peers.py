@@ -4,7 +4,8 @@ bench/gpu/gpu_bench.cu, timed the same way (CUDA events, 3 warm-ups, median of 1
 JSON list of records {impl, pass, dtype, hdim, causal, batch, nheads, nheads_k, seqlen_q, seqlen_k,
 ms, tflops | tbps, device}. Usage: peers.py OUT.json
 Environment (to fit a short device lease): FM_PEERS_NO_BWD=1 times the forward only;
-FM_PEERS_IMPLS=torch_flash,torch_cudnn keeps those backends only."""
+FM_PEERS_IMPLS=torch_flash,torch_cudnn keeps those backends only; FM_PEERS_DECODE_ONLY=1 skips
+the training shapes. Decoding is timed twice: per call (events) and as CUDA-graph replays (graph)."""
 import json
 import os
 import sys
@@ -34,6 +35,36 @@ def median_ms(fn):
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+GRAPH_CALLS = 20
+
+
+def graph_ms(fn):
+    """Device time per call without the host's share: GRAPH_CALLS calls captured into one CUDA graph,
+    replays timed with events (median), divided by the call count (as gpu_bench.cu's graph_ms)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(WARMUP):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(GRAPH_CALLS):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPS):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / GRAPH_CALLS)
     return sorted(times)[len(times) // 2]
 
 
@@ -78,13 +109,24 @@ def decode(out):
             v = torch.randn_like(k)
             kv_bytes = 2 * k.numel() * k.element_size()
             for impl, be in BACKENDS.items():
+                call = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
                 try:
                     with sdpa_kernel(be):
-                        ms = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+                        ms = median_ms(call)
                 except RuntimeError as e:
                     print(f"{impl} decode b{b} sk{sk}: {str(e).splitlines()[0]}", file=sys.stderr)
                     continue
                 out.append(rec(impl, "fwd", d, False, b, h, hk, 1, sk, ms, "tbps", kv_bytes / ms / 1e9))
+                out[-1]["timing"] = "events"
+                print(json.dumps(out[-1]), file=sys.stderr)
+                try:
+                    with sdpa_kernel(be):
+                        gms = graph_ms(call)
+                except RuntimeError as e:
+                    print(f"{impl} decode graph b{b} sk{sk}: {str(e).splitlines()[0]}", file=sys.stderr)
+                    continue
+                out.append(rec(impl, "fwd", d, False, b, h, hk, 1, sk, gms, "tbps", kv_bytes / gms / 1e9))
+                out[-1]["timing"] = "graph"
                 print(json.dumps(out[-1]), file=sys.stderr)
             del q, k, v
 
@@ -111,7 +153,8 @@ def memory(out):
 
 def main():
     out = []
-    train(out)
+    if os.environ.get("FM_PEERS_DECODE_ONLY", "0") == "0":
+        train(out)
     decode(out)
     memory(out)
     with open(sys.argv[1], "w") as f:

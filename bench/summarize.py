@@ -4,7 +4,8 @@
   summarize.py bench.json            one line per configuration: flashmonoid and each peer
   summarize.py bench.json --markdown  per (pass, hdim, causal): TFLOP/s at 16k and the range of
                                       flashmonoid / FlashAttention-2 over all seqlens; decoding
-                                      bandwidth as a share of the measured copy ceiling
+                                      bandwidth (per call and graph-replayed) as a share of the
+                                      measured copy ceiling
 """
 import collections
 import json
@@ -15,7 +16,9 @@ def configs(recs):
     by = collections.defaultdict(dict)
     for r in recs:
         if r.get("pass") in ("fwd", "bwd"):
-            by[(r["pass"], r["hdim"], r["causal"], r["batch"], r["seqlen_q"], r["seqlen_k"])][r["impl"]] = r
+            # Decoding is timed per call ("events") and as CUDA-graph replays ("graph").
+            by[(r["pass"], r["hdim"], r["causal"], r["batch"], r["seqlen_q"], r["seqlen_k"],
+                r.get("timing", "events"))][r["impl"]] = r
     return by
 
 
@@ -25,13 +28,13 @@ def metric(row):
 
 def table(recs):
     by = configs(recs)
-    print(f"{'pass':4} {'d':>3} {'c':1} {'b':>3} {'s_q':>6} {'s_k':>6} | {'fm':>7} {'flash':>7} {'cudnn':>7} "
-          f"{'effic':>7} | fm/flash")
+    print(f"{'pass':4} {'d':>3} {'c':1} {'b':>3} {'s_q':>6} {'s_k':>6} {'timing':6} | {'fm':>7} {'flash':>7} "
+          f"{'cudnn':>7} {'effic':>7} | fm/flash")
     for k in sorted(by, key=lambda k: tuple(str(x) for x in k)):
         row, m = by[k], metric(by[k])
         g = lambda i: row[i][m] if i in row else float("nan")
         fm, fl = g("flashmonoid"), g("torch_flash")
-        print(f"{k[0]:4} {k[1]:>3} {'y' if k[2] else 'n'} {k[3]:>3} {k[4]:>6} {k[5]:>6} | {fm:7.1f} {fl:7.1f} "
+        print(f"{k[0]:4} {k[1]:>3} {'y' if k[2] else 'n'} {k[3]:>3} {k[4]:>6} {k[5]:>6} {k[6]:6} | {fm:7.1f} {fl:7.1f} "
               f"{g('torch_cudnn'):7.1f} {g('torch_efficient'):7.1f} | {fm / fl if fl == fl and fl else float('nan'):.2f}  {m}")
     for r in recs:
         if r.get("pass") in ("copy", "fwd_memory"):
@@ -57,14 +60,15 @@ def markdown(recs):
                       f"{top['torch_flash']['tflops']:.0f} | {top['torch_cudnn']['tflops']:.0f} | "
                       f"{min(ratio):.2f}–{max(ratio):.2f} |")
     copy = next((r["tbps"] for r in recs if r.get("pass") == "copy"), None)
-    print("\n| decoding (s_q = 1) | flashmonoid TB/s | flash | cudnn | flashmonoid / copy |")
-    print("| --- | --- | --- | --- | --- |")
+    print("\n| decoding (s_q = 1) | timing | flashmonoid TB/s | flash | cudnn | flashmonoid / copy | host µs/call |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for k in sorted(k for k in by if k[4] == 1):
         row = by[k]
         g = lambda i: row[i]["tbps"] if i in row else float("nan")
         share = f"{g('flashmonoid') / copy:.0%}" if copy else "?"
-        print(f"| b={k[3]}, s_k={k[5] // 1024}k | {g('flashmonoid'):.2f} | {g('torch_flash'):.2f} | "
-              f"{g('torch_cudnn'):.2f} | {share} |")
+        host = row.get("flashmonoid", {}).get("host_us")
+        print(f"| b={k[3]}, s_k={k[5] // 1024}k | {k[6]} | {g('flashmonoid'):.2f} | {g('torch_flash'):.2f} | "
+              f"{g('torch_cudnn'):.2f} | {share} | {'' if host is None else f'{host:.1f}'} |")
     if copy:
         print(f"\nCopy ceiling (device-to-device, bytes read + written): {copy:.2f} TB/s.")
 

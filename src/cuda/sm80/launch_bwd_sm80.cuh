@@ -3,6 +3,7 @@
 // files src/cuda/generated/bwd_sm80_<dtype>_hdim<D>.cu, one (dtype, head-dim bucket) each.
 #pragma once
 
+#include <cstdlib>
 #include <string>
 
 #include "common/check.cuh"
@@ -42,8 +43,10 @@ void run_bwd_sm80(const detail::BwdParams& p, const BwdLaunch& launch) {
     int device = 0, smem_optin = 0;
     FM_CUDA_CHECK(cudaGetDevice(&device));
     FM_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    const int stages = Tr::smem_bytes(Tr::kMaxStages) <= static_cast<std::size_t>(smem_optin) ? Tr::kMaxStages
-                                                                                            : Tr::kMinStages;
+    int stages = Tr::smem_bytes(Tr::kMaxStages) <= static_cast<std::size_t>(smem_optin) ? Tr::kMaxStages
+                                                                                        : Tr::kMinStages;
+    // EXPERIMENT (to be removed): FLASHMONOID_BWD_STAGES=1 forces one Q/dO stage for an A/B timing.
+    if (const char* e = std::getenv("FLASHMONOID_BWD_STAGES"); e && *e == '1') stages = Tr::kMinStages;
     const std::size_t smem = Tr::smem_bytes(stages);
     auto kernel = bwd::bwd_main<T, Tr>;
     FM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
