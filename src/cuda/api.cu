@@ -54,6 +54,12 @@ std::size_t smem_optin(int device) {
   return static_cast<std::size_t>(n);
 }
 
+std::size_t smem_per_sm(int device) {
+  int n = 0;
+  FM_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+  return static_cast<std::size_t>(n);
+}
+
 void check_pointer(const void* ptr, const char* name, int device, int align) {
   if (ptr == nullptr) return;  // absent optional argument; required ones are checked by validation
   cudaPointerAttributes attr{};
@@ -248,7 +254,8 @@ void check_pointers(const detail::BwdParams& p) {
 
 std::size_t forward_workspace_size(const detail::FwdParams& p) {
   DeviceGuard guard(p.device.index);
-  return fwd_split_workspace_bytes(p, fwd_choose_num_splits(p, num_sms(p.device.index)));
+  const int dev = p.device.index;
+  return fwd_split_workspace_bytes(p, fwd_choose_num_splits(p, num_sms(dev), smem_per_sm(dev)));
 }
 
 std::size_t backward_workspace_size(const detail::BwdParams& p) { return bwd_workspace_bytes(p); }
@@ -259,7 +266,8 @@ void forward(const detail::FwdParams& p, const Context& ctx) {
   launch.stream = static_cast<cudaStream_t>(ctx.stream);
   launch.num_sms = num_sms(p.device.index);
   launch.smem_optin = smem_optin(p.device.index);
-  int splits = ctx.num_splits > 0 ? ctx.num_splits : fwd_choose_num_splits(p, launch.num_sms);
+  launch.smem_per_sm = smem_per_sm(p.device.index);
+  int splits = ctx.num_splits > 0 ? ctx.num_splits : fwd_choose_num_splits(p, launch.num_sms, launch.smem_per_sm);
   // Without room for the partials the call still runs, unsplit (documented in attention.hpp).
   if (splits > 1 && (ctx.workspace == nullptr || ctx.workspace_bytes < fwd_split_workspace_bytes(p, splits)))
     splits = 1;

@@ -41,8 +41,8 @@ void fwd_split_buffers(const detail::FwdParams& p, int num_splits, void* workspa
 // 320 blocks, and the 56 past the first wave stream their K/V with a fifth of the chip's copies in
 // flight (2.6 TB/s measured at b = 8, where b = 1's 264 blocks run at ~3.0 TB/s once its fixed
 // ~28 us are taken out); 4 splits are 256 blocks in one wave.
-int fwd_choose_num_splits(const detail::FwdParams& p, int num_sms) {
-  const FwdPlanSm80 plan = plan_fwd_sm80(p);
+int fwd_choose_num_splits(const detail::FwdParams& p, int num_sms, std::size_t smem_per_sm) {
+  const FwdPlanSm80 plan = plan_fwd_sm80(p, smem_per_sm);
   const std::int64_t blocks = static_cast<std::int64_t>(plan.num_m_blocks) * plan.grid_heads * p.batch;
   if (num_sms <= 0 || blocks >= num_sms) return 1;
   const std::int64_t wave = static_cast<std::int64_t>(num_sms) * plan.tile.min_blocks;

@@ -22,6 +22,7 @@ struct FwdLaunch {
   float* lse_partial = nullptr;
   int num_sms = 0;  // of params.device, for the split heuristic
   std::size_t smem_optin = 0;  // shared memory per block of params.device (opt-in limit), for ring depths
+  std::size_t smem_per_sm = 0;  // shared memory per multiprocessor of params.device: tile choice, ring depths
 };
 
 // Bytes of workspace that num_splits partials of p need (out and lse, each 256-byte aligned).
@@ -30,7 +31,7 @@ std::size_t fwd_split_workspace_bytes(const detail::FwdParams& p, int num_splits
 // The number of KV splits worth running p with on a device of num_sms multiprocessors (1 = none).
 // Splitting pays when the unsplit grid leaves multiprocessors idle and each split still gets
 // several key tiles; see the definition for the numbers.
-int fwd_choose_num_splits(const detail::FwdParams& p, int num_sms);
+int fwd_choose_num_splits(const detail::FwdParams& p, int num_sms, std::size_t smem_per_sm);
 
 // Carve the partial buffers out of a workspace of fwd_split_workspace_bytes(p, num_splits).
 void fwd_split_buffers(const detail::FwdParams& p, int num_splits, void* workspace, float** out_partial,

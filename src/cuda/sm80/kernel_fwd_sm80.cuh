@@ -27,19 +27,21 @@ struct FwdKernelArgs {
   int pack = 1;          // query heads interleaved into the rows of one block (GQA with short s_q)
   int num_m_blocks = 0;  // per (head group, batch): ceil(max_seqlen_q · pack / kBlockM)
   int num_splits = 1;
-  int kv_slots = 0;  // slots of a kv_slots ring (fwd_kv_slots, 3 to 5); unused by (K, V) pair rings
+  int kv_slots = 0;  // slots of a kv_slots ring (fwd_kv_slots, 2 to 5); unused by (K, V) pair rings
   float* out_partial = nullptr;  // num_splits > 1 only
   float* lse_partial = nullptr;
 };
 
-template <class T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kMinBlocks, bool kScoreMods>
-__global__ void __launch_bounds__(kNWarps * 32, kMinBlocks) fwd_kernel_sm80(const __grid_constant__ FwdKernelArgs args) {
+template <class T, int kHeadDim, FwdTileKind kKind, bool kScoreMods>
+__global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd_tile_sm80(kHeadDim, kKind).min_blocks)
+    fwd_kernel_sm80(const __grid_constant__ FwdKernelArgs args) {
+  constexpr FwdTileSm80 kTile = fwd_tile_sm80(kHeadDim, kKind);
+  constexpr int kBlockM = kTile.block_m, kBlockN = kTile.block_n, kNWarps = kTile.warps;
   constexpr int kThreads = kNWarps * 32;
   constexpr int kMTiles = kBlockM / (16 * kNWarps);  // m16 tiles per warp
   constexpr int kNTiles = kBlockN / 8;
   constexpr int kDTiles = kHeadDim / 8;
   static_assert(kMTiles * 16 * kNWarps == kBlockM, "kBlockM must be a whole number of m16 tiles per warp");
-  constexpr FwdTileSm80 kTile = fwd_tile_sm80(kHeadDim, kBlockM == kFwdNarrowRows);
   constexpr bool kQInRegisters = kTile.q_in_registers;
   constexpr bool kSlotRing = kTile.kv_slots;
 
@@ -193,13 +195,16 @@ __global__ void __launch_bounds__(kNWarps * 32, kMinBlocks) fwd_kernel_sm80(cons
       cp_async_commit();  // empty past the last tile, so that wait_group counts stay uniform
     };
     // wait_group takes an immediate: waiting for fewer pending groups than slots - 2 is also correct.
+    // With 2 slots nothing may stay pending: V's copy then overlaps Q·Kᵀ, the next K's softmax and P·V.
     auto wait_slot = [&] {
       if (slots >= 5)
         cp_async_wait<3>();
       else if (slots == 4)
         cp_async_wait<2>();
-      else
+      else if (slots == 3)
         cp_async_wait<1>();
+      else
+        cp_async_wait<0>();
     };
     if (num_tiles > 0) {
       load_tile_async<kBlockM, kHeadDim, kThreads>(sQ, q_row, p.d, q);  // in tile 0's group

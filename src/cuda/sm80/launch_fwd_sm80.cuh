@@ -4,6 +4,8 @@
 
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "common/check.cuh"
 #include "common/combine.cuh"
 #include "sm80/fwd_sm80.hpp"
@@ -12,10 +14,10 @@
 
 namespace flashmonoid::cuda {
 
-template <class T, int kHeadDim, bool kNarrow, bool kScoreMods>
+template <class T, int kHeadDim, FwdTileKind kKind, bool kScoreMods>
 void launch_fwd_tile_sm80(const FwdKernelArgs& args, const FwdPlanSm80& plan, cudaStream_t stream) {
-  constexpr FwdTileSm80 kTile = fwd_tile_sm80(kHeadDim, kNarrow);
-  auto* kernel = fwd_kernel_sm80<T, kHeadDim, kTile.block_m, kTile.block_n, kTile.warps, kTile.min_blocks, kScoreMods>;
+  constexpr FwdTileSm80 kTile = fwd_tile_sm80(kHeadDim, kKind);
+  auto* kernel = fwd_kernel_sm80<T, kHeadDim, kKind, kScoreMods>;
   const std::size_t smem = kTile.smem_bytes(kHeadDim, args.kv_slots);
   // Above 48 KB a block needs the opt-in limit (up to 227 KB on sm90, 163 KB on sm80).
   if (smem > 48 * 1024)
@@ -28,7 +30,7 @@ void launch_fwd_tile_sm80(const FwdKernelArgs& args, const FwdPlanSm80& plan, cu
 template <class T, int kHeadDim>
 void run_fwd_sm80(const detail::FwdParams& p, const FwdLaunch& launch) {
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head-dim buckets are 64, 128, 256");
-  const FwdPlanSm80 plan = plan_fwd_sm80(p);
+  const FwdPlanSm80 plan = plan_fwd_sm80(p, launch.smem_per_sm);
   FwdKernelArgs args;
   args.p = p;
   args.pack = plan.pack;
@@ -36,17 +38,20 @@ void run_fwd_sm80(const detail::FwdParams& p, const FwdLaunch& launch) {
   args.num_splits = launch.num_splits > 1 ? launch.num_splits : 1;
   args.out_partial = launch.out_partial;
   args.lse_partial = launch.lse_partial;
-  args.kv_slots = plan.tile.kv_slots ? fwd_kv_slots(plan.tile, kHeadDim, launch.smem_optin) : 0;
+  args.kv_slots = plan.tile.kv_slots ? fwd_kv_slots(plan.tile, kHeadDim, launch.smem_optin, launch.smem_per_sm) : 0;
   // Softcap, ALiBi and dropout are compiled into a second variant so the common path carries none
   // of their registers (tanhf and 10-round Philox per element would otherwise crowd out O and S).
   const bool score_mods = p.softcap > 0.0f || p.alibi != nullptr || p.dropout_p > 0.0f;
-  if (plan.narrow) {
-    if (score_mods) launch_fwd_tile_sm80<T, kHeadDim, true, true>(args, plan, launch.stream);
-    else launch_fwd_tile_sm80<T, kHeadDim, true, false>(args, plan, launch.stream);
-  } else {
-    if (score_mods) launch_fwd_tile_sm80<T, kHeadDim, false, true>(args, plan, launch.stream);
-    else launch_fwd_tile_sm80<T, kHeadDim, false, false>(args, plan, launch.stream);
-  }
+  auto launch_kind = [&](auto kind) {
+    if (score_mods) launch_fwd_tile_sm80<T, kHeadDim, decltype(kind)::value, true>(args, plan, launch.stream);
+    else launch_fwd_tile_sm80<T, kHeadDim, decltype(kind)::value, false>(args, plan, launch.stream);
+  };
+  using K = FwdTileKind;
+  if (plan.kind == K::narrow) launch_kind(std::integral_constant<K, K::narrow>{});
+  else if constexpr (kHeadDim == 256) {
+    if (plan.kind == K::wide_two_blocks) launch_kind(std::integral_constant<K, K::wide_two_blocks>{});
+    else launch_kind(std::integral_constant<K, K::wide>{});
+  } else launch_kind(std::integral_constant<K, K::wide>{});
   if (args.num_splits > 1) {
     const std::int64_t rows = static_cast<std::int64_t>(p.h) * p.total_q;
     const unsigned blocks = static_cast<unsigned>((rows + kCombineWarps - 1) / kCombineWarps);

@@ -2,6 +2,7 @@
 // planning code (grid size, split heuristic), so both always agree.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 
 #include "api/params.hpp"
@@ -31,6 +32,10 @@ constexpr int fwd_head_dim_bucket(int d) { return d <= 64 ? 64 : (d <= 128 ? 128
 // prompts, where a 128-row block would mostly compute padding.
 inline constexpr int kFwdNarrowRows = 64;
 
+// Which tile a launch uses: wide (prefill, training), narrow (decoding, short prompts), or the
+// hdim-256 tile for devices whose multiprocessors hold two 96 KB blocks (sm90's 228 KB; sm80 has 164).
+enum class FwdTileKind : int { wide, narrow, wide_two_blocks };
+
 // hdim 64 and 128: FlashAttention-2's layout, 4 warps of 32 query rows (2 m tiles), so every K/V
 // fragment read from shared memory feeds two MMAs: 160-192 bytes of shared memory per MMA instead
 // of 256 with 16 rows per warp (device run 1 measured 0.63-0.78x of FA2 there, shared-memory bound).
@@ -38,37 +43,57 @@ inline constexpr int kFwdNarrowRows = 64;
 // Q is re-read from shared memory per step (in registers it spilled 52 bytes in the score-mod
 // variant at hdim 64). hdim 64 takes 64 keys (128: S 128 + O 64 spilled 160 bytes), hdim 128 32
 // keys (64: O 128 + S 64 spilled 40 bytes; ptxas, 255 registers). hdim 256: O at 2 m tiles would be
-// 256 registers, so 8 warps of 16 rows. 64 keys per step as FlashAttention-2 (253 registers, no
-// spill since the LdsmLane addresses; 32 keys read 320 bytes of shared memory per MMA against 288
-// and rescaled O twice as often, device run 2: 0.78-0.98x of FA2). A 64-key (K, V) pair is 64 KB,
-// so pairs double-buffered (Q 64 KB + 128 KB) would not fit sm80's 163 KB: K and V are single 32 KB
-// slots of one ring instead, 3 on sm80 (160 KB), 5 on sm90 (224 of 227 KB), waited on separately.
+// 256 registers, so warps of 16 rows, 64 keys per step as FlashAttention-2.
+// - wide_two_blocks (sm90): 64 rows, 4 warps, 2 blocks per multiprocessor, each with Q 32 KB and a
+//   2-slot K/V ring (96 KB): V's copy overlaps Q·Kᵀ and the next K's overlaps softmax and P·V. Two
+//   independent 4-warp blocks instead of one 8-warp block: one block's barriers no longer stall every
+//   warp of the SM. FlashAttention-2 runs this tile on H100 (ncu, 4k: 1.65 ms against our 8-warp
+//   128-row block's 1.92 ms, both 16k tokens, hidden 2048).
+// - wide (sm80): 128 rows, 8 warps, one block per multiprocessor. A 64-key (K, V) pair is 64 KB, so
+//   pairs double-buffered (Q 64 KB + 128 KB) would not fit sm80's 163 KB: K and V are single 32 KB
+//   slots of one ring instead, 3 on sm80 (160 KB), waited on separately (253 registers, no spill).
 // The other tiles stream K/V as (K, V) pairs (one barrier per step; the next pair's copy overlaps
 // the whole step): Q 32 KB + 2 · 16 KB at hdim 128, so 2 blocks per multiprocessor.
 // Narrow (decoding, short prompts): 4 warps of 16 rows, at most 255 registers so that 2 blocks fit;
 // 3 stages at hdim <= 128 (2 tiles, 64 KB, in flight per block: one 16 KB tile per block was under
 // the ~35 KB per multiprocessor that 3 TB/s needs at ~1.5 us latency), 2 at hdim 256 (96 KB).
-constexpr FwdTileSm80 fwd_tile_sm80(int head_dim_bucket, bool narrow) {
-  if (narrow)
+constexpr FwdTileSm80 fwd_tile_sm80(int head_dim_bucket, FwdTileKind kind) {
+  if (kind == FwdTileKind::narrow)
     return head_dim_bucket <= 128 ? FwdTileSm80{64, 64, 4, 2, true, 3, false} : FwdTileSm80{64, 32, 4, 2, false, 2, false};
   if (head_dim_bucket <= 64) return {128, 64, 4, 2, false, 2, false};
   if (head_dim_bucket <= 128) return {128, 32, 4, 2, false, 2, false};
+  if (kind == FwdTileKind::wide_two_blocks) return {64, 64, 4, 2, false, 0, true};
   return {128, 64, 8, 1, false, 0, true};
 }
 
-// Slots of a kv_slots ring on a device with smem_optin bytes of shared memory per block: as many as
-// fit, from 3 (while one tile is read the next two are in flight, as many tiles as a 2-stage pair
-// ring has) to 5 (two whole steps ahead). Fewer than 3 fit nowhere this tile runs (it needs 160 KB):
-// the launch then reports the device's limit.
-inline int fwd_kv_slots(const FwdTileSm80& tile, int head_dim, std::size_t smem_optin) {
+// The runtime reserves 1 KB of shared memory per resident block.
+inline constexpr std::size_t kSmemReservedPerBlock = 1024;
+
+// Whether a device with smem_per_sm bytes of shared memory per multiprocessor takes the hdim-256
+// wide_two_blocks tile (two blocks of Q + 2 slots each).
+inline bool fwd_two_blocks_hdim256(std::size_t smem_per_sm) {
+  constexpr FwdTileSm80 t = fwd_tile_sm80(256, FwdTileKind::wide_two_blocks);
+  return smem_per_sm >= t.min_blocks * (t.smem_bytes(256, 2) + kSmemReservedPerBlock);
+}
+
+// Slots of a kv_slots ring: as many as fit in a block's share of the multiprocessor (min_blocks
+// resident) and the per-block opt-in limit, at most 5 (two whole steps ahead). One resident block
+// needs 3 (while one tile is read the next two are in flight, as many tiles as a 2-stage pair ring
+// has); with two resident blocks 2 suffice, since the other block's copies overlap this one's waits.
+// A device below that minimum gets it anyway and the launch reports the device's limit.
+inline int fwd_kv_slots(const FwdTileSm80& tile, int head_dim, std::size_t smem_optin, std::size_t smem_per_sm) {
   const std::size_t q_bytes = tile.smem_bytes(head_dim, 0), slot_bytes = static_cast<std::size_t>(tile.block_n) * head_dim * 2;
-  const std::size_t fit = smem_optin > q_bytes ? (smem_optin - q_bytes) / slot_bytes : 0;
-  return fit < 3 ? 3 : (fit > 5 ? 5 : static_cast<int>(fit));
+  std::size_t budget = smem_optin;
+  if (smem_per_sm > 0) budget = std::min(budget, smem_per_sm / tile.min_blocks - kSmemReservedPerBlock);
+  const std::size_t fit = budget > q_bytes ? (budget - q_bytes) / slot_bytes : 0;
+  const std::size_t least = tile.min_blocks >= 2 ? 2 : 3;
+  return static_cast<int>(std::clamp<std::size_t>(fit, least, 5));
 }
 
 // How a call maps onto blocks: the tile, GQA packing, and the grid (x: query blocks · splits,
 // y: heads / pack, z: batch).
 struct FwdPlanSm80 {
+  FwdTileKind kind = FwdTileKind::wide;
   bool narrow = false;
   FwdTileSm80 tile{};
   int pack = 1;
@@ -78,12 +103,17 @@ struct FwdPlanSm80 {
 
 // Pack the query heads of a KV head into one block's rows when s_q alone would fill less than a
 // narrow tile (decoding): K and V are then read once per KV head instead of once per query head.
-inline FwdPlanSm80 plan_fwd_sm80(const detail::FwdParams& p) {
+// smem_per_sm (the device's shared memory per multiprocessor) picks the hdim-256 wide tile.
+inline FwdPlanSm80 plan_fwd_sm80(const detail::FwdParams& p, std::size_t smem_per_sm) {
   FwdPlanSm80 plan;
   plan.pack = p.group() > 1 && p.seqlen_q < kFwdNarrowRows ? p.group() : 1;
   const int rows = p.seqlen_q * plan.pack;
   plan.narrow = rows <= kFwdNarrowRows;
-  plan.tile = fwd_tile_sm80(fwd_head_dim_bucket(p.d), plan.narrow);
+  const int bucket = fwd_head_dim_bucket(p.d);
+  plan.kind = plan.narrow ? FwdTileKind::narrow
+                          : (bucket == 256 && fwd_two_blocks_hdim256(smem_per_sm) ? FwdTileKind::wide_two_blocks
+                                                                                   : FwdTileKind::wide);
+  plan.tile = fwd_tile_sm80(bucket, plan.kind);
   plan.num_m_blocks = (rows + plan.tile.block_m - 1) / plan.tile.block_m;
   plan.grid_heads = p.h / plan.pack;
   return plan;
