@@ -67,11 +67,13 @@ struct BwdTraits {
   static constexpr int kDqPass = 32;
   // Q and dO tiles double-buffered, so that the next step's copy is in flight during the whole
   // step, where they fit next to K, V, Pᵀ and dSᵀ: 162 KB at hdim 128, within the 163 KB an sm80
-  // block may have. Two stages take 164 KB at hdim 64 (kBlockM 128) and 208 KB at hdim 256, which
-  // only sm90's 227 KB hold; the launcher picks the stage count at run time from the device's
-  // limit (kMinStages..kMaxStages), so sm80 and sm90 share one instantiation. One stage overlaps
-  // the copy with dQ only.
-  static constexpr int kMaxStages = 2;
+  // block may have. At hdim 64 (kBlockM 128) two stages take 164 KB, which only sm90's 227 KB
+  // holds; the launcher picks the stage count at run time from the device's limit
+  // (kMinStages..kMaxStages), so sm80 and sm90 share one instantiation. hdim 256 runs one stage
+  // on every device: two (208 KB, sm90 only) measured 11-12 % slower on the H100 than one (145 KB)
+  // at 4k and 16k, causal or not (158 vs 177 TFLOP/s at 16k; bench/NOTES_bwd_v6.md). One stage
+  // overlaps the copy with dQ only.
+  static constexpr int kMaxStages = kHeadDim == 256 ? 1 : 2;
   static constexpr int kMinStages = kHeadDim == 128 ? 2 : 1;
   // dPᵀ column passes (see the kernel), so that dPᵀ and Sᵀ fit next to dK and dV: 2 at hdim 128,
   // where the whole 32 × 32 tile spilled 32 bytes; 4 at hdim 64, where the whole 32 × 64 tile

@@ -3,7 +3,6 @@
 // files src/cuda/generated/bwd_sm80_<dtype>_hdim<D>.cu, one (dtype, head-dim bucket) each.
 #pragma once
 
-#include <cstdlib>
 #include <string>
 
 #include "common/check.cuh"
@@ -38,15 +37,13 @@ void run_bwd_sm80(const detail::BwdParams& p, const BwdLaunch& launch) {
   FM_CUDA_CHECK_LAUNCH();
 
   if (p.seqlen_k > 0) {
-    // Two Q/dO stages where the current device's per-block limit holds them (hdim 256: sm90's
-    // 227 KB, not sm80's 163 KB), else one; the kernel takes the count as an argument.
+    // Two Q/dO stages where the current device's per-block limit holds them (hdim 64: sm90's
+    // 227 KB, not sm80's 163 KB), else one (BwdTraits); the kernel takes the count as an argument.
     int device = 0, smem_optin = 0;
     FM_CUDA_CHECK(cudaGetDevice(&device));
     FM_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    int stages = Tr::smem_bytes(Tr::kMaxStages) <= static_cast<std::size_t>(smem_optin) ? Tr::kMaxStages
-                                                                                        : Tr::kMinStages;
-    // EXPERIMENT (to be removed): FLASHMONOID_BWD_STAGES=1 forces one Q/dO stage for an A/B timing.
-    if (const char* e = std::getenv("FLASHMONOID_BWD_STAGES"); e && *e == '1') stages = Tr::kMinStages;
+    const int stages = Tr::smem_bytes(Tr::kMaxStages) <= static_cast<std::size_t>(smem_optin) ? Tr::kMaxStages
+                                                                                              : Tr::kMinStages;
     const std::size_t smem = Tr::smem_bytes(stages);
     auto kernel = bwd::bwd_main<T, Tr>;
     FM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
