@@ -63,8 +63,11 @@ struct BwdTraits {
   static constexpr int kDqWarpsD = kNWarps / kDqWarpsM;
   static constexpr int kDqWarpM = kBlockM / kDqWarpsM;  // (kDqWarpM, kDqWarpD) dQ tile per warp
   static constexpr int kDqWarpD = kHeadDim / kDqWarpsD;
-  // dQ columns per pass: 32 keeps its accumulator at kDqWarpM registers next to dK and dV.
-  static constexpr int kDqPass = 32;
+  // dQ columns per pass: 32 keeps its accumulator at kDqWarpM registers next to dK and dV. hdim
+  // 256 takes its whole 64-column warp tile in one pass (64 registers next to dK, dV's 128), so
+  // that whole tiles take the short dQ additions (see the kernel): two passes of the general form
+  // cost ~25 SASS instructions per 8-byte reduction, ~800 of the ~1700 a warp issued per step.
+  static constexpr int kDqPass = kHeadDim == 256 ? 64 : 32;
   // Q and dO tiles double-buffered, so that the next step's copy is in flight during the whole
   // step, where they fit next to K, V, Pᵀ and dSᵀ: 162 KB at hdim 128, within the 163 KB an sm80
   // block may have. At hdim 64 (kBlockM 128) two stages take 164 KB, which only sm90's 227 KB
@@ -617,9 +620,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       // path (every row in the sequence, p.d == kHeadDim, so acc_row's rows are kHeadDim long) take
       // a short form compiled apart: reductions at constant offsets from one address per lane, no
       // bounds tests. The general form wraps each 8-byte reduction in a branch region with 64-bit
-      // bounds compares and the deterministic test (SASS: ~10 instructions and 2 branches each,
-      // 16 per warp and step). Only with one dQ pass (hdim 64, 128): at hdim 256 (2 passes) the
-      // short form spilled 16 bytes on sm_90.
+      // bounds compares and the deterministic test (SASS: ~10-25 instructions and 2-4 branches
+      // each, 16 per warp and step at hdim 64, 128, 32 at 256). Only with one dQ pass (every head
+      // dim now): with two passes at hdim 256 the short form spilled 16-20 bytes on sm_90.
       constexpr bool kShortAdds = Tr::kDqWarpD == Tr::kDqPass;
       const bool whole = !p.deterministic && p.d == kHeadDim && r0 + kBlockM <= si.len_q;
       auto add_dq = [&](const auto& acc_dq, int pass, auto whole_tag) {
@@ -709,8 +712,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
 
   // Epilogue: dK = scale · Σ dS q (dS was taken w.r.t. the score scale·q·k), dV as accumulated.
   // Rows past the end of the sequence and padded head-dim columns are not written.
-  T* dk_g = static_cast<T*>(p.dk) + detail::offset_of(p.dk_stride, b, si.k_row0 + kb, hk);
-  T* dv_g = static_cast<T*>(p.dv) + detail::offset_of(p.dv_stride, b, si.k_row0 + kb, hk);
+  // The sequence's first key row is read again rather than kept from the start: held across the
+  // mainloop it was the one register ptxas spilled (4 bytes) at hdim 256.
+  const std::int64_t k_row = detail::seq_info(p, b).k_row0 + kb;
+  T* dk_g = static_cast<T*>(p.dk) + detail::offset_of(p.dk_stride, b, k_row, hk);
+  T* dv_g = static_cast<T*>(p.dv) + detail::offset_of(p.dv_stride, b, k_row, hk);
 #pragma unroll
   for (int mt = 0; mt < kKVMT; ++mt)
 #pragma unroll
