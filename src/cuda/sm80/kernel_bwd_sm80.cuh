@@ -111,7 +111,10 @@ __device__ __forceinline__ int tile_off(int row, int col) {
 // and columns >= cols_valid (a multiple of 8) are zero-filled. Each thread copies the same chunk
 // column of rows tid / kChunks + k · kRowStep, so its swizzle is the same for all of them and only
 // one shared and one global address are live per tile (per-chunk addresses cost ~50 registers
-// at hdim 256 when the compiler hoisted them out of the mainloop).
+// at hdim 256 when the compiler hoisted them out of the mainloop). The global address advances
+// by one 64-bit add per copy and the shared one by an immediate: the per-copy products and
+// separate row and column tests took ~16 SASS instructions per cp.async (hdim 256: 262 for the 16
+// Q/dO copies of a step, now 203).
 template <int kRows, int kCols, int kNThreads, class T>
 __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, std::int64_t row_stride, int rows_valid,
                                                 int cols_valid, int tid) {
@@ -120,13 +123,16 @@ __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, std::int
   static_assert(kNThreads % kChunks == 0 && kRowStep % 8 == 0 && kRows % kRowStep == 0,
                 "tile must split evenly over the threads, 8-row aligned for the swizzle");
   const int r = tid / kChunks, c = (tid % kChunks) * 8;
-  T* dst = smem + tile_off<kCols>(r, c);
+  const std::uint32_t dst = smem_addr(smem + tile_off<kCols>(r, c));
   const T* src = gmem + r * row_stride + c;
-  const bool col_ok = c < cols_valid;
+  const std::int64_t step = kRowStep * row_stride;
+  const int rows_left = c < cols_valid ? rows_valid - r : 0;  // copy k is in the tile iff k·kRowStep < rows_left
 #pragma unroll
   for (int k = 0; k < kRows / kRowStep; ++k) {
-    const bool pred = col_ok && r + k * kRowStep < rows_valid;
-    cp_async_16(dst + k * kRowStep * kCols, pred ? src + k * kRowStep * row_stride : gmem, pred);
+    const bool pred = k * kRowStep < rows_left;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + k * kRowStep * kCols * 2),
+                 "l"(pred ? src : gmem), "r"(pred ? 16 : 0));
+    src += step;
   }
 }
 
