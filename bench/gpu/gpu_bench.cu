@@ -223,6 +223,62 @@ void bench_decode(int b, int sk, const std::string& dev) {
   record("fwd", d, false, b, h, hk, 1, sk, gms, "tbps", 2.0 * kv_bytes / gms / 1e9, dev, ", \"timing\": \"graph\"");
 }
 
+// Decoding b = 1, s_k = 32k with a forced split count, graph-replayed (a tuning sweep, printed only).
+void sweep_decode_splits() {
+  const int b = 1, sk = 32768, h = 32, hk = 8, d = 128;
+  Buf q(static_cast<std::size_t>(b) * h * d * 2, true), o(static_cast<std::size_t>(b) * h * d * 2),
+      lse(static_cast<std::size_t>(b) * h * 4);
+  const std::size_t kv_bytes = static_cast<std::size_t>(b) * sk * hk * d * 2;
+  Buf k(kv_bytes, true), v(kv_bytes, true);
+  TensorView qv = view4(q.p, DType::bf16, b, 1, h, d), ov = view4(o.p, DType::bf16, b, 1, h, d);
+  TensorView kv = view4(k.p, DType::bf16, b, sk, hk, d), vv = view4(v.p, DType::bf16, b, sk, hk, d);
+  TensorView lv(lse.p, DType::f32, Device::cuda(0), {b, h, 1});
+  Buf work(std::size_t{64} << 20);
+  for (int splits : {8, 16, 24, 32, 33, 40, 48, 64, 66, 96, 128}) {
+    flashmonoid::Context ctx;
+    ctx.workspace = work.p;
+    ctx.workspace_bytes = work.bytes;
+    ctx.num_splits = splits;
+    const double gms = graph_ms([&](cudaStream_t s) {
+      flashmonoid::Context c = ctx;
+      c.stream = s;
+      flashmonoid::forward(qv, kv, vv, ov, lv, {}, c);
+    });
+    std::fprintf(stderr, "splits %3d: %.2f us, %.3f TB/s\n", splits, gms * 1e3, 2.0 * kv_bytes / gms / 1e9);
+  }
+}
+
+__global__ void empty_kernel() {}
+
+// Host cost of the CUDA calls a forward makes, each timed alone (median of 15 runs of 200 calls).
+void host_costs() {
+  void* dptr = nullptr;
+  CHECK(cudaMalloc(&dptr, 1 << 20));
+  auto per_call = [](auto&& f) {
+    std::vector<double> t;
+    for (int r = 0; r < 15; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < 200; ++i) f();
+      t.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / 200);
+      CHECK(cudaDeviceSynchronize());
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  };
+  int dev = 0, n = 0;
+  cudaPointerAttributes attr{};
+  std::fprintf(stderr, "cudaPointerGetAttributes: %.3f us\n", per_call([&] { CHECK(cudaPointerGetAttributes(&attr, dptr)); }));
+  std::fprintf(stderr, "cudaGetDevice: %.3f us\n", per_call([&] { CHECK(cudaGetDevice(&dev)); }));
+  std::fprintf(stderr, "cudaDeviceGetAttribute: %.3f us\n",
+               per_call([&] { CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, 0)); }));
+  std::fprintf(stderr, "cudaFuncSetAttribute: %.3f us\n", per_call([&] {
+                 CHECK(cudaFuncSetAttribute(empty_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024));
+               }));
+  std::fprintf(stderr, "launch (empty kernel): %.3f us\n", per_call([&] { empty_kernel<<<1, 32>>>(); }));
+  std::fprintf(stderr, "cudaGetLastError: %.3f us\n", per_call([&] { (void)cudaGetLastError(); }));
+  cudaFree(dptr);
+}
+
 void bench_copy(const std::string& dev) {
   const std::size_t bytes = std::size_t{1} << 30;
   Buf a(bytes, true), c(bytes);
@@ -265,8 +321,9 @@ void memory_64k(const std::string& dev) {
 
 }  // namespace
 
-// Usage: flashmonoid-gpu-bench [OUT.json] [--no-bwd] [--case HDIM CAUSAL SEQLEN] [--decode-only]
-// --case runs one training shape (for a profiler), --decode-only the decoding shapes.
+// Usage: flashmonoid-gpu-bench [OUT.json] [--no-bwd] [--case HDIM CAUSAL SEQLEN] [--decode-only] [--sweep]
+// --case runs one training shape (for a profiler), --decode-only the decoding shapes, --sweep the
+// host cost of single CUDA calls and decoding (b = 1, 32k) over forced split counts.
 int main(int argc, char** argv) {
   const std::string dev = device_name();
   const char* out_path = nullptr;
@@ -275,6 +332,11 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--no-bwd")) with_bwd = false;
     else if (!std::strcmp(argv[i], "--decode-only")) decode_only = true;
+    else if (!std::strcmp(argv[i], "--sweep")) {
+      host_costs();
+      sweep_decode_splits();
+      return 0;
+    }
     else if (!std::strcmp(argv[i], "--case") && i + 3 < argc) {
       case_d = std::atoi(argv[i + 1]);
       case_causal = std::atoi(argv[i + 2]);
