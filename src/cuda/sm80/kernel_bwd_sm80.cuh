@@ -68,16 +68,12 @@ struct BwdTraits {
   // that whole tiles take the short dQ additions (see the kernel): two passes of the general form
   // cost ~25 SASS instructions per 8-byte reduction, ~800 of the ~1700 a warp issued per step.
   static constexpr int kDqPass = kHeadDim == 256 ? 64 : 32;
-  // Q and dO tiles double-buffered, so that the next step's copy is in flight during the whole
-  // step, where they fit next to K, V, Pᵀ and dSᵀ: 162 KB at hdim 128, within the 163 KB an sm80
-  // block may have. At hdim 64 (kBlockM 128) two stages take 164 KB, which only sm90's 227 KB
-  // holds; the launcher picks the stage count at run time from the device's limit
-  // (kMinStages..kMaxStages), so sm80 and sm90 share one instantiation. hdim 256 runs one stage
-  // on every device: two (208 KB, sm90 only) measured 11-12 % slower on the H100 than one (145 KB)
-  // at 4k and 16k, causal or not (158 vs 177 TFLOP/s at 16k; bench/NOTES_bwd_v6.md). One stage
-  // overlaps the copy with dQ only.
-  static constexpr int kMaxStages = kHeadDim == 256 ? 1 : 2;
-  static constexpr int kMinStages = kHeadDim == 128 ? 2 : 1;
+  // Q/dO stages. Two at hdim 128 (162 KB, fits sm80's 163 KB), so that the next step's copy is
+  // in flight during the whole step. One at hdim 64 and 256, on every device: two (164 and 208 KB,
+  // sm90 only) measured 2-3 % (hdim 64) and 11-12 % (hdim 256) slower on the H100 than one (132
+  // and 145 KB) at 4k and 16k, causal or not (bench/NOTES_bwd_v6.md). One stage overlaps the copy
+  // with dQ only. A constant per head dim, so the kernel compiles one step order.
+  static constexpr int kStages = kHeadDim == 128 ? 2 : 1;
   // dPᵀ column passes (see the kernel), so that dPᵀ and Sᵀ fit next to dK and dV: 2 at hdim 128,
   // where the whole 32 × 32 tile spilled 32 bytes; 4 at hdim 64, where the whole 32 × 64 tile
   // spilled 432 bytes (sm_90) and 2 passes 8.
@@ -86,13 +82,11 @@ struct BwdTraits {
   static constexpr int kKVElems = kBlockN * kHeadDim;  // (kBlockN, kHeadDim) each for K, V
   static constexpr int kQElems = kBlockM * kHeadDim;   // (kBlockM, kHeadDim) each for Q, dO, per stage
   static constexpr int kSElems = kBlockN * kBlockM;    // (kBlockN, kBlockM) each for dSᵀ, Pᵀ
-  // Everything but the Q/dO stages, which come last so that every other offset is a constant:
-  // K, V, dSᵀ, Pᵀ, then lse and D for kMaxStages stages and the dropout keep bits.
+  // K, V, dSᵀ, Pᵀ, then lse and D per stage and the dropout keep bits, then the Q/dO stages.
   static constexpr std::size_t kFixedSmemBytes =
-      (2 * kKVElems + 2 * kSElems) * 2 + 2 * kMaxStages * kBlockM * sizeof(float) +
+      (2 * kKVElems + 2 * kSElems) * 2 + 2 * kStages * kBlockM * sizeof(float) +
       kBlockM * (kBlockN / 32) * sizeof(std::uint32_t);
-  static constexpr std::size_t smem_bytes(int stages) { return kFixedSmemBytes + stages * 2 * kQElems * 2; }
-  static constexpr std::size_t kSmemBytes = smem_bytes(kMinStages);
+  static constexpr std::size_t kSmemBytes = kFixedSmemBytes + kStages * 2 * kQElems * 2;
   static_assert(kFixedSmemBytes % 128 == 0, "Q/dO stages must start 128-byte aligned for the swizzle");
   static_assert(kSWarpN % 16 == 0 && kSWarpM % 16 == 0 && kKVWarpN % 16 == 0 && kKVWarpD % 16 == 0 &&
                     kDqWarpM % 16 == 0 && kDqWarpD % kDqPass == 0,
@@ -278,8 +272,7 @@ __device__ __forceinline__ float fast_exp2(float x) {
 
 template <class T, class Tr>
 __global__ void __launch_bounds__(Tr::kNThreads, 1)
-    bwd_main(const detail::BwdParams p, const float* __restrict__ dsum, float* __restrict__ dq_acc, int* __restrict__ sem,
-             int n_stages) {
+    bwd_main(const detail::BwdParams p, const float* __restrict__ dsum, float* __restrict__ dq_acc, int* __restrict__ sem) {
   constexpr int kHeadDim = Tr::kHeadDim, kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
   constexpr int kSMT = Tr::kSWarpN / 16, kSNT = Tr::kSWarpM / 8;     // Sᵀ: m16 (keys) × n8 (queries) tiles
   constexpr int kKVMT = Tr::kKVWarpN / 16, kKVNT = Tr::kKVWarpD / 8;  // dK, dV: m16 (keys) × n8 (dims)
@@ -293,13 +286,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   T* sV = sK + Tr::kKVElems;                 // (kBlockN, kHeadDim)
   T* sdS = sV + Tr::kKVElems;                // (kBlockN, kBlockM) dSᵀ
   T* sP = sdS + Tr::kSElems;                 // (kBlockN, kBlockM) P_dropᵀ
-  float* sLse = reinterpret_cast<float*>(sP + Tr::kSElems);                                 // kMaxStages × (kBlockM)
-  float* sD = sLse + Tr::kMaxStages * kBlockM;                                              // kMaxStages × (kBlockM)
-  std::uint32_t* sKeep = reinterpret_cast<std::uint32_t*>(sD + Tr::kMaxStages * kBlockM);  // (kBlockM, kKeepWords)
+  float* sLse = reinterpret_cast<float*>(sP + Tr::kSElems);                              // kStages × (kBlockM)
+  float* sD = sLse + Tr::kStages * kBlockM;                                              // kStages × (kBlockM)
+  std::uint32_t* sKeep = reinterpret_cast<std::uint32_t*>(sD + Tr::kStages * kBlockM);  // (kBlockM, kKeepWords)
   T* sQ = reinterpret_cast<T*>(smem_raw + Tr::kFixedSmemBytes);  // stage s: sQ + s · 2 kQElems, (kBlockM, kHeadDim)
   T* sdO = sQ + Tr::kQElems;                                      // stage s: sdO + s · 2 kQElems, (kBlockM, kHeadDim)
-  // 1 or 2 (launcher); a constant where only one fits every device.
-  const int stages = Tr::kMinStages == Tr::kMaxStages ? Tr::kMaxStages : n_stages;
+  constexpr int stages = Tr::kStages;
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int n_block = blockIdx.x;
@@ -704,7 +696,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     // the dK products overlap the dQ reductions in flight instead of the next step's barrier
     // waiting on them. With one stage dK comes first, so that Q and dO are free and the next
     // step's copy overlaps dQ.
-    if (stages == 1) {
+    if constexpr (stages == 1) {
       dk_products();
       __syncthreads();
       if (it + 1 < n_iter) load_q_block(it + 1, 0);

@@ -37,18 +37,11 @@ void run_bwd_sm80(const detail::BwdParams& p, const BwdLaunch& launch) {
   FM_CUDA_CHECK_LAUNCH();
 
   if (p.seqlen_k > 0) {
-    // Two Q/dO stages where the current device's per-block limit holds them (hdim 64: sm90's
-    // 227 KB, not sm80's 163 KB), else one (BwdTraits); the kernel takes the count as an argument.
-    int device = 0, smem_optin = 0;
-    FM_CUDA_CHECK(cudaGetDevice(&device));
-    FM_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    const int stages = Tr::smem_bytes(Tr::kMaxStages) <= static_cast<std::size_t>(smem_optin) ? Tr::kMaxStages
-                                                                                              : Tr::kMinStages;
-    const std::size_t smem = Tr::smem_bytes(stages);
+    const std::size_t smem = Tr::kSmemBytes;
     auto kernel = bwd::bwd_main<T, Tr>;
     FM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     const dim3 grid((p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN, p.batch * p.h_k);
-    kernel<<<grid, Tr::kNThreads, smem, launch.stream>>>(p, dsum, dq_acc, sem, stages);
+    kernel<<<grid, Tr::kNThreads, smem, launch.stream>>>(p, dsum, dq_acc, sem);
     FM_CUDA_CHECK_LAUNCH();
   }
 
