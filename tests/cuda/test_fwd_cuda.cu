@@ -161,6 +161,45 @@ std::vector<Shape> gpu_grid() {
       s.dropout_p = c ? 0.0f : 0.1f;
       out.push_back(s);
     }
+  // Long key ranges: at hdim 128 (and 96) s_k >= 2048 takes the stages of two 32-key tiles on
+  // devices with the shared memory (tile_fwd_sm80.hpp); windows, odd tile counts and causal ends put
+  // skipped tiles into the aligned groups.
+  struct Long {
+    int sq, sk, d, h, h_k;
+    DType t;
+    int feature;
+  };
+  const Long longs[] = {{300, 2049, 128, 4, 2, DType::bf16, 1}, {2100, 2100, 96, 2, 2, DType::f16, 2},
+                        {129, 2500, 128, 3, 1, DType::bf16, 3}, {200, 2222, 128, 2, 1, DType::f16, 4},
+                        {77, 4099, 128, 2, 2, DType::bf16, 0}};
+  for (const Long& l : longs) {
+    Shape s;
+    s.b = 1;
+    s.s_q = l.sq;
+    s.s_k = l.sk;
+    s.d = l.d;
+    s.h = l.h;
+    s.h_k = l.h_k;
+    s.dtype = l.t;
+    switch (l.feature) {
+      case 1: s.causal = true; break;
+      case 2: s.window_left = 300; s.window_right = 40; break;
+      case 3: s.softcap = 5.0f; s.alibi = true; break;
+      case 4: s.dropout_p = 0.2f; break;
+    }
+    out.push_back(s);
+  }
+  Shape lv;
+  lv.varlen = true;
+  lv.b = 3;
+  lv.lens_q = {100, 0, 700};
+  lv.lens_k = {2300, 50, 2049};
+  lv.h = 4;
+  lv.h_k = 2;
+  lv.d = 128;
+  lv.dtype = DType::bf16;
+  lv.causal = true;
+  out.push_back(lv);
   return out;
 }
 

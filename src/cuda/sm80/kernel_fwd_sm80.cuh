@@ -46,7 +46,8 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
   constexpr bool kSlotRing = kTile.kv_slots;
 
   constexpr int kStages = kTile.stages;
-  constexpr int kStageElems = 2 * kBlockN * kHeadDim;
+  constexpr int kSub = kTile.sub;  // key tiles per (K, V) stage of a pair ring
+  constexpr int kStageElems = 2 * kSub * kBlockN * kHeadDim;
   constexpr int kSlotElems = kBlockN * kHeadDim;
   static_assert(kSlotRing || kStages >= 2, "the K/V ring needs a stage in flight while one is read");
   static_assert(!(kSlotRing && kQInRegisters), "the kv_slots ring reads Q from shared memory every step");
@@ -118,7 +119,7 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
   }
   const LdsmLane<kHeadDim> q_addr = q_lane<kHeadDim>(sQ, warp_row0, lane);
   const LdsmLane<kHeadDim> k_addr = k_lane<kHeadDim>(sK, lane);
-  const LdsmLane<kHeadDim> v_addr = v_lane<kHeadDim>(kSlotRing ? sK : sK + kBlockN * kHeadDim, lane);
+  const LdsmLane<kHeadDim> v_addr = v_lane<kHeadDim>(kSlotRing ? sK : sK + kSub * kBlockN * kHeadDim, lane);
   // s (16·kMTiles, kBlockN) of this warp = P of key tile key0, from the K tile k_bytes into the ring.
   auto scores = [&](float (&s)[kMTiles][kNTiles][4], std::uint32_t k_bytes, int key0) {
     if constexpr (kQInRegisters)
@@ -144,7 +145,7 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
       apply_dropout(s, p, row_id, key0, lane);
     }
   };
-  if constexpr (!kSlotRing) {
+  if constexpr (!kSlotRing && kSub == 1) {
     // Tile t of the visit order (n = s_hi - 1 - t) into ring stage t % kStages: K and V as one group.
     auto load_kv = [&](int t) {
       if (t < num_tiles) {
@@ -175,6 +176,52 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
           float s[kMTiles][kNTiles][4] = {};  // (16·kMTiles, kBlockN) per warp
           scores(s, stage_bytes, key0);
           gemm_pv<T>(o, s, v_addr.plus(stage_bytes));
+        }
+      }
+    }
+  } else if constexpr (!kSlotRing) {
+    // Stages of kSub key tiles: one wait and one barrier per kSub tiles (FlashAttention-2 copies and
+    // synchronises per 64 or 128 keys), while the scores, softmax and P·V still go one kBlockN tile
+    // at a time, so S needs no more registers. Groups are aligned to multiples of kSub tiles (a
+    // group's first key is never negative) and visited last to first; a group's tiles outside
+    // [s_lo, s_hi) are copied (at most one per block end) but skipped.
+    static_assert(!kQInRegisters, "the sub-tiled pair ring reads Q from shared memory every step");
+    constexpr int kGroupRows = kSub * kBlockN;
+    const int g_hi = num_tiles > 0 ? (s_hi - 1) / kSub : 0, g_lo = s_lo / kSub;
+    const int num_groups = num_tiles > 0 ? g_hi - g_lo + 1 : 0;
+    auto load_group = [&](int t) {
+      if (t < num_groups) {
+        const int n0 = (g_hi - t) * kSub;  // the group's first (lowest) tile
+        T* stage = sK + (t % kStages) * kStageElems;
+        load_rows_async<kGroupRows, kHeadDim, kThreads>(stage, k_seq + n0 * kBlockN * p.k_stride.row, p.k_stride.row,
+                                                        si.len_k - n0 * kBlockN, p.d);
+        load_rows_async<kGroupRows, kHeadDim, kThreads>(stage + kGroupRows * kHeadDim,
+                                                        v_seq + n0 * kBlockN * p.v_stride.row, p.v_stride.row,
+                                                        si.len_k - n0 * kBlockN, p.d);
+      }
+      cp_async_commit();  // empty past the last group, so that wait_group counts stay uniform
+    };
+    if (num_groups > 0) {
+      load_tile_async<kBlockM, kHeadDim, kThreads>(sQ, q_row, p.d, q);
+#pragma unroll
+      for (int t = 0; t < kStages - 1; ++t) load_group(t);
+#pragma unroll 1
+      for (int t = 0; t < num_groups; ++t) {
+        cp_async_wait<kStages - 2>();
+        __syncthreads();  // group t (and Q) landed; every warp is done with group t - 1's stage
+        load_group(t + kStages - 1);
+        const std::uint32_t stage_bytes = static_cast<unsigned>(t) % kStages * kStageElems * sizeof(T);
+        const int n0 = (g_hi - t) * kSub;
+        if (warp_active) {
+#pragma unroll
+          for (int j = kSub - 1; j >= 0; --j) {
+            const int n = n0 + j;
+            if (n < s_lo || n >= s_hi) continue;
+            const std::uint32_t tile_bytes = stage_bytes + j * kBlockN * kHeadDim * sizeof(T);
+            float s[kMTiles][kNTiles][4] = {};  // (16·kMTiles, kBlockN) per warp
+            scores(s, tile_bytes, n * kBlockN);
+            gemm_pv<T>(o, s, v_addr.plus(tile_bytes));
+          }
         }
       }
     }

@@ -48,10 +48,8 @@ void run_fwd_sm80(const detail::FwdParams& p, const FwdLaunch& launch) {
   };
   using K = FwdTileKind;
   if (plan.kind == K::narrow) launch_kind(std::integral_constant<K, K::narrow>{});
-  else if constexpr (kHeadDim == 256) {
-    if (plan.kind == K::wide_two_blocks) launch_kind(std::integral_constant<K, K::wide_two_blocks>{});
-    else launch_kind(std::integral_constant<K, K::wide>{});
-  } else launch_kind(std::integral_constant<K, K::wide>{});
+  else if (plan.kind == K::wide_large_smem) launch_kind(std::integral_constant<K, K::wide_large_smem>{});
+  else launch_kind(std::integral_constant<K, K::wide>{});
   if (args.num_splits > 1) {
     const std::int64_t rows = static_cast<std::int64_t>(p.h) * p.total_q;
     const unsigned blocks = static_cast<unsigned>((rows + kCombineWarps - 1) / kCombineWarps);

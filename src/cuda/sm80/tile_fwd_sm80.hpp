@@ -19,9 +19,12 @@ struct FwdTileSm80 {
   // K and V as separate slots of one ring (a barrier before each product), the slot count picked at
   // run time from the device's shared memory (fwd_kv_slots); `stages` is then unused.
   bool kv_slots;
-  // Q, then the K/V ring of 2-byte T: `stages` (K, V) pairs, or `slots` single tiles.
+  // Key tiles of block_n per (K, V) pair stage (pair rings): the copy and the barrier cover `sub`
+  // tiles, while the scores and the softmax still run one block_n tile at a time (registers).
+  int sub = 1;
+  // Q, then the K/V ring of 2-byte T: `stages` (K, V) pairs of `sub` tiles, or `slots` single tiles.
   constexpr std::size_t smem_bytes(int head_dim, int slots = 0) const {
-    const int ring_tiles = kv_slots ? slots : 2 * stages;
+    const int ring_tiles = kv_slots ? slots : 2 * stages * sub;
     return static_cast<std::size_t>(block_m + block_n * ring_tiles) * head_dim * 2;
   }
 };
@@ -32,9 +35,9 @@ constexpr int fwd_head_dim_bucket(int d) { return d <= 64 ? 64 : (d <= 128 ? 128
 // prompts, where a 128-row block would mostly compute padding.
 inline constexpr int kFwdNarrowRows = 64;
 
-// Which tile a launch uses: wide (prefill, training), narrow (decoding, short prompts), or the
-// hdim-256 tile for devices whose multiprocessors hold two 96 KB blocks (sm90's 228 KB; sm80 has 164).
-enum class FwdTileKind : int { wide, narrow, wide_two_blocks };
+// Which tile a launch uses: wide (prefill, training), narrow (decoding, short prompts), or the wide
+// tile for devices whose multiprocessors hold two larger blocks (fwd_large_smem_tile: sm90's 228 KB).
+enum class FwdTileKind : int { wide, narrow, wide_large_smem };
 
 // hdim 64 and 128: FlashAttention-2's layout, 4 warps of 32 query rows (2 m tiles), so every K/V
 // fragment read from shared memory feeds two MMAs: 160-192 bytes of shared memory per MMA instead
@@ -44,7 +47,7 @@ enum class FwdTileKind : int { wide, narrow, wide_two_blocks };
 // variant at hdim 64). hdim 64 takes 64 keys (128: S 128 + O 64 spilled 160 bytes), hdim 128 32
 // keys (64: O 128 + S 64 spilled 40 bytes; ptxas, 255 registers). hdim 256: O at 2 m tiles would be
 // 256 registers, so warps of 16 rows, 64 keys per step as FlashAttention-2.
-// - wide_two_blocks (sm90): 64 rows, 4 warps, 2 blocks per multiprocessor, each with Q 32 KB and a
+// - wide_large_smem (sm90): 64 rows, 4 warps, 2 blocks per multiprocessor, each with Q 32 KB and a
 //   2-slot K/V ring (96 KB): V's copy overlaps Q·Kᵀ and the next K's overlaps softmax and P·V. Two
 //   independent 4-warp blocks instead of one 8-warp block: one block's barriers no longer stall every
 //   warp of the SM. FlashAttention-2 runs this tile on H100 (ncu, 4k: 1.65 ms against our 8-warp
@@ -53,27 +56,37 @@ enum class FwdTileKind : int { wide, narrow, wide_two_blocks };
 //   pairs double-buffered (Q 64 KB + 128 KB) would not fit sm80's 163 KB: K and V are single 32 KB
 //   slots of one ring instead, 3 on sm80 (160 KB), waited on separately (253 registers, no spill).
 // The other tiles stream K/V as (K, V) pairs (one barrier per step; the next pair's copy overlaps
-// the whole step): Q 32 KB + 2 · 16 KB at hdim 128, so 2 blocks per multiprocessor.
+// the whole step): Q 32 KB + 2 · 16 KB at hdim 128, so 2 blocks per multiprocessor; hdim 128's
+// wide_large_smem tile puts two 32-key tiles in each stage (96 KB, see fwd_large_smem_tile).
 // Narrow (decoding, short prompts): 4 warps of 16 rows, at most 255 registers so that 2 blocks fit;
 // 3 stages at hdim <= 128 (2 tiles, 64 KB, in flight per block: one 16 KB tile per block was under
 // the ~35 KB per multiprocessor that 3 TB/s needs at ~1.5 us latency), 2 at hdim 256 (96 KB).
 constexpr FwdTileSm80 fwd_tile_sm80(int head_dim_bucket, FwdTileKind kind) {
   if (kind == FwdTileKind::narrow)
     return head_dim_bucket <= 128 ? FwdTileSm80{64, 64, 4, 2, true, 3, false} : FwdTileSm80{64, 32, 4, 2, false, 2, false};
+  const bool large = kind == FwdTileKind::wide_large_smem;
   if (head_dim_bucket <= 64) return {128, 64, 4, 2, false, 2, false};
-  if (head_dim_bucket <= 128) return {128, 32, 4, 2, false, 2, false};
-  if (kind == FwdTileKind::wide_two_blocks) return {64, 64, 4, 2, false, 0, true};
+  if (head_dim_bucket <= 128) return large ? FwdTileSm80{128, 32, 4, 2, false, 2, false, 2} : FwdTileSm80{128, 32, 4, 2, false, 2, false};
+  if (kind == FwdTileKind::wide_large_smem) return {64, 64, 4, 2, false, 0, true};
   return {128, 64, 8, 1, false, 0, true};
 }
 
 // The runtime reserves 1 KB of shared memory per resident block.
 inline constexpr std::size_t kSmemReservedPerBlock = 1024;
 
-// Whether a device with smem_per_sm bytes of shared memory per multiprocessor takes the hdim-256
-// wide_two_blocks tile (two blocks of Q + 2 slots each).
-inline bool fwd_two_blocks_hdim256(std::size_t smem_per_sm) {
-  constexpr FwdTileSm80 t = fwd_tile_sm80(256, FwdTileKind::wide_two_blocks);
-  return smem_per_sm >= t.min_blocks * (t.smem_bytes(256, 2) + kSmemReservedPerBlock);
+// Whether a call takes the wide_large_smem tile: the device keeps min_blocks of its blocks resident
+// (smem_per_sm bytes per multiprocessor; hdim 256: Q + 2 slots), and at hdim 128 the blocks visit
+// enough keys. hdim 128's tile is the wide one with 2 key tiles of 32 per stage (96 KB): one barrier
+// per 64 keys. Measured on H100 (bf16, 16k tokens, TFLOP/s, against the 1-tile stage in the same
+// run): +1.7-2.0% at s >= 4k non-causal (16k: 353 vs 347), +1-2% causal at 2k-16k, equal at 2k
+// non-causal, but -1% at 512-1k and -10% causal at 512 (137 vs 152: a longer pipeline fill on
+// 4-16 key tiles per block), hence s_k >= 2048. hdim 64 (64-key tiles, 2 per stage) lost 1-16%
+// everywhere and keeps its one-tile stages.
+inline constexpr int kFwdLargeSmemMinKeysHdim128 = 2048;
+inline bool fwd_large_smem_tile(int head_dim_bucket, std::size_t smem_per_sm, int seqlen_k) {
+  if (head_dim_bucket == 64 || (head_dim_bucket == 128 && seqlen_k < kFwdLargeSmemMinKeysHdim128)) return false;
+  const FwdTileSm80 t = fwd_tile_sm80(head_dim_bucket, FwdTileKind::wide_large_smem);
+  return smem_per_sm >= t.min_blocks * (t.smem_bytes(head_dim_bucket, 2) + kSmemReservedPerBlock);
 }
 
 // Slots of a kv_slots ring: as many as fit in a block's share of the multiprocessor (min_blocks
@@ -111,8 +124,7 @@ inline FwdPlanSm80 plan_fwd_sm80(const detail::FwdParams& p, std::size_t smem_pe
   plan.narrow = rows <= kFwdNarrowRows;
   const int bucket = fwd_head_dim_bucket(p.d);
   plan.kind = plan.narrow ? FwdTileKind::narrow
-                          : (bucket == 256 && fwd_two_blocks_hdim256(smem_per_sm) ? FwdTileKind::wide_two_blocks
-                                                                                   : FwdTileKind::wide);
+                          : (fwd_large_smem_tile(bucket, smem_per_sm, p.seqlen_k) ? FwdTileKind::wide_large_smem : FwdTileKind::wide);
   plan.tile = fwd_tile_sm80(bucket, plan.kind);
   plan.num_m_blocks = (rows + plan.tile.block_m - 1) / plan.tile.block_m;
   plan.grid_heads = p.h / plan.pack;
