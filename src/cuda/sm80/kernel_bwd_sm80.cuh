@@ -251,11 +251,25 @@ __device__ __forceinline__ void sem_release(int* sem, int value) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(sem), "r"(value) : "memory");
 }
 
-// dQ accumulator += (x, y) at r, r + 1 (8-byte aligned: even column, even row length).
+// dQ accumulator += (x, y) at r, r + 1 (8-byte aligned: even column, even row length). On sm90
+// one 8-byte reduction per pair: a warp's instruction then fills whole 32-byte sectors (4 lanes x
+// 8 bytes per row) instead of half-filling twice as many. Two forms of it:
+// - red_dq_pair, the whole tiles' short form: red.global.add.v2.f32, which compiles to REDG
+//   (no return value). The float2 atomicAdd compiles to ATOMG, a returning atomic whose result is
+//   discarded; LG-throttle stalls were the largest share at hdim 256 (ncu), and REDG measured
+//   +3 % (hdim 64), +4-5 % (128), +8-9 % (256) at 16k (bench/NOTES_bwd_v6.md).
+// - add_dq_pair, the general form (edge tiles): atomicAdd. With the asm there too, ptxas spilled
+//   8 bytes at hdim 256 (two reloads per step); the edge tiles are a few per row of key blocks.
+__device__ __forceinline__ void red_dq_pair(float* r, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(r), "f"(x), "f"(y));
+#else
+  atomicAdd(r, x);
+  atomicAdd(r + 1, y);
+#endif
+}
 __device__ __forceinline__ void add_dq_pair(float* r, float x, float y) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // One 8-byte reduction per pair: a warp's instruction then fills whole 32-byte sectors (4 lanes
-  // x 8 bytes per row) instead of half-filling twice as many.
   atomicAdd(reinterpret_cast<float2*>(r), make_float2(x, y));
 #else
   atomicAdd(r, x);
@@ -632,7 +646,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
             if constexpr (kWhole) {
 #pragma unroll
               for (int h2 = 0; h2 < 2; ++h2)
-                add_dq_pair(acc_row + dq_d0 + 2 * (lane % 4) + (16 * mt + 8 * h2) * kHeadDim +
+                red_dq_pair(acc_row + dq_d0 + 2 * (lane % 4) + (16 * mt + 8 * h2) * kHeadDim +
                                 pass * Tr::kDqPass + t * 8,
                             acc_dq[mt][t][2 * h2], acc_dq[mt][t][2 * h2 + 1]);
             } else {
