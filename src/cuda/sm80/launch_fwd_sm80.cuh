@@ -51,8 +51,7 @@ void run_fwd_sm80(const detail::FwdParams& p, const FwdLaunch& launch) {
   else if (plan.kind == K::wide_large_smem) launch_kind(std::integral_constant<K, K::wide_large_smem>{});
   else launch_kind(std::integral_constant<K, K::wide>{});
   if (args.num_splits > 1) {
-    const std::int64_t rows = static_cast<std::int64_t>(p.h) * p.total_q;
-    const unsigned blocks = static_cast<unsigned>((rows + kCombineWarps - 1) / kCombineWarps);
+    const unsigned blocks = static_cast<unsigned>(static_cast<std::int64_t>(p.h) * p.total_q);  // one per row
     combine_splits_kernel<T><<<blocks, kCombineWarps * 32, 0, launch.stream>>>(p, args.num_splits, args.out_partial,
                                                                                args.lse_partial);
     FM_CUDA_CHECK_LAUNCH();
