@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Profiling call for a lent GPU: decoding timings (per call, graph-replayed, host time) with the
-# peers, an A/B of the backward's Q/dO stage count, then Nsight Compute on flashmonoid's and
+# peers, then Nsight Compute on flashmonoid's and
 # FlashAttention-2's forward and backward kernels at 4k (16k tokens, hidden 2048, bf16).
 # Uses a gpu bench binary built beforehand (FM_BIN; tools/device_run.sh builds everything instead).
 set -uo pipefail
@@ -21,17 +21,6 @@ recs = sum((json.load(open(os.path.join(o, f))) for f in ("decode.json", "peers_
 json.dump(recs, open(os.path.join(o, "decode_all.json"), "w"), indent=1)
 PY
   python3 bench/summarize.py "$OUT/decode_all.json" --markdown | tail -12
-fi
-
-if [ "${FM_PROF_STAGES:-1}" != 0 ]; then
-  step "backward Q/dO stages A/B (hdim 256, 16k, 4k)"
-  for s in 16384 4096; do
-    for c in 0 1; do
-      for st in 2 1; do
-        echo "stages=$st causal=$c s=$s: $(FLASHMONOID_BWD_STAGES=$st "$BIN" --case 256 $c $s 2>&1 | grep '"bwd"' | grep -o '"tflops": [0-9.]*')"
-      done
-    done
-  done
 fi
 
 if [ "${FM_PROF_NCU:-1}" != 0 ]; then
