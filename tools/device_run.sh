@@ -49,8 +49,8 @@ step "GPU tests"
 grep -E "tests passed|tests failed|\*\*\*Failed|Not Run|Timeout" "$LOG/tests.log" | tail -25
 
 step "compute-sanitizer (memcheck, racecheck) on small cases"
-# Forward: a few grid cases (case25: 2049 keys, hdim 128's two-tile stages), split-KV, dropout, merge. Backward: odd seqlens and varlen, the
-# boundary paths.
+# Forward: a few grid cases (case25: 2049 keys, hdim 128's two-tile stages), split-KV, dropout,
+# merge. Backward: odd seqlens and varlen, the boundary paths.
 SAN_FWD=${FM_SANITIZE_FWD:-'Grid/CudaForward.*/case0:Grid/CudaForward.*/case1:Grid/CudaForward.*/case3:Grid/CudaForward.*/case25:Decode/CudaSplitKV.*/case0:CudaDropout.*:CudaMerge.*'}
 SAN_BWD=${FM_SANITIZE_BWD:-'CudaBackward.SeqlensBothWays:CudaBackward.Varlen'}
 for tool in memcheck racecheck; do

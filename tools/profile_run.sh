@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # Profiling call for a lent GPU: decoding timings (per call, graph-replayed, host time) with the
-# peers, then Nsight Compute on flashmonoid's and
-# FlashAttention-2's forward and backward kernels at 4k (16k tokens, hidden 2048, bf16).
+# peers, then Nsight Compute on flashmonoid's and FlashAttention-2's forward and backward kernels at 4k (16k tokens, hidden 2048, bf16).
 # Uses a gpu bench binary built beforehand (FM_BIN; tools/device_run.sh builds everything instead).
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}
