@@ -31,9 +31,10 @@ void run_bwd_sm80(const detail::BwdParams& p, const BwdLaunch& launch) {
   int* sem = reinterpret_cast<int*>(base + ws.sem);
   if (ws.sem_bytes > 0) FM_CUDA_CHECK(cudaMemsetAsync(sem, 0, ws.sem_bytes, launch.stream));
 
-  const dim3 row_grid((p.seqlen_q + bwd::kRowKernelWarps - 1) / bwd::kRowKernelWarps, p.h, p.batch);
+  constexpr int kRows = bwd::kRowsPerBlock<kHeadDim>;
+  const dim3 row_grid((p.seqlen_q + kRows - 1) / kRows, p.h, p.batch);
   const dim3 row_block(bwd::kRowKernelWarps * 32);
-  bwd::bwd_preprocess<T><<<row_grid, row_block, 0, launch.stream>>>(p, dsum, dq_acc);
+  bwd::bwd_preprocess<T, kHeadDim><<<row_grid, row_block, 0, launch.stream>>>(p, dsum, dq_acc);
   FM_CUDA_CHECK_LAUNCH();
 
   if (p.seqlen_k > 0) {
@@ -45,7 +46,7 @@ void run_bwd_sm80(const detail::BwdParams& p, const BwdLaunch& launch) {
     FM_CUDA_CHECK_LAUNCH();
   }
 
-  bwd::bwd_convert_dq<T><<<row_grid, row_block, 0, launch.stream>>>(p, dq_acc);
+  bwd::bwd_convert_dq<T, kHeadDim><<<row_grid, row_block, 0, launch.stream>>>(p, dq_acc);
   FM_CUDA_CHECK_LAUNCH();
 }
 
