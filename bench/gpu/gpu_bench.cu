@@ -223,9 +223,9 @@ void bench_decode(int b, int sk, const std::string& dev) {
   record("fwd", d, false, b, h, hk, 1, sk, gms, "tbps", 2.0 * kv_bytes / gms / 1e9, dev, ", \"timing\": \"graph\"");
 }
 
-// Decoding b = 1, s_k = 32k with a forced split count, graph-replayed (a tuning sweep, printed only).
-void sweep_decode_splits() {
-  const int b = 1, sk = 32768, h = 32, hk = 8, d = 128;
+// Decoding with forced split counts, graph-replayed (a tuning sweep, printed only).
+void sweep_decode_splits(int b, int sk) {
+  const int h = 32, hk = 8, d = 128;
   Buf q(static_cast<std::size_t>(b) * h * d * 2, true), o(static_cast<std::size_t>(b) * h * d * 2),
       lse(static_cast<std::size_t>(b) * h * 4);
   const std::size_t kv_bytes = static_cast<std::size_t>(b) * sk * hk * d * 2;
@@ -234,7 +234,8 @@ void sweep_decode_splits() {
   TensorView kv = view4(k.p, DType::bf16, b, sk, hk, d), vv = view4(v.p, DType::bf16, b, sk, hk, d);
   TensorView lv(lse.p, DType::f32, Device::cuda(0), {b, h, 1});
   Buf work(std::size_t{64} << 20);
-  for (int splits : {8, 16, 24, 32, 33, 40, 48, 64, 66, 96, 128}) {
+  std::fprintf(stderr, "decoding b = %d, s_k = %d\n", b, sk);
+  for (int splits : {2, 4, 8, 12, 16, 20, 24, 28, 32, 33, 48, 64}) {
     flashmonoid::Context ctx;
     ctx.workspace = work.p;
     ctx.workspace_bytes = work.bytes;
@@ -323,7 +324,7 @@ void memory_64k(const std::string& dev) {
 
 // Usage: flashmonoid-gpu-bench [OUT.json] [--no-bwd] [--case HDIM CAUSAL SEQLEN] [--decode-only] [--sweep]
 // --case runs one training shape (for a profiler), --decode-only the decoding shapes, --sweep the
-// host cost of single CUDA calls and decoding (b = 1, 32k) over forced split counts.
+// host cost of single CUDA calls and the decoding shapes over forced split counts.
 int main(int argc, char** argv) {
   const std::string dev = device_name();
   const char* out_path = nullptr;
@@ -334,7 +335,10 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--decode-only")) decode_only = true;
     else if (!std::strcmp(argv[i], "--sweep")) {
       host_costs();
-      sweep_decode_splits();
+      sweep_decode_splits(1, 32768);
+      sweep_decode_splits(1, 131072);
+      sweep_decode_splits(8, 32768);
+      sweep_decode_splits(8, 131072);
       return 0;
     }
     else if (!std::strcmp(argv[i], "--case") && i + 3 < argc) {

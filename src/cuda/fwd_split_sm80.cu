@@ -34,20 +34,20 @@ void fwd_split_buffers(const detail::FwdParams& p, int num_splits, void* workspa
 }
 
 // Split only when the unsplit grid cannot give every multiprocessor a block (decoding, short
-// prompts with few heads); then fill one wave, blocks_per_sm · num_sms blocks, at most, without
-// giving any split fewer than kMinTilesPerSplit key tiles. Example, decoding b = 1, h = 32,
-// h_k = 8, s_k = 32k on 132 SMs: 8 packed blocks, 2 resident per SM, 264 / 8 = 33 splits of
-// 512/33 ≈ 16 tiles each. Rounding down, not up: at b = 8 (64 blocks) rounding up gave 5 splits,
-// 320 blocks, and the 56 past the first wave stream their K/V with a fifth of the chip's copies in
-// flight (2.6 TB/s measured at b = 8, where b = 1's 264 blocks run at ~3.0 TB/s once its fixed
-// ~28 us are taken out); 4 splits are 256 blocks in one wave.
+// prompts with few heads); then give each multiprocessor one block, num_sms blocks at most (rounded
+// down: blocks past one wave stream with a fraction of the chip's copies in flight), without giving
+// any split fewer than kMinTilesPerSplit key tiles. Example, decoding b = 1, h = 32, h_k = 8 on
+// 132 SMs: 8 packed blocks, 132 / 8 = 16 splits. One block per SM rather than the 2 that fit: a
+// sweep of forced split counts (H100, hdim 128, graph-replayed, TB/s of K/V) gave at b = 1 32k
+// 2.50 for 16 splits against 2.47 for 33 (2 per SM), 2.48 for 12, 2.27-2.40 for 20-28; at 128k
+// 2.98 against 2.94; at b = 8 (64 packed blocks) 32k 3.04 for 2 splits against 3.01 for 4, 2.93
+// for 32; 128k 3.12 against 3.08. Fewer, longer splits also leave the combine fewer partials.
 int fwd_choose_num_splits(const detail::FwdParams& p, int num_sms, std::size_t smem_per_sm) {
   const FwdPlanSm80 plan = plan_fwd_sm80(p, smem_per_sm);
   const std::int64_t blocks = static_cast<std::int64_t>(plan.num_m_blocks) * plan.grid_heads * p.batch;
   if (num_sms <= 0 || blocks >= num_sms) return 1;
-  const std::int64_t wave = static_cast<std::int64_t>(num_sms) * plan.tile.min_blocks;
   const int key_tiles = (p.seqlen_k + plan.tile.block_n - 1) / plan.tile.block_n;
-  const std::int64_t splits = std::min<std::int64_t>({wave / blocks, key_tiles / kMinTilesPerSplit,
+  const std::int64_t splits = std::min<std::int64_t>({num_sms / blocks, key_tiles / kMinTilesPerSplit,
                                                       kMaxSplits});
   return splits > 1 ? static_cast<int>(splits) : 1;
 }
