@@ -74,10 +74,18 @@ struct BwdTraits {
   // and 145 KB) at 4k and 16k, causal or not (bench/NOTES_bwd_v6.md). One stage overlaps the copy
   // with dQ only. A constant per head dim, so the kernel compiles one step order.
   static constexpr int kStages = kHeadDim == 128 ? 2 : 1;
-  // dPᵀ column passes (see the kernel), so that dPᵀ and Sᵀ fit next to dK and dV: 2 at hdim 128,
-  // where the whole 32 × 32 tile spilled 32 bytes; 4 at hdim 64, where the whole 32 × 64 tile
-  // spilled 432 bytes (sm_90) and 2 passes 8.
-  static constexpr int kDpPasses = kHeadDim == 128 ? 2 : kHeadDim == 64 ? 4 : 1;
+  // Column passes over Sᵀ and dPᵀ (see the kernel), so that both fit next to dK and dV.
+  // hdim 64 fuses the two products (kFuseSdP): each pass computes its columns of Sᵀ and dPᵀ in
+  // one k loop, 2 passes (s and dp 32 registers each live where the whole Sᵀ plus a quarter of
+  // dPᵀ took 80; one fused pass spilled 376 bytes). Against the whole Sᵀ first and dPᵀ in 4
+  // passes (the whole 32 × 64 tile spilled 432 bytes, 2 passes 8) that is 64 instead of 72
+  // ldmatrix.x4 per warp and step (V's fragments were loaded once per dPᵀ pass) and 16
+  // independent MMA chains per pass instead of 4: +1-2.5 % on the H100 (NOTES_bwd_v6, round 2).
+  // hdim 128 keeps Sᵀ whole and dPᵀ in 2 passes (one spilled 32 bytes): fused, its 2 passes load
+  // 96 instead of 80 ldmatrix.x4 and measured 5-6 % slower. hdim 256: one pass; fused it spilled
+  // 4 bytes and was ~1 % slower.
+  static constexpr bool kFuseSdP = kHeadDim == 64;
+  static constexpr int kDpPasses = kHeadDim == 256 ? 1 : 2;
 
   static constexpr int kKVElems = kBlockN * kHeadDim;  // (kBlockN, kHeadDim) each for K, V
   static constexpr int kQElems = kBlockM * kHeadDim;   // (kBlockM, kHeadDim) each for Q, dO, per stage
@@ -501,15 +509,47 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     const bool plain = !need_mask && r0 + kBlockM <= si.len_q && !has_softcap && !has_dropout && p.alibi == nullptr;
     // Sᵀ = K Qᵀ (kSWarpN, kSWarpM), then dPᵀ = V dOᵀ in kDpPasses column passes, each followed by
     // its P, dS and their stores: one product at a time keeps only its fragments live next to
-    // the accumulators and dK, dV (whole 32 × 32 dPᵀ at hdim 128: 32 bytes of spills).
+    // the accumulators and dK, dV (whole 32 × 32 dPᵀ at hdim 128: 32 bytes of spills). Under
+    // kFuseSdP each pass computes its Sᵀ columns together with its dPᵀ (gemm_sdp) instead.
     float s[kSMT][kSNT][4];
+    if constexpr (!Tr::kFuseSdP) {
 #pragma unroll
-    for (int mt = 0; mt < kSMT; ++mt)
+      for (int mt = 0; mt < kSMT; ++mt)
 #pragma unroll
-      for (int t = 0; t < kSNT; ++t)
+        for (int t = 0; t < kSNT; ++t)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[mt][t][e] = 0.0f;
-    gemm_s(s, sK_a, q_a, 0);
+          for (int e = 0; e < 4; ++e) s[mt][t][e] = 0.0f;
+      gemm_s(s, sK_a, q_a, 0);
+    }
+    // Fused form: Sᵀ columns 8·t0.. (kNT n8 tiles, into s[.][t0..]) and dPᵀ (dp[.][0..]) in one k
+    // loop over K, Qᵀ, V, dOᵀ fragments.
+    auto gemm_sdp = [&](auto& acc_dp, int t0) {
+      constexpr int kNT = sizeof(acc_dp[0]) / sizeof(acc_dp[0][0]);
+#pragma unroll
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        std::uint32_t ak[kSMT][4], av[kSMT][4];
+#pragma unroll
+        for (int mt = 0; mt < kSMT; ++mt) {
+          ldsm_x4(ak[mt], sK_a + SwD::step(off_kv_a, 16 * mt, 2 * kk));
+          ldsm_x4(av[mt], sV_a + SwD::step(off_kv_a, 16 * mt, 2 * kk));
+        }
+#pragma unroll
+        for (int nj = 0; nj < kNT / 2; ++nj) {
+          std::uint32_t bq[4], bd[4];
+          ldsm_x4(bq, q_a + SwD::step(off_q_b, 8 * t0 + 16 * nj, 2 * kk));
+          ldsm_x4(bd, do_a + SwD::step(off_q_b, 8 * t0 + 16 * nj, 2 * kk));
+          const std::uint32_t bq0[2] = {bq[0], bq[1]}, bq1[2] = {bq[2], bq[3]};
+          const std::uint32_t bd0[2] = {bd[0], bd[1]}, bd1[2] = {bd[2], bd[3]};
+#pragma unroll
+          for (int mt = 0; mt < kSMT; ++mt) {
+            mma_16816<T>(s[mt][t0 + 2 * nj], ak[mt], bq0);
+            mma_16816<T>(acc_dp[mt][2 * nj], av[mt], bd0);
+            mma_16816<T>(s[mt][t0 + 2 * nj + 1], ak[mt], bq1);
+            mma_16816<T>(acc_dp[mt][2 * nj + 1], av[mt], bd1);
+          }
+        }
+      }
+    };
 
     // The dPᵀ passes are compiled twice, short and full form, and picked per tile before their
     // products: a branch between a pass's products and its elementwise code splits them into
@@ -540,8 +580,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
 #pragma unroll
           for (int t = 0; t < kDpNT; ++t)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) dp[mt][t][e] = 0.0f;
-        gemm_s(dp, sV_a, do_a, t0);
+            for (int e = 0; e < 4; ++e) {
+              dp[mt][t][e] = 0.0f;
+              if constexpr (Tr::kFuseSdP) s[mt][t0 + t][e] = 0.0f;
+            }
+        if constexpr (Tr::kFuseSdP) gemm_sdp(dp, t0);
+        else gemm_s(dp, sV_a, do_a, t0);
 
         if constexpr (kPlain) {
 #pragma unroll
