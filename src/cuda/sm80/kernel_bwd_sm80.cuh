@@ -85,6 +85,13 @@ struct BwdTraits {
   // 96 instead of 80 ldmatrix.x4 and measured 5-6 % slower. hdim 256: one pass; fused it spilled
   // 4 bytes and was ~1 % slower.
   static constexpr bool kFuseSdP = kHeadDim == 64;
+  // hdim 256 (sm90): the dQ reductions of a whole tile are issued during the next step's Sᵀ products
+  // (see the kernel), kDeferRedsPerKk per k step in source order; ptxas places all 32 within the
+  // first ~16 of the 64 MMAs either way (2 and 4 gave the same schedule shape). +1-2 % at hdim 256
+  // in two calls on the H100 (NOTES_bwd_v6, round 2). Not tried at 64 and 128: 16 reductions per
+  // warp-step there, and at 128 the two-stage order already overlaps them with dK.
+  static constexpr bool kDeferDq = kHeadDim == 256;
+  static constexpr int kDeferRedsPerKk = 2;
   static constexpr int kDpPasses = kHeadDim == 256 ? 1 : 2;
 
   static constexpr int kKVElems = kBlockN * kHeadDim;  // (kBlockN, kHeadDim) each for K, V
@@ -414,6 +421,27 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   const float softcap_inv_scale = has_softcap ? p.scale / p.softcap : 0.0f;
   const float softcap_log2 = p.softcap * kLog2e;
 
+  // kDeferDq on sm90 only: on sm80 (not timed here) ptxas spilled 4 bytes at hdim 256.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr bool kDeferDq = Tr::kDeferDq;
+#else
+  constexpr bool kDeferDq = false;
+#endif
+  // kDeferDq: a whole tile's dQ partial (kDqWarpM, kDqWarpD) is kept in registers and reduced
+  // into the accumulator during the next step's Sᵀ products (kDeferRedsPerKk pairs per k step),
+  // so that the reductions drain while the tensor pipe works instead of in one burst before the
+  // step's closing barrier. dq_carry_row: this lane's address in the carried tile, 0 when none
+  // is pending (one register fewer than a separate flag: with the flag ptxas spilled 4 bytes).
+  constexpr int kCarryMT = kDeferDq ? kDqMT : 1, kCarryNT = kDeferDq ? kDqNT : 1;
+  float dq_carry[kCarryMT][kCarryNT][4];
+  std::uintptr_t dq_carry_row = 0;
+  // Reduction pair j (of kDqMT·kDqNT·2) of the carried tile.
+  auto carry_red = [&](int j) {
+    const int mt = j / (2 * kCarryNT), t = j / 2 % kCarryNT, h2 = j % 2;
+    float* r = reinterpret_cast<float*>(dq_carry_row + 4 * ((16 * mt + 8 * h2) * kHeadDim + t * 8));
+    red_dq_pair(r, dq_carry[mt][t][2 * h2], dq_carry[mt][t][2 * h2 + 1]);
+  };
+
   for (int it = 0; it < n_iter; ++it) {
     const int stage = stages == 1 ? 0 : it % 2;
     cp_async_wait<0>();
@@ -480,10 +508,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     };
 
     // acc (kSWarpN, kNT·8) += A (kSWarpN, kHeadDim) · B (kHeadDim, query columns from 8·t0).
-    auto gemm_s = [&](auto& acc, std::uint32_t a_base, std::uint32_t b_base, int t0) {
+    auto gemm_s = [&](auto& acc, std::uint32_t a_base, std::uint32_t b_base, int t0, auto&& per_kk) {
       constexpr int kNT = sizeof(acc[0]) / sizeof(acc[0][0]);
 #pragma unroll
       for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        per_kk(kk);
         std::uint32_t a[kSMT][4];
 #pragma unroll
         for (int mt = 0; mt < kSMT; ++mt) ldsm_x4(a[mt], a_base + SwD::step(off_kv_a, 16 * mt, 2 * kk));
@@ -519,7 +548,17 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         for (int t = 0; t < kSNT; ++t)
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[mt][t][e] = 0.0f;
-      gemm_s(s, sK_a, q_a, 0);
+      // Two copies, with and without the carried reductions, each one basic block: reductions
+      // under a predicate made ptxas branch around each of them, one block per k step.
+      if (kDeferDq && dq_carry_row != 0) {
+        gemm_s(s, sK_a, q_a, 0, [&](int kk) {
+#pragma unroll
+          for (int j = kk * Tr::kDeferRedsPerKk; j < (kk + 1) * Tr::kDeferRedsPerKk; ++j)
+            if (j < kDqMT * kDqNT * 2) carry_red(j);
+        });
+      } else {
+        gemm_s(s, sK_a, q_a, 0, [](int) {});
+      }
     }
     // Fused form: Sᵀ columns 8·t0.. (kNT n8 tiles, into s[.][t0..]) and dPᵀ (dp[.][0..]) in one k
     // loop over K, Qᵀ, V, dOᵀ fragments.
@@ -585,7 +624,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
               if constexpr (Tr::kFuseSdP) s[mt][t0 + t][e] = 0.0f;
             }
         if constexpr (Tr::kFuseSdP) gemm_sdp(dp, t0);
-        else gemm_s(dp, sV_a, do_a, t0);
+        else gemm_s(dp, sV_a, do_a, t0, [](int) {});
 
         if constexpr (kPlain) {
 #pragma unroll
@@ -751,7 +790,29 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
             }
           }
         }
-        if constexpr (kShortAdds) {
+        if constexpr (kDeferDq) {
+          static_assert(kShortAdds, "the carried tile is one whole dQ pass");
+          dq_carry_row = whole ? reinterpret_cast<std::uintptr_t>(acc_row + dq_d0 + 2 * (lane % 4)) : 0;
+          if (whole) {
+#pragma unroll
+            for (int mt = 0; mt < kDqMT; ++mt)
+#pragma unroll
+              for (int t = 0; t < kDqNT; ++t)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) dq_carry[mt][t][e] = acc_dq[mt][t][e];
+          } else {
+            add_dq(acc_dq, pass, std::false_type{});
+            // Defined on every path, so that the carried registers are dead from the reductions
+            // in the Sᵀ products to here (left as they were, they stayed live through the whole
+            // step on this path: 236 bytes of spills).
+#pragma unroll
+            for (int mt = 0; mt < kDqMT; ++mt)
+#pragma unroll
+              for (int t = 0; t < kDqNT; ++t)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) dq_carry[mt][t][e] = 0.0f;
+          }
+        } else if constexpr (kShortAdds) {
           if (whole) add_dq(acc_dq, pass, std::true_type{});
           else add_dq(acc_dq, pass, std::false_type{});
         } else {
@@ -779,6 +840,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     }
   }
   cp_async_wait<0>();  // a block with no query rows still has K, V in flight
+  if (kDeferDq && dq_carry_row != 0) {
+#pragma unroll
+    for (int j = 0; j < kDqMT * kDqNT * 2; ++j) carry_red(j);
+  }
 
   // Epilogue: dK = scale · Σ dS q (dS was taken w.r.t. the score scale·q·k), dV as accumulated.
   // Rows past the end of the sequence and padded head-dim columns are not written.
