@@ -71,7 +71,7 @@ struct BwdTraits {
   // Q/dO stages. Two at hdim 128 (162 KB, fits sm80's 163 KB), so that the next step's copy is
   // in flight during the whole step. One at hdim 64 and 256, on every device: two (164 and 208 KB,
   // sm90 only) measured 2-3 % (hdim 64) and 11-12 % (hdim 256) slower on the H100 than one (132
-  // and 145 KB) at 4k and 16k, causal or not (bench/NOTES_bwd_v6.md). One stage overlaps the copy
+  // and 145 KB) at 4k and 16k, causal or not (bench/NOTES.md, backward v6). One stage overlaps the copy
   // with dQ only. A constant per head dim, so the kernel compiles one step order.
   static constexpr int kStages = kHeadDim == 128 ? 2 : 1;
   // Column passes over Sᵀ and dPᵀ (see the kernel), so that both fit next to dK and dV.
@@ -80,7 +80,7 @@ struct BwdTraits {
   // dPᵀ took 80; one fused pass spilled 376 bytes). Against the whole Sᵀ first and dPᵀ in 4
   // passes (the whole 32 × 64 tile spilled 432 bytes, 2 passes 8) that is 64 instead of 72
   // ldmatrix.x4 per warp and step (V's fragments were loaded once per dPᵀ pass) and 16
-  // independent MMA chains per pass instead of 4: +1-2.5 % on the H100 (NOTES_bwd_v6, round 2).
+  // independent MMA chains per pass instead of 4: +1-2.5 % on the H100 (bench/NOTES.md, backward v6 round 2).
   // hdim 128 keeps Sᵀ whole and dPᵀ in 2 passes (one spilled 32 bytes): fused, its 2 passes load
   // 96 instead of 80 ldmatrix.x4 and measured 5-6 % slower. hdim 256: one pass; fused it spilled
   // 4 bytes and was ~1 % slower.
@@ -88,7 +88,7 @@ struct BwdTraits {
   // hdim 256 (sm90): the dQ reductions of a whole tile are issued during the next step's Sᵀ products
   // (see the kernel), kDeferRedsPerKk per k step in source order; ptxas places all 32 within the
   // first ~16 of the 64 MMAs either way (2 and 4 gave the same schedule shape). +1-2 % at hdim 256
-  // in two calls on the H100 (NOTES_bwd_v6, round 2). Not tried at 64 and 128: 16 reductions per
+  // in two calls on the H100 (bench/NOTES.md, backward v6 round 2). Not tried at 64 and 128: 16 reductions per
   // warp-step there, and at 128 the two-stage order already overlaps them with dK.
   static constexpr bool kDeferDq = kHeadDim == 256;
   static constexpr int kDeferRedsPerKk = 2;
@@ -286,7 +286,7 @@ __device__ __forceinline__ void sem_release(int* sem, int value) {
 // - red_dq_pair, the whole tiles' short form: red.global.add.v2.f32, which compiles to REDG
 //   (no return value). The float2 atomicAdd compiles to ATOMG, a returning atomic whose result is
 //   discarded; LG-throttle stalls were the largest share at hdim 256 (ncu), and REDG measured
-//   +3 % (hdim 64), +4-5 % (128), +8-9 % (256) at 16k (bench/NOTES_bwd_v6.md).
+//   +3 % (hdim 64), +4-5 % (128), +8-9 % (256) at 16k (bench/NOTES.md, backward v6).
 // - add_dq_pair, the general form (edge tiles): atomicAdd. With the asm there too, ptxas spilled
 //   8 bytes at hdim 256 (two reloads per step); the edge tiles are a few per row of key blocks.
 __device__ __forceinline__ void red_dq_pair(float* r, float x, float y) {
