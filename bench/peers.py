@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """PyTorch SDPA peers (flash = FlashAttention-2, cudnn, efficient) on the shapes of
-bench/gpu/gpu_bench.cu, timed the same way (CUDA events, 3 warm-ups, median of 15), written as a
+bench/gpu/gpu_bench.cu, timed the same way (CUDA events, 3 warm-ups, median of 15; forwards under
+no_grad, the flash backward through its aten op, so that autograd's host work is not timed, as
+flashmonoid's C++ calls have none; cudnn's and efficient's backward through autograd), written as a
 JSON list of records {impl, pass, dtype, hdim, causal, batch, nheads, nheads_k, seqlen_q, seqlen_k,
 ms, tflops | tbps, device}. Usage: peers.py OUT.json
 Environment (to fit a short device lease): FM_PEERS_NO_BWD=1 times the forward only;
@@ -68,6 +70,24 @@ def graph_ms(fn):
     return sorted(times)[len(times) // 2]
 
 
+def flash_backward_direct(q, k, v, g, causal):
+    """The flash backend's backward kernels called through their aten op, without autograd's host
+    bookkeeping (flashmonoid's timed backward is one C++ call too); None where the op's signature
+    differs from what this expects."""
+    try:
+        q, k, v = q.detach(), k.detach(), v.detach()
+        r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False)
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset = r[:8]
+        call = lambda: torch.ops.aten._scaled_dot_product_flash_attention_backward(  # noqa: E731
+            g, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset)
+        call()
+        return call
+    except (RuntimeError, TypeError) as e:
+        print(f"direct flash backward unavailable ({str(e).splitlines()[0]}); timing through autograd",
+              file=sys.stderr)
+        return None
+
+
 def rec(impl, pass_, d, causal, b, h, hk, sq, sk, ms, metric, value):
     return {"impl": impl, "pass": pass_, "dtype": "bf16", "hdim": d, "causal": causal, "batch": b, "nheads": h,
             "nheads_k": hk, "seqlen_q": sq, "seqlen_k": sk, "ms": ms, metric: value, "device": DEVICE}
@@ -84,18 +104,28 @@ def train(out):
                 g = torch.randn_like(q)
                 flops = 4.0 * b * h * s * s * d / (2 if causal else 1)
                 for impl, be in BACKENDS.items():
+                    bwd_timing = "autograd"
                     try:
                         with sdpa_kernel(be):
-                            fwd = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+                            # The forward under no_grad: with inputs that require grad, autograd's
+                            # host bookkeeping adds ~35 us per call (0.25 -> 0.29 ms at s = 512, hdim
+                            # 128, measured), which flashmonoid's C++ call does not pay.
+                            with torch.no_grad():
+                                fwd = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
                             if WITH_BWD:
-                                o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-                                bwd = median_ms(lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True))
+                                direct = flash_backward_direct(q, k, v, g, causal) if impl == "torch_flash" else None
+                                if direct is not None:
+                                    bwd, bwd_timing = median_ms(direct), "direct"
+                                else:
+                                    o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                                    bwd = median_ms(lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True))
                     except RuntimeError as e:
                         print(f"{impl} d{d} s{s} causal={causal}: {str(e).splitlines()[0]}", file=sys.stderr)
                         continue
                     out.append(rec(impl, "fwd", d, causal, b, h, h, s, s, fwd, "tflops", flops / fwd / 1e9))
                     if WITH_BWD:
                         out.append(rec(impl, "bwd", d, causal, b, h, h, s, s, bwd, "tflops", 2.5 * flops / bwd / 1e9))
+                        out[-1]["bwd_timing"] = bwd_timing
                     print(json.dumps(out[-1]), file=sys.stderr)
                 del q, k, v, g
 
