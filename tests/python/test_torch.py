@@ -183,6 +183,22 @@ def test_torch_compile_fullgraph(backend):
         torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_eager_calls_skip_the_dispatcher_only_when_nothing_is_traced_or_differentiated(device):
+    q, k, v = inputs(2, 7, 9, 2, 1, 16, torch.float32, device)
+    plain = [x.detach() for x in (q, k, v)]
+    assert torch_ops._eager(*plain, None)
+    assert not torch_ops._eager(q, *plain[1:])  # autograd must record the op
+    with torch.no_grad():
+        assert torch_ops._eager(q, k, v)
+    fake = torch._subclasses.fake_tensor.FakeTensorMode().from_tensor(plain[0])
+    assert not torch_ops._eager(fake, *plain[1:])  # traced tensors go through the op's fake kernel
+    # The direct call and the op compute the same bits.
+    out, lse = torch_ops.attention(*plain, causal=True)
+    ref_out, ref_lse = torch.ops.flashmonoid.fwd(*plain, 16 ** -0.5, True, -1, -1, 0.0, None, 0.0, None, False)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
 def test_opcheck():
     q, k, v = (x.detach() for x in inputs(1, 5, 6, 2, 1, 8, torch.float32, "cpu"))
     args = (q, k, v, 8 ** -0.5, True, -1, -1, 0.0, None, 0.0, None, False)
