@@ -25,10 +25,8 @@ WITH_BWD = os.environ.get("FM_PEERS_NO_BWD", "0") == "0"
 DEVICE = torch.cuda.get_device_name(0)
 
 
-def median_ms(fn):
-    for _ in range(WARMUP):
-        fn()
-    torch.cuda.synchronize()
+def event_ms(fn):
+    """Median over REPS of fn() timed with CUDA events (no host synchronisation in the region)."""
     times = []
     for _ in range(REPS):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -38,6 +36,13 @@ def median_ms(fn):
         b.synchronize()
         times.append(a.elapsed_time(b))
     return sorted(times)[len(times) // 2]
+
+
+def median_ms(fn):
+    for _ in range(WARMUP):
+        fn()
+    torch.cuda.synchronize()
+    return event_ms(fn)
 
 
 GRAPH_CALLS = 20
@@ -59,15 +64,7 @@ def graph_ms(fn):
             fn()
     g.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(REPS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / GRAPH_CALLS)
-    return sorted(times)[len(times) // 2]
+    return event_ms(g.replay) / GRAPH_CALLS
 
 
 def flash_backward_direct(q, k, v, g, causal):
@@ -140,24 +137,16 @@ def decode(out):
             kv_bytes = 2 * k.numel() * k.element_size()
             for impl, be in BACKENDS.items():
                 call = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
-                try:
-                    with sdpa_kernel(be):
-                        ms = median_ms(call)
-                except RuntimeError as e:
-                    print(f"{impl} decode b{b} sk{sk}: {str(e).splitlines()[0]}", file=sys.stderr)
-                    continue
-                out.append(rec(impl, "fwd", d, False, b, h, hk, 1, sk, ms, "tbps", kv_bytes / ms / 1e9))
-                out[-1]["timing"] = "events"
-                print(json.dumps(out[-1]), file=sys.stderr)
-                try:
-                    with sdpa_kernel(be):
-                        gms = graph_ms(call)
-                except RuntimeError as e:
-                    print(f"{impl} decode graph b{b} sk{sk}: {str(e).splitlines()[0]}", file=sys.stderr)
-                    continue
-                out.append(rec(impl, "fwd", d, False, b, h, hk, 1, sk, gms, "tbps", kv_bytes / gms / 1e9))
-                out[-1]["timing"] = "graph"
-                print(json.dumps(out[-1]), file=sys.stderr)
+                for timing, timer in (("events", median_ms), ("graph", graph_ms)):
+                    try:
+                        with sdpa_kernel(be):
+                            ms = timer(call)
+                    except RuntimeError as e:
+                        print(f"{impl} decode {timing} b{b} sk{sk}: {str(e).splitlines()[0]}", file=sys.stderr)
+                        break
+                    out.append(rec(impl, "fwd", d, False, b, h, hk, 1, sk, ms, "tbps", kv_bytes / ms / 1e9))
+                    out[-1]["timing"] = timing
+                    print(json.dumps(out[-1]), file=sys.stderr)
             del q, k, v
 
 

@@ -65,18 +65,23 @@ struct Buf {
   ~Buf() { cudaFree(p); }
 };
 
+template <class V>
+double median(V t) {
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+// Median over kReps of f() timed with events on `stream` (no host synchronisation in the region).
 template <class F>
-double median_ms(F&& f) {
-  for (int i = 0; i < kWarmup; ++i) f();
-  CHECK(cudaDeviceSynchronize());
+double event_ms(cudaStream_t stream, F&& f) {
   cudaEvent_t a, b;
   CHECK(cudaEventCreate(&a));
   CHECK(cudaEventCreate(&b));
   std::vector<float> t;
   for (int i = 0; i < kReps; ++i) {
-    CHECK(cudaEventRecord(a));
+    CHECK(cudaEventRecord(a, stream));
     f();
-    CHECK(cudaEventRecord(b));
+    CHECK(cudaEventRecord(b, stream));
     CHECK(cudaEventSynchronize(b));
     float ms = 0;
     CHECK(cudaEventElapsedTime(&ms, a, b));
@@ -84,8 +89,14 @@ double median_ms(F&& f) {
   }
   cudaEventDestroy(a);
   cudaEventDestroy(b);
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  return median(t);
+}
+
+template <class F>
+double median_ms(F&& f) {
+  for (int i = 0; i < kWarmup; ++i) f();
+  CHECK(cudaDeviceSynchronize());
+  return event_ms(nullptr, f);
 }
 
 // Device time per call without the host's share: kGraphCalls calls captured into one CUDA graph on a
@@ -107,26 +118,11 @@ double graph_ms(F&& f) {
   CHECK(cudaGraphInstantiate(&ge, g, 0));
   CHECK(cudaGraphLaunch(ge, s));
   CHECK(cudaStreamSynchronize(s));
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  std::vector<float> t;
-  for (int i = 0; i < kReps; ++i) {
-    CHECK(cudaEventRecord(a, s));
-    CHECK(cudaGraphLaunch(ge, s));
-    CHECK(cudaEventRecord(b, s));
-    CHECK(cudaEventSynchronize(b));
-    float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms / kGraphCalls);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
+  const double ms = event_ms(s, [&] { CHECK(cudaGraphLaunch(ge, s)); }) / kGraphCalls;
   cudaGraphExecDestroy(ge);
   cudaGraphDestroy(g);
   cudaStreamDestroy(s);
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  return ms;
 }
 
 // Host time of one call (argument checks, launches; no synchronisation), median over kReps.
@@ -140,8 +136,7 @@ double host_us(F&& f) {
     t.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
   }
   CHECK(cudaDeviceSynchronize());
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  return median(t);
 }
 
 std::string device_name() {
@@ -196,43 +191,52 @@ void bench_train(int d, bool causal, int s, bool with_bwd, const std::string& de
   }
 }
 
+// The decoding shape: s_q = 1, 32 query heads over 8 KV heads, hdim 128, bf16.
+struct DecodeProblem {
+  static constexpr int h = 32, hk = 8, d = 128;
+  int b, sk;
+  std::size_t kv_bytes;  // of K, and of V
+  Buf q, o, lse, k, v;
+  TensorView qv, ov, kv, vv, lv;
+  DecodeProblem(int b_, int sk_)
+      : b(b_), sk(sk_), kv_bytes(static_cast<std::size_t>(b_) * sk_ * hk * d * 2),
+        q(static_cast<std::size_t>(b_) * h * d * 2, true), o(static_cast<std::size_t>(b_) * h * d * 2),
+        lse(static_cast<std::size_t>(b_) * h * 4), k(kv_bytes, true), v(kv_bytes, true),
+        qv(view4(q.p, DType::bf16, b_, 1, h, d)), ov(view4(o.p, DType::bf16, b_, 1, h, d)),
+        kv(view4(k.p, DType::bf16, b_, sk_, hk, d)), vv(view4(v.p, DType::bf16, b_, sk_, hk, d)),
+        lv(lse.p, DType::f32, Device::cuda(0), {b_, h, 1}) {}
+  void run(const flashmonoid::Context& ctx) { flashmonoid::forward(qv, kv, vv, ov, lv, {}, ctx); }
+  // Graph-replayed time of one call with ctx on the graph's stream.
+  double graph_ms(const flashmonoid::Context& ctx) {
+    return ::graph_ms([&](cudaStream_t s) {
+      flashmonoid::Context c = ctx;
+      c.stream = s;
+      run(c);
+    });
+  }
+  double tbps(double ms) const { return 2.0 * kv_bytes / ms / 1e9; }
+};
+
 void bench_decode(int b, int sk, const std::string& dev) {
-  const int h = 32, hk = 8, d = 128;
-  Buf q(static_cast<std::size_t>(b) * h * d * 2, true), o(static_cast<std::size_t>(b) * h * d * 2),
-      lse(static_cast<std::size_t>(b) * h * 4);
-  const std::size_t kv_bytes = static_cast<std::size_t>(b) * sk * hk * d * 2;
-  Buf k(kv_bytes, true), v(kv_bytes, true);
-  TensorView qv = view4(q.p, DType::bf16, b, 1, h, d), ov = view4(o.p, DType::bf16, b, 1, h, d);
-  TensorView kv = view4(k.p, DType::bf16, b, sk, hk, d), vv = view4(v.p, DType::bf16, b, sk, hk, d);
-  TensorView lv(lse.p, DType::f32, Device::cuda(0), {b, h, 1});
-  const std::size_t ws = flashmonoid::forward_workspace_size(qv, kv);
+  DecodeProblem pb(b, sk);
+  const std::size_t ws = flashmonoid::forward_workspace_size(pb.qv, pb.kv);
   Buf work(ws);
   flashmonoid::Context ctx;
   ctx.workspace = work.p;
   ctx.workspace_bytes = ws;
-  const double ms = median_ms([&] { flashmonoid::forward(qv, kv, vv, ov, lv, {}, ctx); });
-  const double host = host_us([&] { flashmonoid::forward(qv, kv, vv, ov, lv, {}, ctx); });
+  const double ms = median_ms([&] { pb.run(ctx); });
+  const double host = host_us([&] { pb.run(ctx); });
   char extra[96];
   std::snprintf(extra, sizeof extra, ", \"timing\": \"events\", \"host_us\": %.1f", host);
-  record("fwd", d, false, b, h, hk, 1, sk, ms, "tbps", 2.0 * kv_bytes / ms / 1e9, dev, extra);
-  const double gms = graph_ms([&](cudaStream_t s) {
-    flashmonoid::Context c = ctx;
-    c.stream = s;
-    flashmonoid::forward(qv, kv, vv, ov, lv, {}, c);
-  });
-  record("fwd", d, false, b, h, hk, 1, sk, gms, "tbps", 2.0 * kv_bytes / gms / 1e9, dev, ", \"timing\": \"graph\"");
+  const int h = DecodeProblem::h, hk = DecodeProblem::hk, d = DecodeProblem::d;
+  record("fwd", d, false, b, h, hk, 1, sk, ms, "tbps", pb.tbps(ms), dev, extra);
+  const double gms = pb.graph_ms(ctx);
+  record("fwd", d, false, b, h, hk, 1, sk, gms, "tbps", pb.tbps(gms), dev, ", \"timing\": \"graph\"");
 }
 
 // Decoding with forced split counts, graph-replayed (a tuning sweep, printed only).
 void sweep_decode_splits(int b, int sk) {
-  const int h = 32, hk = 8, d = 128;
-  Buf q(static_cast<std::size_t>(b) * h * d * 2, true), o(static_cast<std::size_t>(b) * h * d * 2),
-      lse(static_cast<std::size_t>(b) * h * 4);
-  const std::size_t kv_bytes = static_cast<std::size_t>(b) * sk * hk * d * 2;
-  Buf k(kv_bytes, true), v(kv_bytes, true);
-  TensorView qv = view4(q.p, DType::bf16, b, 1, h, d), ov = view4(o.p, DType::bf16, b, 1, h, d);
-  TensorView kv = view4(k.p, DType::bf16, b, sk, hk, d), vv = view4(v.p, DType::bf16, b, sk, hk, d);
-  TensorView lv(lse.p, DType::f32, Device::cuda(0), {b, h, 1});
+  DecodeProblem pb(b, sk);
   Buf work(std::size_t{64} << 20);
   std::fprintf(stderr, "decoding b = %d, s_k = %d\n", b, sk);
   for (int splits : {2, 4, 8, 12, 16, 20, 24, 28, 32, 33, 48, 64}) {
@@ -240,12 +244,8 @@ void sweep_decode_splits(int b, int sk) {
     ctx.workspace = work.p;
     ctx.workspace_bytes = work.bytes;
     ctx.num_splits = splits;
-    const double gms = graph_ms([&](cudaStream_t s) {
-      flashmonoid::Context c = ctx;
-      c.stream = s;
-      flashmonoid::forward(qv, kv, vv, ov, lv, {}, c);
-    });
-    std::fprintf(stderr, "splits %3d: %.2f us, %.3f TB/s\n", splits, gms * 1e3, 2.0 * kv_bytes / gms / 1e9);
+    const double gms = pb.graph_ms(ctx);
+    std::fprintf(stderr, "splits %3d: %.2f us, %.3f TB/s\n", splits, gms * 1e3, pb.tbps(gms));
   }
 }
 
@@ -263,8 +263,7 @@ void host_costs() {
       t.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / 200);
       CHECK(cudaDeviceSynchronize());
     }
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
+    return median(t);
   };
   int dev = 0, n = 0;
   cudaPointerAttributes attr{};

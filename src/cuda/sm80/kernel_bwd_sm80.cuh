@@ -433,6 +433,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   // step's closing barrier. dq_carry_row: this lane's address in the carried tile, 0 when none
   // is pending (one register fewer than a separate flag: with the flag ptxas spilled 4 bytes).
   constexpr int kCarryMT = kDeferDq ? kDqMT : 1, kCarryNT = kDeferDq ? kDqNT : 1;
+  // (nvcc's front end warns that dq_carry may be read before it is set: carry_red runs only while
+  // dq_carry_row != 0, which is set together with dq_carry. Left uninitialised so the registers
+  // stay as measured.)
   float dq_carry[kCarryMT][kCarryNT][4];
   std::uintptr_t dq_carry_row = 0;
   // Reduction pair j (of kDqMT·kDqNT·2) of the carried tile.

@@ -66,9 +66,8 @@ constexpr FwdTileSm80 fwd_tile_sm80(int head_dim_bucket, FwdTileKind kind) {
     return head_dim_bucket <= 128 ? FwdTileSm80{64, 64, 4, 2, true, 3, false} : FwdTileSm80{64, 32, 4, 2, false, 2, false};
   const bool large = kind == FwdTileKind::wide_large_smem;
   if (head_dim_bucket <= 64) return {128, 64, 4, 2, false, 2, false};
-  if (head_dim_bucket <= 128) return large ? FwdTileSm80{128, 32, 4, 2, false, 2, false, 2} : FwdTileSm80{128, 32, 4, 2, false, 2, false};
-  if (kind == FwdTileKind::wide_large_smem) return {64, 64, 4, 2, false, 0, true};
-  return {128, 64, 8, 1, false, 0, true};
+  if (head_dim_bucket <= 128) return {128, 32, 4, 2, false, 2, false, large ? 2 : 1};
+  return large ? FwdTileSm80{64, 64, 4, 2, false, 0, true} : FwdTileSm80{128, 64, 8, 1, false, 0, true};
 }
 
 // The runtime reserves 1 KB of shared memory per resident block.
@@ -107,7 +106,6 @@ inline int fwd_kv_slots(const FwdTileSm80& tile, int head_dim, std::size_t smem_
 // y: heads / pack, z: batch).
 struct FwdPlanSm80 {
   FwdTileKind kind = FwdTileKind::wide;
-  bool narrow = false;
   FwdTileSm80 tile{};
   int pack = 1;
   int num_m_blocks = 0;
@@ -116,15 +114,16 @@ struct FwdPlanSm80 {
 
 // Pack the query heads of a KV head into one block's rows when s_q alone would fill less than a
 // narrow tile (decoding): K and V are then read once per KV head instead of once per query head.
-// smem_per_sm (the device's shared memory per multiprocessor) picks the hdim-256 wide tile.
+// smem_per_sm (the device's shared memory per multiprocessor) decides between the two wide tiles.
 inline FwdPlanSm80 plan_fwd_sm80(const detail::FwdParams& p, std::size_t smem_per_sm) {
   FwdPlanSm80 plan;
   plan.pack = p.group() > 1 && p.seqlen_q < kFwdNarrowRows ? p.group() : 1;
   const int rows = p.seqlen_q * plan.pack;
-  plan.narrow = rows <= kFwdNarrowRows;
   const int bucket = fwd_head_dim_bucket(p.d);
-  plan.kind = plan.narrow ? FwdTileKind::narrow
-                          : (fwd_large_smem_tile(bucket, smem_per_sm, p.seqlen_k) ? FwdTileKind::wide_large_smem : FwdTileKind::wide);
+  if (rows <= kFwdNarrowRows)
+    plan.kind = FwdTileKind::narrow;
+  else if (fwd_large_smem_tile(bucket, smem_per_sm, p.seqlen_k))
+    plan.kind = FwdTileKind::wide_large_smem;
   plan.tile = fwd_tile_sm80(bucket, plan.kind);
   plan.num_m_blocks = (rows + plan.tile.block_m - 1) / plan.tile.block_m;
   plan.grid_heads = p.h / plan.pack;
