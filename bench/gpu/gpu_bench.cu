@@ -148,13 +148,13 @@ std::string device_name() {
 std::vector<std::string> records;
 
 void record(const char* pass, int d, bool causal, int b, int h, int hk, int sq, int sk, double ms, const char* metric,
-            double value, const std::string& dev, const std::string& extra = "") {
+            double value, const std::string& dev, const std::string& extra = "", const char* impl = "flashmonoid") {
   char line[640];
   std::snprintf(line, sizeof line,
-                "{\"impl\": \"flashmonoid\", \"pass\": \"%s\", \"dtype\": \"bf16\", \"hdim\": %d, \"causal\": %s, "
+                "{\"impl\": \"%s\", \"pass\": \"%s\", \"dtype\": \"bf16\", \"hdim\": %d, \"causal\": %s, "
                 "\"batch\": %d, \"nheads\": %d, \"nheads_k\": %d, \"seqlen_q\": %d, \"seqlen_k\": %d, \"ms\": %.5f, "
                 "\"%s\": %.3f, \"device\": \"%s\"%s}",
-                pass, d, causal ? "true" : "false", b, h, hk, sq, sk, ms, metric, value, dev.c_str(), extra.c_str());
+                impl, pass, d, causal ? "true" : "false", b, h, hk, sq, sk, ms, metric, value, dev.c_str(), extra.c_str());
   records.push_back(line);
   std::fprintf(stderr, "%s\n", line);
 }
@@ -171,8 +171,13 @@ void bench_train(int d, bool causal, int s, bool with_bwd, const std::string& de
   flashmonoid::Options opt;
   opt.causal = causal;
   const double flops = 4.0 * b * h * static_cast<double>(s) * s * d / (causal ? 2 : 1);
+  // The default kernels (sm90 on Hopper), then the sm80 family forced, for the comparison.
   const double fwd = median_ms([&] { flashmonoid::forward(qv, kv, vv, ov, lv, opt); });
   record("fwd", d, causal, b, h, h, s, s, fwd, "tflops", flops / fwd / 1e9, dev);
+  flashmonoid::Context sm80;
+  sm80.cuda_path = flashmonoid::CudaPath::sm80;
+  const double fwd80 = median_ms([&] { flashmonoid::forward(qv, kv, vv, ov, lv, opt, sm80); });
+  record("fwd", d, causal, b, h, h, s, s, fwd80, "tflops", flops / fwd80 / 1e9, dev, "", "flashmonoid_sm80");
   if (!with_bwd) return;
   try {
     Buf dout(elems * 2, true), dq(elems * 2), dk(elems * 2), dv(elems * 2);
@@ -356,6 +361,9 @@ int main(int argc, char** argv) {
     for (int d : {64, 128, 256})
       for (bool causal : {false, true})
         for (int s : {512, 1024, 2048, 4096, 8192, 16384}) bench_train(d, causal, s, with_bwd, dev);
+  if (!decode_only)
+    for (int d : {96, 192})
+      for (bool causal : {false, true}) bench_train(d, causal, 16384, false, dev);
   for (int b : {1, 8})
     for (int sk : {32768, 131072}) bench_decode(b, sk, dev);
   memory_64k(dev);

@@ -55,6 +55,7 @@ std::size_t forward_workspace_size(const TensorView& q, const TensorView& k, con
 struct Support {
   bool ok = false;
   std::string reason;  // why not, when !ok
+  std::string path;    // which kernels run the forward: "cpu", "cuda-sm80" or "cuda-sm90"
 };
 Support supports(const TensorView& q, const TensorView& k, const Options& options = {});
 

@@ -55,6 +55,12 @@ struct Varlen {
 // oracle and a baseline, never for speed.
 enum class CpuAlgorithm : std::uint8_t { flash, reference };
 
+// Which CUDA kernel family runs a forward: automatic picks sm90 (wgmma + TMA, warp-specialised) on
+// compute capability 9.x for prefill-shaped calls and sm80 (mma.sync) otherwise. Forcing a family
+// is for tests and comparisons; forcing sm90 where it cannot run raises NotSupported. With
+// `automatic`, the environment variable FLASHMONOID_CUDA_PATH=sm80|sm90 forces it too.
+enum class CudaPath : std::uint8_t { automatic, sm80, sm90 };
+
 // Where and how a call runs. The library never synchronises and never allocates device memory:
 // CUDA work is queued on `stream`, and scratch memory comes from `workspace` (size it with the
 // *_workspace_size functions; 0 bytes is always valid for the forward and for the CPU).
@@ -64,6 +70,7 @@ struct Context {
   std::size_t workspace_bytes = 0;
   int num_splits = 0;                        // forward split-KV: 0 = heuristic, 1 = off, n = force
   CpuAlgorithm cpu_algorithm = CpuAlgorithm::flash;
+  CudaPath cuda_path = CudaPath::automatic;
   int num_threads = 0;                       // CPU threads; 0 = OpenMP default
 };
 

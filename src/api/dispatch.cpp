@@ -146,7 +146,6 @@ std::size_t backward_workspace_size(const TensorView& q, const TensorView& k, co
   BwdParams p;
   static_cast<FwdParams&>(p) = query_params(q, k, options, varlen);
   p.deterministic = options.deterministic;
-  p.total_k = varlen ? k.size(0) : k.size(0) * k.size(1);
   if (!unsupported_reason(p).empty()) return 0;
   return cuda::backward_workspace_size(p);
 #else
@@ -157,15 +156,19 @@ std::size_t backward_workspace_size(const TensorView& q, const TensorView& k, co
 
 Support supports(const TensorView& q, const TensorView& k, const Options& options) {
   try {
-    std::string why;
+    std::string why, path = "cpu";
     if (q.device.kind == DeviceKind::cpu) {
       if (q.ndim < 3 || q.size(-1) < 1 || q.size(-1) > 256) why = "head dim must be in [1, 256]";
     } else {
-      why = unsupported_reason(query_params(q, k, options, nullptr));
+      const FwdParams p = query_params(q, k, options, nullptr);
+      why = unsupported_reason(p);
+#ifdef FLASHMONOID_WITH_CUDA
+      if (why.empty()) path = cuda::forward_path(p, Context{}) == cuda::FwdPath::sm90 ? "cuda-sm90" : "cuda-sm80";
+#endif
     }
-    return Support{why.empty(), why};
+    return Support{why.empty(), why, why.empty() ? path : ""};
   } catch (const Error& e) {
-    return Support{false, e.what()};
+    return Support{false, e.what(), ""};
   }
 }
 

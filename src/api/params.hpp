@@ -30,6 +30,7 @@ struct FwdParams {
   const int* cu_seqlens_q = nullptr;           // varlen only (device of q)
   const int* cu_seqlens_k = nullptr;
   std::int64_t total_q = 0;                    // b·s_q, or rows of packed q
+  std::int64_t total_k = 0;                    // b·s_k, or rows of packed k
 
   float scale = 1.0f;        // softmax scale
   float scale_log2 = 1.0f;   // scale · log2(e), for exp2-based kernels
@@ -54,7 +55,6 @@ struct BwdParams : FwdParams {
   void* dk = nullptr;
   void* dv = nullptr;
   Strides do_stride, dq_stride, dk_stride, dv_stride;
-  std::int64_t total_k = 0;  // b·s_k, or rows of packed k
   bool deterministic = false;
 };
 

@@ -207,6 +207,7 @@ FwdParams make_fwd_params(const TensorView& q, const TensorView& k, const Tensor
     p.cu_seqlens_q = varlen->cu_seqlens_q.ptr<const int>();
     p.cu_seqlens_k = varlen->cu_seqlens_k.ptr<const int>();
     p.total_q = total_q;
+    p.total_k = total_k;
   } else {
     const std::int64_t b = q.shape[0], s_q = q.shape[1], s_k = k.shape[1];
     check_shape(k, "k", {b, s_k, h_k, d}, "(b, s_k, h_k, d) with q's batch and head dim");
@@ -221,6 +222,7 @@ FwdParams make_fwd_params(const TensorView& q, const TensorView& k, const Tensor
     p.seqlen_q = static_cast<int>(s_q);
     p.seqlen_k = static_cast<int>(s_k);
     p.total_q = b * s_q;
+    p.total_k = b * s_k;
   }
   if (!lse.is_contiguous()) fail("lse", "must be contiguous");
   if (lse.data == nullptr && lse.numel() > 0) fail("lse", "data pointer is null");
@@ -308,7 +310,6 @@ BwdParams make_bwd_params(const TensorView& dout, const TensorView& q, const Ten
   fill_strides(p.dq_stride, dq, vl);
   fill_strides(p.dk_stride, dk, vl);
   fill_strides(p.dv_stride, dv, vl);
-  p.total_k = vl ? k.shape[0] : k.shape[0] * k.shape[1];
   p.deterministic = o.deterministic;
   return p;
 }

@@ -3,17 +3,20 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "api/params.hpp"
 #include "common/check.cuh"
-#include "common/mma_sm80.cuh"
+#include "common/types.cuh"
 #include "cuda_backend.hpp"
 #include "flashmonoid/detail/monoid.hpp"
 #include "flashmonoid/error.hpp"
 #include "sm80/bwd_sm80.hpp"
 #include "sm80/fwd_sm80.hpp"
 #include "sm80/tile_fwd_sm80.hpp"
+#include "sm90/fwd_sm90.hpp"
 
 namespace flashmonoid::cuda {
 namespace {
@@ -114,13 +117,50 @@ void with_dtype(DType t, F&& f) {
     f(__half{});
 }
 
+// The head-dim bucket as a template argument: the one place where it becomes one.
+template <class F>
+void with_head_dim(int d, F&& f) {
+  switch (fwd_head_dim_bucket(d)) {
+    case 64: f(std::integral_constant<int, 64>{}); break;
+    case 128: f(std::integral_constant<int, 128>{}); break;
+    default: f(std::integral_constant<int, 256>{}); break;
+  }
+}
+
 template <class T>
 void run_fwd(const detail::FwdParams& p, const FwdLaunch& launch) {
-  switch (fwd_head_dim_bucket(p.d)) {
-    case 64: run_fwd_sm80<T, 64>(p, launch); break;
-    case 128: run_fwd_sm80<T, 128>(p, launch); break;
-    default: run_fwd_sm80<T, 256>(p, launch); break;
-  }
+  with_head_dim(p.d, [&](auto hd) { run_fwd_sm80<T, decltype(hd)::value>(p, launch); });
+}
+
+#ifdef FLASHMONOID_WITH_SM90
+constexpr bool kBuiltSm90 = true;
+#else
+constexpr bool kBuiltSm90 = false;
+#endif
+
+template <class T>
+void run_fwd_hopper(const detail::FwdParams& p, cudaStream_t stream) {
+#ifdef FLASHMONOID_WITH_SM90
+  with_head_dim(p.d, [&](auto hd) { run_fwd_sm90<T, decltype(hd)::value>(p, stream); });
+#else
+  (void)p, (void)stream;
+#endif
+}
+
+// The forced path: Context::cuda_path, or with `automatic` the environment (read here only).
+CudaPath requested_path(CudaPath ctx_path) {
+  if (ctx_path != CudaPath::automatic) return ctx_path;
+  const char* env = std::getenv("FLASHMONOID_CUDA_PATH");
+  if (env == nullptr) return CudaPath::automatic;
+  if (std::strcmp(env, "sm80") == 0) return CudaPath::sm80;
+  if (std::strcmp(env, "sm90") == 0) return CudaPath::sm90;
+  return CudaPath::automatic;
+}
+
+int compute_major(int device) {
+  int major = 0;
+  FM_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  return major;
 }
 
 template <class T>
@@ -236,6 +276,24 @@ std::string unsupported_reason(const detail::FwdParams& p) {
   return "";
 }
 
+// The one decision of which forward kernel family runs p: sm90 on compute capability 9.x for
+// prefill-shaped calls without forced KV splits, sm80 otherwise; "" or why a forced sm90 cannot run.
+std::string fwd_path_why_not_sm90(const detail::FwdParams& p, int num_splits) {
+  if (!kBuiltSm90) return "this build has no sm90 kernels (CMAKE_CUDA_ARCHITECTURES without 90)";
+  if (compute_major(p.device.index) != 9) return "the sm90 kernels need compute capability 9.x (Hopper)";
+  if (num_splits > 1) return "the sm90 forward does not split the keys (num_splits > 1)";
+  if (!fwd_sm90_eligible(p)) return "the sm90 forward runs prefill shapes (s_q > 64); decoding runs on sm80";
+  return "";
+}
+
+FwdPath forward_path(const detail::FwdParams& p, const Context& ctx) {
+  const CudaPath want = requested_path(ctx.cuda_path);
+  if (want == CudaPath::sm80) return FwdPath::sm80;
+  const std::string why = fwd_path_why_not_sm90(p, ctx.num_splits);
+  if (want == CudaPath::sm90 && !why.empty()) throw NotSupported("ctx.cuda_path", "sm90 was forced but " + why);
+  return why.empty() ? FwdPath::sm90 : FwdPath::sm80;
+}
+
 void check_pointers(const detail::FwdParams& p) { check_fwd_pointers(p); }
 
 void check_pointers(const detail::BwdParams& p) {
@@ -254,6 +312,7 @@ void check_pointers(const detail::BwdParams& p) {
 
 std::size_t forward_workspace_size(const detail::FwdParams& p) {
   DeviceGuard guard(p.device.index);
+  if (forward_path(p, Context{}) == FwdPath::sm90) return 0;
   const int dev = p.device.index;
   return fwd_split_workspace_bytes(p, fwd_choose_num_splits(p, num_sms(dev), smem_per_sm(dev)));
 }
@@ -262,6 +321,10 @@ std::size_t backward_workspace_size(const detail::BwdParams& p) { return bwd_wor
 
 void forward(const detail::FwdParams& p, const Context& ctx) {
   DeviceGuard guard(p.device.index);
+  if (forward_path(p, ctx) == FwdPath::sm90) {
+    with_dtype(p.dtype, [&](auto t) { run_fwd_hopper<decltype(t)>(p, static_cast<cudaStream_t>(ctx.stream)); });
+    return;
+  }
   FwdLaunch launch;
   launch.stream = static_cast<cudaStream_t>(ctx.stream);
   launch.num_sms = num_sms(p.device.index);

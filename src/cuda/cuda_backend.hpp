@@ -19,6 +19,11 @@ std::string unsupported_reason(const detail::FwdParams& p);
 void check_pointers(const detail::FwdParams& p);
 void check_pointers(const detail::BwdParams& p);
 
+// Which forward kernel family runs p with ctx (ctx.cuda_path, FLASHMONOID_CUDA_PATH, the device and
+// the shape); throws NotSupported when a forced family cannot run p.
+enum class FwdPath { sm80, sm90 };
+FwdPath forward_path(const detail::FwdParams& p, const Context& ctx);
+
 std::size_t forward_workspace_size(const detail::FwdParams& p);
 std::size_t backward_workspace_size(const detail::BwdParams& p);
 

@@ -7,7 +7,9 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <memory>
 #include <vector>
 
@@ -67,8 +69,8 @@ struct GpuResult {
 };
 
 // Forward through the public API on device copies of pb's inputs. splits: ctx.num_splits
-// (0 = heuristic); the workspace is sized for max(splits, heuristic).
-GpuResult gpu_forward(const Problem& pb, int splits = 0) {
+// (0 = heuristic); the workspace is sized for max(splits, heuristic). path forces a kernel family.
+GpuResult gpu_forward(const Problem& pb, int splits = 0, flashmonoid::CudaPath path = flashmonoid::CudaPath::automatic) {
   DeviceTensor q(pb.q), k(pb.k), v(pb.v), alibi(pb.alibi), cu_q(pb.cu_q), cu_k(pb.cu_k);
   GpuResult r{pb.new_out(), pb.new_lse()};
   DeviceTensor out(r.out), lse(r.lse);  // NaN-poisoned
@@ -91,6 +93,7 @@ GpuResult gpu_forward(const Problem& pb, int splits = 0) {
   ctx.workspace = work.ptr;
   ctx.workspace_bytes = ws;
   ctx.num_splits = splits;
+  ctx.cuda_path = path;
   if (vlp)
     flashmonoid::forward_varlen(q.view, k.view, v.view, vl, out.view, lse.view, opt, ctx);
   else
@@ -203,17 +206,87 @@ std::vector<Shape> gpu_grid() {
   return out;
 }
 
-class CudaForward : public ::testing::TestWithParam<Shape> {};
+// Whether the sm90 kernels can run s here (a Hopper device, a prefill shape); the same rule as
+// src/cuda/sm90/fwd_sm90.hpp, so that a forced sm90 run is skipped exactly where it must throw.
+bool sm90_runs(const Shape& s) {
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) != cudaSuccess || major != 9) return false;
+  int max_q = s.s_q;
+  if (s.varlen) max_q = *std::max_element(s.lens_q.begin(), s.lens_q.end());
+  return max_q >= 65;
+}
+
+// Sharper shapes for the sm90 kernels: several 128-row blocks, ragged 128- and 80-key tiles, GQA,
+// every head-dim bucket, the score-modifier variant.
+std::vector<Shape> sm90_grid() {
+  std::vector<Shape> out;
+  const int dims[] = {64, 128, 256, 96, 192, 32};
+  int n = 0;
+  for (int sq : {65, 257, 1031})
+    for (int d : dims) {
+      Shape s;
+      s.b = sq > 500 ? 1 : 2;
+      s.s_q = sq;
+      s.s_k = n % 3 == 0 ? sq : n % 3 == 1 ? sq + 333 : std::max(70, sq / 2 + 1);
+      s.d = d;
+      s.h = n % 2 ? 4 : 6;
+      s.h_k = n % 2 ? 1 : 3;
+      s.dtype = n % 2 ? DType::f16 : DType::bf16;
+      switch (n % 6) {
+        case 1: s.causal = true; break;
+        case 2: s.window_left = 90; s.window_right = 17; break;
+        case 3: s.softcap = 20.0f; s.alibi = true; s.causal = true; break;
+        case 4: s.dropout_p = 0.15f; break;
+        default: break;
+      }
+      out.push_back(s);
+      ++n;
+    }
+  return out;
+}
+
+using PathCase = std::tuple<Shape, flashmonoid::CudaPath>;
+class CudaForward : public ::testing::TestWithParam<PathCase> {};
 
 TEST_P(CudaForward, MatchesFloat64Reference) {
   SKIP_WITHOUT_GPU();
-  const Shape& s = GetParam();
+  const auto& [s, path] = GetParam();
+  if (path == flashmonoid::CudaPath::sm90 && !sm90_runs(s)) GTEST_SKIP() << "not an sm90 shape or device";
   Problem pb(s);
-  check_against_reference(pb, gpu_forward(pb, 1));
+  check_against_reference(pb, gpu_forward(pb, 1, path));
 }
 
 std::string name_of(const ::testing::TestParamInfo<Shape>& info) { return "case" + std::to_string(info.index); }
-INSTANTIATE_TEST_SUITE_P(Grid, CudaForward, ::testing::ValuesIn(gpu_grid()), name_of);
+std::string path_case_name(const ::testing::TestParamInfo<PathCase>& info) {
+  const bool sm90 = std::get<1>(info.param) == flashmonoid::CudaPath::sm90;
+  return std::string(sm90 ? "sm90_" : "sm80_") + "case" + std::to_string(info.index / 2);
+}
+INSTANTIATE_TEST_SUITE_P(Grid, CudaForward,
+                         ::testing::Combine(::testing::ValuesIn(gpu_grid()),
+                                            ::testing::Values(flashmonoid::CudaPath::sm80, flashmonoid::CudaPath::sm90)),
+                         path_case_name);
+INSTANTIATE_TEST_SUITE_P(Hopper, CudaForward,
+                         ::testing::Combine(::testing::ValuesIn(sm90_grid()),
+                                            ::testing::Values(flashmonoid::CudaPath::sm80, flashmonoid::CudaPath::sm90)),
+                         path_case_name);
+
+// The automatic choice: sm90 for prefill shapes on Hopper, reported by supports().
+TEST(CudaForwardPath, SupportsNamesThePathThatRuns) {
+  SKIP_WITHOUT_GPU();
+  Shape s;
+  s.b = 1;
+  s.s_q = 300;
+  s.s_k = 300;
+  s.h = 2;
+  s.h_k = 2;
+  s.d = 128;
+  s.dtype = DType::bf16;
+  Problem pb(s);
+  DeviceTensor q(pb.q), k(pb.k);
+  const auto sup = flashmonoid::supports(q.view, k.view);
+  ASSERT_TRUE(sup.ok) << sup.reason;
+  EXPECT_EQ(sup.path, sm90_runs(s) ? "cuda-sm90" : "cuda-sm80");
+}
 
 // Decoding shapes: s_q of 1..4 over long s_k, GQA 32/8 (packed into one block's rows), with the
 // heuristic's splits, forced splits and no split; causal and windows cut splits to nothing.

@@ -13,7 +13,7 @@
 
 #include "api/params.hpp"
 #include "common/epilogue.cuh"
-#include "common/mma_sm80.cuh"
+#include "common/types.cuh"
 #include "flashmonoid/detail/monoid.hpp"
 
 namespace flashmonoid::cuda {

@@ -6,9 +6,8 @@
 #include <cstdint>
 
 #include "api/params.hpp"
-#include "common/mma_sm80.cuh"
+#include "common/types.cuh"
 #include "common/score_mod.cuh"
-#include "common/smem_tile.cuh"
 
 namespace flashmonoid::cuda {
 
@@ -21,13 +20,17 @@ struct BlockRows {
   __device__ __forceinline__ int head(int R) const { return head_base + R % pack; }
 };
 
-// Normalised O through shared memory (sO: the Q tile's space, (kBlockM, kHeadDim) swizzled), so the
+// Normalised O through shared memory (sO: (kBlockM, kHeadDim) swizzled, the Q tile's space), so the
 // global stores are whole 16-byte vectors along the head dim; then lse from one lane of each quad.
-template <class T, int kHeadDim, int kMTiles, int kBlockM, int kThreads>
+// The kThreads threads that own the kBlockM rows take part, tid being the caller's index among them
+// and sync() their barrier (__syncthreads on sm80; a named barrier of one consumer warpgroup on sm90,
+// where the producer warps must not be waited for).
+template <class T, int kHeadDim, int kMTiles, int kBlockM, int kThreads, class Sync>
 __device__ __forceinline__ void store_output(const detail::FwdParams& p, const BlockRows& blk, int R0,
                                              const float (&o)[kMTiles][kHeadDim / 8][4],
                                              const float (&inv_l)[2 * kMTiles], const float (&lse)[2 * kMTiles],
-                                             const RowCoords<kMTiles>& rows, T* sO, int warp_row0, int lane) {
+                                             const RowCoords<kMTiles>& rows, T* sO, int warp_row0, int lane, int tid,
+                                             Sync sync) {
   // Each warp writes only the rows it read Q from, so no block barrier is needed before these
   // stores; __syncwarp orders the warp's own last Q reads before them (racecheck flagged the
   // intra-warp pair once a divergent branch sat in the mainloop).
@@ -43,12 +46,12 @@ __device__ __forceinline__ void store_output(const detail::FwdParams& p, const B
         *reinterpret_cast<std::uint32_t*>(sO + swizzled<kHeadDim>(row, di * 8 + 2 * (lane & 3))) =
             pack2<T>(o[mi][di][2 * half] * inv_l[r], o[mi][di][2 * half + 1] * inv_l[r]);
       }
-  __syncthreads();
+  sync();
   constexpr int kChunks = kHeadDim / 8;
   T* out = static_cast<T*>(p.out);
 #pragma unroll
   for (int it = 0; it < kBlockM * kChunks / kThreads; ++it) {
-    int idx = it * kThreads + static_cast<int>(threadIdx.x);
+    int idx = it * kThreads + tid;
     int r = idx / kChunks, c = idx % kChunks;
     int R = R0 + r;
     if (R < blk.rows_total && c * 8 < p.d) {

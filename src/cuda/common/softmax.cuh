@@ -41,38 +41,64 @@ struct OnlineSoftmax {
     }
   }
 
-  // Fold a tile of scores into the state: s (kMTiles, kNTiles) becomes P = exp2((s - m_new)·mul),
-  // and o and l are rescaled by exp2((m_old - m_new)·mul). A row with no visible key so far keeps
-  // m = -inf; subtracting 0 instead of -inf keeps its P at 0 rather than NaN.
+  // Fold a tile of scores into the state, in three steps that a mainloop may interleave with its
+  // products (the sm90 one rescales O only once the P·V product reading the old O has finished):
+  // s (kMTiles, kNTiles) becomes P = exp2((s - m_new)·mul), l and o are rescaled by
+  // factor = exp2((m_old - m_new)·mul). A row with no visible key so far keeps m = -inf;
+  // subtracting 0 instead of -inf keeps its P at 0 rather than NaN.
   template <int kNTiles, int kDTiles>
   __device__ __forceinline__ void fold(float (&s)[kMTiles][kNTiles][4], float (&o)[kMTiles][kDTiles][4], float mul) {
+    float factor[kRows];
+    update_max(s, mul, factor);
+    exp_and_sum(s, mul, factor);
+    rescale(o, factor);
+  }
+
+  // Step 1: the new row max; factor[r] = exp2((m_old - m_new)·mul).
+  template <int kNTiles>
+  __device__ __forceinline__ void update_max(const float (&s)[kMTiles][kNTiles][4], float mul, float (&factor)[kRows]) {
 #pragma unroll
-    for (int mi = 0; mi < kMTiles; ++mi) {
+    for (int r = 0; r < kRows; ++r) {
+      const int mi = r / 2, half = r % 2;
+      float mx = m[r];
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = 2 * mi + half;
-        float mx = m[r];
+      for (int ni = 0; ni < kNTiles; ++ni) mx = fmaxf(mx, fmaxf(s[mi][ni][2 * half], s[mi][ni][2 * half + 1]));
+      mx = quad_max(mx);
+      factor[r] = fast_exp2(m[r] * mul - (mx == -INFINITY ? 0.0f : mx * mul));
+      m[r] = mx;
+    }
+  }
+
+  // Step 2: P = exp2((s - m)·mul) in place, l = l·factor + rowsum(P) (this thread's share).
+  template <int kNTiles>
+  __device__ __forceinline__ void exp_and_sum(float (&s)[kMTiles][kNTiles][4], float mul, const float (&factor)[kRows]) {
 #pragma unroll
-        for (int ni = 0; ni < kNTiles; ++ni) mx = fmaxf(mx, fmaxf(s[mi][ni][2 * half], s[mi][ni][2 * half + 1]));
-        mx = quad_max(mx);
-        const float m_scaled = mx == -INFINITY ? 0.0f : mx * mul;
-        const float factor = fast_exp2(m[r] * mul - m_scaled);
-        m[r] = mx;
-        float sum = 0.0f;
+    for (int r = 0; r < kRows; ++r) {
+      const int mi = r / 2, half = r % 2;
+      const float m_scaled = m[r] == -INFINITY ? 0.0f : m[r] * mul;
+      float sum = 0.0f;
 #pragma unroll
-        for (int ni = 0; ni < kNTiles; ++ni) {
+      for (int ni = 0; ni < kNTiles; ++ni) {
 #pragma unroll
-          for (int e = 2 * half; e < 2 * half + 2; ++e) {
-            s[mi][ni][e] = fast_exp2(fmaf(s[mi][ni][e], mul, -m_scaled));
-            sum += s[mi][ni][e];
-          }
+        for (int e = 2 * half; e < 2 * half + 2; ++e) {
+          s[mi][ni][e] = fast_exp2(fmaf(s[mi][ni][e], mul, -m_scaled));
+          sum += s[mi][ni][e];
         }
-        l[r] = l[r] * factor + sum;
+      }
+      l[r] = l[r] * factor[r] + sum;
+    }
+  }
+
+  // Step 3: o *= factor, row by row.
+  template <int kDTiles>
+  __device__ __forceinline__ static void rescale(float (&o)[kMTiles][kDTiles][4], const float (&factor)[kRows]) {
 #pragma unroll
-        for (int di = 0; di < kDTiles; ++di) {
-          o[mi][di][2 * half] *= factor;
-          o[mi][di][2 * half + 1] *= factor;
-        }
+    for (int r = 0; r < kRows; ++r) {
+      const int mi = r / 2, half = r % 2;
+#pragma unroll
+      for (int di = 0; di < kDTiles; ++di) {
+        o[mi][di][2 * half] *= factor[r];
+        o[mi][di][2 * half + 1] *= factor[r];
       }
     }
   }

@@ -17,7 +17,7 @@
 #include <type_traits>
 
 #include "api/params.hpp"
-#include "common/mma_sm80.cuh"
+#include "sm80/mma_sm80.cuh"
 #include "flashmonoid/detail/mask.hpp"
 #include "flashmonoid/detail/philox.hpp"
 #include "sm80/bwd_sm80.hpp"

@@ -12,10 +12,11 @@
 #include <cstdint>
 
 #include "api/params.hpp"
+#include "common/block_range.cuh"
 #include "common/epilogue.cuh"
-#include "common/mma_sm80.cuh"
+#include "sm80/mma_sm80.cuh"
 #include "common/score_mod.cuh"
-#include "common/smem_tile.cuh"
+#include "sm80/smem_tile.cuh"
 #include "common/softmax.cuh"
 #include "sm80/tile_fwd_sm80.hpp"
 #include "sm80/warp_gemm_sm80.cuh"
@@ -78,12 +79,8 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
   const detail::Band band = detail::band_of(p, si);
   const int i_first = blk.query(R0);
   const int i_end = blk.query((R0 + kBlockM < blk.rows_total ? R0 + kBlockM : blk.rows_total) - 1) + 1;
-  const std::int64_t key_lo = band.key_begin(i_first, si.len_k), key_hi = band.key_end(i_end, si.len_k);
-  const int n_lo = static_cast<int>(key_lo / kBlockN);
-  const int n_hi = key_hi > key_lo ? static_cast<int>((key_hi + kBlockN - 1) / kBlockN) : n_lo;
-  const int per_split = (n_hi - n_lo + args.num_splits - 1) / args.num_splits;
-  const int s_lo = n_lo + split * per_split;
-  const int s_hi = s_lo + per_split < n_hi ? s_lo + per_split : n_hi;
+  const KeyTiles tiles = key_tiles<kBlockN>(band, i_first, i_end, si.len_k, split, args.num_splits);
+  const int s_lo = tiles.lo, s_hi = tiles.hi;
 
   const ScoreMod mod(p);
   const float mul = kScoreMods ? mod.softmax_mul() : p.scale_log2;
@@ -104,19 +101,7 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
   // Row 0 of this (batch, KV head)'s keys; tile n starts kBlockN rows further per step.
   const T* k_seq = k + detail::offset_of(p.k_stride, b, si.k_row0, kv_head);
   const T* v_seq = v + detail::offset_of(p.v_stride, b, si.k_row0, kv_head);
-  const int num_tiles = s_hi - s_lo;
-  // Key tiles [key0, key0 + kBlockN) that need no mask for any row of the block are those with
-  // unmasked_lo <= key0 <= unmasked_hi (detail::Band::tile_needs_mask solved for key0 once), so the
-  // loop carries two ints instead of the band's 64-bit bounds.
-  int unmasked_lo, unmasked_hi;
-  {
-    constexpr std::int64_t kFar = 1 << 30;
-    std::int64_t hi = static_cast<std::int64_t>(si.len_k) - kBlockN;
-    if (band.right >= 0) hi = std::min<std::int64_t>(hi, i_first + band.diag + band.right - kBlockN + 1);
-    const std::int64_t lo = band.left >= 0 ? i_end - 1 + band.diag - band.left : -kFar;
-    unmasked_lo = static_cast<int>(std::max<std::int64_t>(lo, -kFar));
-    unmasked_hi = static_cast<int>(std::max<std::int64_t>(std::min<std::int64_t>(hi, kFar), -kFar));
-  }
+  const int num_tiles = tiles.count();
   const LdsmLane<kHeadDim> q_addr = q_lane<kHeadDim>(sQ, warp_row0, lane);
   const LdsmLane<kHeadDim> k_addr = k_lane<kHeadDim>(sK, lane);
   const LdsmLane<kHeadDim> v_addr = v_lane<kHeadDim>(kSlotRing ? sK : sK + kSub * kBlockN * kHeadDim, lane);
@@ -135,7 +120,7 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
         slope_log2[r] = mod.alibi ? detail::alibi_slope(p, b, rows.head(r)) * kLog2e : 0.0f;
       mod.apply(s, slope_log2, rows, band.diag, key0, lane);
     }
-    if (key0 < unmasked_lo || key0 > unmasked_hi)
+    if (tiles.needs_mask(key0))
       apply_mask(s, band, rows, si.len_k, key0, lane);
     softmax.fold(s, o, mul);
     if (dropout) {
@@ -287,7 +272,8 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
   if (args.num_splits > 1)
     store_partial<kHeadDim>(p, blk, split, args.out_partial, args.lse_partial, o, inv_l, lse, rows, lane);
   else
-    store_output<T, kHeadDim, kMTiles, kBlockM, kThreads>(p, blk, R0, o, inv_l, lse, rows, sQ, warp_row0, lane);
+    store_output<T, kHeadDim, kMTiles, kBlockM, kThreads>(p, blk, R0, o, inv_l, lse, rows, sQ, warp_row0, lane,
+                                                          static_cast<int>(threadIdx.x), [] { __syncthreads(); });
 }
 
 }  // namespace flashmonoid::cuda

@@ -6,8 +6,8 @@
 
 #include <cstdint>
 
-#include "common/mma_sm80.cuh"
-#include "common/smem_tile.cuh"
+#include "sm80/mma_sm80.cuh"
+#include "sm80/smem_tile.cuh"
 
 namespace flashmonoid::cuda {
 

@@ -9,14 +9,9 @@
 
 #include <cstdint>
 
+#include "common/types.cuh"
+
 namespace flashmonoid::cuda {
-
-template <class T> struct is_bf16 { static constexpr bool value = false; };
-template <> struct is_bf16<__nv_bfloat16> { static constexpr bool value = true; };
-
-__device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
-  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
-}
 
 // 16-byte global -> shared copy; when !pred the destination is zero-filled and nothing is read.
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool pred) {
@@ -69,29 +64,5 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const std::uint32_t (&a
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
   }
 }
-
-// Two floats -> one register of two T (low half = x), round to nearest.
-template <class T> __device__ __forceinline__ std::uint32_t pack2(float x, float y) {
-  if constexpr (is_bf16<T>::value) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
-    return *reinterpret_cast<std::uint32_t*>(&h);
-  } else {
-    __half2 h = __floats2half2_rn(x, y);
-    return *reinterpret_cast<std::uint32_t*>(&h);
-  }
-}
-
-template <class T> __device__ __forceinline__ float to_float(T x) {
-  if constexpr (is_bf16<T>::value) return __bfloat162float(x); else return __half2float(x);
-}
-template <class T> __device__ __forceinline__ T from_float(float x) {
-  if constexpr (is_bf16<T>::value) return __float2bfloat16_rn(x); else return __float2half_rn(x);
-}
-
-// XOR swizzle of 16-byte chunks inside 128-byte rows (8 chunks): row r's chunk c lands at
-// c ^ (r % 8), so the 8 rows an ldmatrix phase reads hit 8 different bank groups.
-__device__ __forceinline__ int swizzle_chunk(int row, int chunk) { return chunk ^ (row & 7); }
-
-__device__ __forceinline__ float exp2_approx(float x) { return exp2f(x); }
 
 }  // namespace flashmonoid::cuda

@@ -1,24 +1,15 @@
 // Shared-memory tiles of 2-byte elements, (rows, kCols) row-major with kCols a multiple of 64 (one
 // 128-byte line or more per row), the 16-byte chunks of each 128-byte group XOR-swizzled by the row
-// (mma_sm80.cuh: swizzle_chunk). An ldmatrix phase reads one chunk column from 8 consecutive rows;
+// (common/types.cuh: swizzle_chunk). An ldmatrix phase reads one chunk column from 8 consecutive rows;
 // the swizzle sends those 8 chunks to 8 different bank groups, so it is conflict-free, and the
 // 16-byte cp.async writes stay whole.
 #pragma once
 
 #include <cstdint>
 
-#include "common/mma_sm80.cuh"
+#include "sm80/mma_sm80.cuh"
 
 namespace flashmonoid::cuda {
-
-// Element offset of (row, col) in a swizzled (rows, kCols) tile.
-template <int kCols>
-__device__ __forceinline__ int swizzled(int row, int col) {
-  static_assert(kCols % 64 == 0, "swizzled tiles need rows of whole 128-byte lines (64 2-byte elements)");
-  int chunk = col >> 3;
-  int phys = (chunk & ~7) | swizzle_chunk(row, chunk & 7);
-  return row * kCols + (phys << 3) + (col & 7);
-}
 
 // Queue the copy of a (kRows, kCols) tile into shared memory, 16 bytes per cp.async, by all
 // kThreads threads. row_ptr(r) gives row r's global address or nullptr for a row outside the

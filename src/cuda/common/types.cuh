@@ -1,0 +1,52 @@
+// Arch-neutral device vocabulary for 2-byte element types: type traits, shared addresses,
+// conversions and the XOR swizzle of 16-byte chunks that both the sm80 ldmatrix tiles and the sm90
+// TMA/wgmma 128-byte-swizzled tiles use (chunk c of row r lands at c ^ (r % 8)).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace flashmonoid::cuda {
+
+template <class T> struct is_bf16 { static constexpr bool value = false; };
+template <> struct is_bf16<__nv_bfloat16> { static constexpr bool value = true; };
+
+__device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Two floats -> one register of two T (low half = x), round to nearest.
+template <class T> __device__ __forceinline__ std::uint32_t pack2(float x, float y) {
+  if constexpr (is_bf16<T>::value) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+    return *reinterpret_cast<std::uint32_t*>(&h);
+  } else {
+    __half2 h = __floats2half2_rn(x, y);
+    return *reinterpret_cast<std::uint32_t*>(&h);
+  }
+}
+
+template <class T> __device__ __forceinline__ float to_float(T x) {
+  if constexpr (is_bf16<T>::value) return __bfloat162float(x); else return __half2float(x);
+}
+template <class T> __device__ __forceinline__ T from_float(float x) {
+  if constexpr (is_bf16<T>::value) return __float2bfloat16_rn(x); else return __float2half_rn(x);
+}
+
+// XOR swizzle of 16-byte chunks inside 128-byte rows (8 chunks): row r's chunk c lands at
+// c ^ (r % 8), so the 8 rows an ldmatrix phase reads hit 8 different bank groups.
+__device__ __forceinline__ int swizzle_chunk(int row, int chunk) { return chunk ^ (row & 7); }
+
+// Element offset of (row, col) in a swizzled (rows, kCols) row-major tile (sm80 layout: each row's
+// 128-byte groups swizzled in place).
+template <int kCols>
+__device__ __forceinline__ int swizzled(int row, int col) {
+  static_assert(kCols % 64 == 0, "swizzled tiles need rows of whole 128-byte lines (64 2-byte elements)");
+  int chunk = col >> 3;
+  int phys = (chunk & ~7) | swizzle_chunk(row, chunk & 7);
+  return row * kCols + (phys << 3) + (col & 7);
+}
+
+}  // namespace flashmonoid::cuda

@@ -1,0 +1,23 @@
+// Light interface of the sm90 (wgmma + TMA) forward for src/cuda/api.cu; the kernels are in
+// launch_fwd_sm90.cuh, instantiated one (dtype, head-dim bucket) per file under src/cuda/generated/
+// and compiled for sm_90a only (FLASHMONOID_WITH_SM90).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "api/params.hpp"
+
+namespace flashmonoid::cuda {
+
+// Whether the sm90 forward runs p on a device of compute capability 9.x: prefill-shaped calls.
+// Decoding-shaped ones (s_q small enough that GQA packing or split-KV pays) keep the sm80 kernels,
+// which read K/V at copy speed already (bench/NOTES.md).
+inline constexpr int kFwdSm90MinRows = 65;
+inline bool fwd_sm90_eligible(const detail::FwdParams& p) { return p.seqlen_q >= kFwdSm90MinRows; }
+
+// Queue the forward on `stream` (never synchronises, never allocates). T is __half or
+// __nv_bfloat16; kHeadDim is the head-dim bucket (64, 128, 256) that p.d <= kHeadDim pads to.
+template <class T, int kHeadDim>
+void run_fwd_sm90(const detail::FwdParams& p, cudaStream_t stream);
+
+}  // namespace flashmonoid::cuda

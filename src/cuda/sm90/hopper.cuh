@@ -1,0 +1,129 @@
+// The sm90a vocabulary every Hopper mainloop is written in: wgmma shared-memory descriptors and
+// their ordering instructions, TMA tile loads and mbarrier pipelines (through CCCL's cuda::ptx),
+// named barriers and register reallocation (setmaxnreg). wgmma itself is in wgmma_ops.cuh
+// (generated: cuda::ptx has no wgmma).
+//
+// Shared-memory tiles are "panels": (rows, 64) of 2-byte elements, one 128-byte line per row, the
+// 16-byte chunks XOR-swizzled by row % 8 (common/types.cuh: swizzle_chunk), 1024-byte aligned. That
+// is the layout TMA writes with CU_TENSOR_MAP_SWIZZLE_128B and wgmma reads with 128-byte swizzle
+// descriptors. A (rows, kHeadDim) tile is kHeadDim / 64 panels one after the other.
+#pragma once
+
+#include <cuda/ptx>
+
+#include <cstdint>
+
+#include "common/types.cuh"
+#include "sm90/wgmma_ops.cuh"
+
+namespace flashmonoid::cuda::sm90 {
+
+inline constexpr int kPanelCols = 64;          // 2-byte elements per 128-byte swizzled row
+inline constexpr int kPanelRowBytes = 128;
+inline constexpr int kSwizzleAtomBytes = 1024;  // 8 rows of 128 bytes: the unit the swizzle repeats over
+
+// Element offset of (row, col) in a tile of kHeadDim / 64 panels of `rows` rows each.
+__device__ __forceinline__ int panel_offset(int rows, int row, int col) {
+  const int panel = col / kPanelCols, chunk = (col % kPanelCols) / 8;
+  return panel * rows * kPanelCols + row * kPanelCols + swizzle_chunk(row, chunk) * 8 + col % 8;
+}
+
+// ---- wgmma descriptors -------------------------------------------------------------------------
+// Bits (PTX ISA "Matrix Descriptor Format"): 0-13 start address >> 4, 16-29 leading-dimension byte
+// offset >> 4, 32-45 stride-dimension byte offset >> 4, 62-63 swizzle (1 = 128B). With 128-byte
+// swizzle:
+// - K-major (rows of K contiguous, e.g. Q and K for S = QKᵀ): 8-row atoms of 128-byte lines, the
+//   stride offset is the step between 8-row groups (1024 B); the leading offset is unused because
+//   one instruction's K = 16 stays inside a line. Step k (16 elements) starts 32 bytes further.
+// - MN-major (N contiguous, e.g. V as B of O = PV, N = head dim): the leading offset is the step
+//   between 64-column panels, the stride offset the step between 8-row (8 keys) groups (1024 B).
+//   Step k (16 keys) starts 16 rows = 2048 bytes further.
+__device__ __forceinline__ std::uint64_t make_desc(std::uint32_t smem_byte_addr, std::uint32_t lead_bytes,
+                                                   std::uint32_t stride_bytes) {
+  std::uint64_t d = 0;
+  d |= static_cast<std::uint64_t>((smem_byte_addr & 0x3FFFF) >> 4);
+  d |= static_cast<std::uint64_t>((lead_bytes & 0x3FFFF) >> 4) << 16;
+  d |= static_cast<std::uint64_t>((stride_bytes & 0x3FFFF) >> 4) << 32;
+  d |= static_cast<std::uint64_t>(1) << 62;  // 128-byte swizzle
+  return d;
+}
+// K-major tile (rows, K) in panels of `rows` rows: descriptor of k step `ks` (16 elements).
+__device__ __forceinline__ std::uint64_t desc_k_major(std::uint32_t tile_addr, int rows, int ks) {
+  const int col = ks * 16;
+  const std::uint32_t addr = tile_addr + (col / kPanelCols) * rows * kPanelRowBytes + (col % kPanelCols) * 2;
+  return make_desc(addr, 16, kSwizzleAtomBytes);
+}
+// MN-major tile (K rows, N columns) in panels of `rows` rows: descriptor of k step `ks` (16 rows).
+__device__ __forceinline__ std::uint64_t desc_mn_major(std::uint32_t tile_addr, int rows, int ks) {
+  return make_desc(tile_addr + ks * 16 * kPanelRowBytes, rows * kPanelRowBytes, kSwizzleAtomBytes);
+}
+
+// Registers written by ordinary instructions (accumulators rescaled, A fragments) become visible
+// to the next wgmma; then a batch of wgmmas is committed as one group and waited on by count.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+// Keeps the compiler from moving accumulator reads or writes across a wgmma wait.
+template <int kN>
+__device__ __forceinline__ void fence_regs(float (&d)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Ordinary shared-memory stores that TMA or wgmma read next need this before the barrier.
+__device__ __forceinline__ void fence_async_shared() { ::cuda::ptx::fence_proxy_async(::cuda::ptx::space_shared); }
+
+// ---- registers and barriers ---------------------------------------------------------------------
+template <int kRegs>
+__device__ __forceinline__ void regs_alloc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void regs_dealloc() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+// Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads, whole warps.
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// ---- mbarrier pipeline ---------------------------------------------------------------------------
+struct Barrier {
+  std::uint64_t word;
+  __device__ __forceinline__ void init(unsigned count) { ::cuda::ptx::mbarrier_init(&word, count); }
+  __device__ __forceinline__ void arrive() {
+    (void)::cuda::ptx::mbarrier_arrive(&word);
+  }
+  // One arrival that also announces `bytes` of TMA transactions to wait for.
+  __device__ __forceinline__ void arrive_expect_tx(std::uint32_t bytes) {
+    (void)::cuda::ptx::mbarrier_arrive_expect_tx(::cuda::ptx::sem_release, ::cuda::ptx::scope_cta, ::cuda::ptx::space_shared,
+                                               &word, bytes);
+  }
+  __device__ __forceinline__ void wait(std::uint32_t phase) {
+    while (!::cuda::ptx::mbarrier_try_wait_parity(&word, phase)) {
+    }
+  }
+};
+
+__device__ __forceinline__ void fence_barrier_init() { ::cuda::ptx::fence_mbarrier_init(::cuda::ptx::sem_release, ::cuda::ptx::scope_cluster); }
+
+// A TMA tile load of a 4-d tensor map box (coordinates innermost first) into shared memory,
+// completing as transactions on `bar`.
+__device__ __forceinline__ void tma_load(void* smem, const void* tensor_map, int c0, int c1, int c2, int c3,
+                                         Barrier& bar) {
+  const std::int32_t coords[4] = {c0, c1, c2, c3};
+  ::cuda::ptx::cp_async_bulk_tensor(::cuda::ptx::space_cluster, ::cuda::ptx::space_global, smem, tensor_map, coords,
+                                  &bar.word);
+}
+
+__device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(tensor_map) : "memory");
+}
+
+}  // namespace flashmonoid::cuda::sm90

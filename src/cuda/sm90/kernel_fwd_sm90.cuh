@@ -1,0 +1,296 @@
+// The sm90 forward kernel: warp-specialised, TMA + wgmma (FlashAttention-3's schedule). One block
+// per (128-row query block, head, batch), three warpgroups:
+// - the producer (warpgroup 0, one thread) loads Q once and streams K and V tiles (kBlockN, kHeadDim)
+//   through a `stages`-deep ring of shared-memory slots with TMA, one "full" mbarrier per slot that
+//   the copy engine completes and one "empty" mbarrier that the consumers release;
+// - two consumers (warpgroups 1, 2) own 64 query rows each: S = Q·Kᵀ by wgmma from shared memory,
+//   the online softmax in registers, O += P·V by wgmma with P from registers. S of step t is issued
+//   together with P·V of step t - 1, so the softmax of one step runs while the tensor cores work on
+//   the other product.
+// Softmax, masks, score modifiers, dropout and the epilogue are common/'s, in the same register
+// layout as sm80's (a wgmma accumulator row pair is an m16n8 tile's), so only the data movement and
+// the products are sm90 specific.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "api/params.hpp"
+#include "common/block_range.cuh"
+#include "common/epilogue.cuh"
+#include "common/score_mod.cuh"
+#include "common/softmax.cuh"
+#include "sm90/hopper.cuh"
+#include "sm90/tile_fwd_sm90.hpp"
+
+namespace flashmonoid::cuda {
+
+struct FwdKernelArgsSm90 {
+  CUtensorMap tm_q;  // (d, h, rows, batch), box (64, 1, 64, 1): one panel of one consumer's rows
+  CUtensorMap tm_k;  // (d, h_k, rows, batch), box (64, 1, kBlockN, 1)
+  CUtensorMap tm_v;
+  detail::FwdParams p;
+  int num_m_blocks = 0;  // per (head, batch): ceil(max_seqlen_q / kBlockM)
+};
+
+namespace sm90 {
+
+// Shared memory of one block: tiles in 128-byte-swizzled panels (hopper.cuh), then the barriers.
+template <class T, int kHeadDim, FwdTileSm90 kTile>
+struct FwdSmem {
+  static constexpr int kQElems = 64 * kHeadDim;             // one consumer's Q rows
+  static constexpr int kKVElems = kTile.block_n * kHeadDim;  // one K or V slot
+  T* base;
+  Barrier* bars;  // q_full, then k_full, v_full, k_empty, v_empty: `stages` each
+
+  __device__ __forceinline__ explicit FwdSmem(unsigned char* raw)
+      // Panels need 1024-byte alignment for the swizzle atoms; dynamic shared memory guarantees 16.
+      : base(reinterpret_cast<T*>((reinterpret_cast<std::uintptr_t>(raw) + 1023) & ~std::uintptr_t(1023))),
+        bars(reinterpret_cast<Barrier*>(base + kTile.consumers * kQElems + 2 * kTile.stages * kKVElems)) {}
+  // Addresses computed from the slot (an array of slot pointers indexed at run time went to local
+  // memory).
+  __device__ __forceinline__ T* q(int consumer) const { return base + consumer * kQElems; }
+  __device__ __forceinline__ T* k(int slot) const { return base + kTile.consumers * kQElems + slot * kKVElems; }
+  __device__ __forceinline__ T* v(int slot) const { return k(kTile.stages + slot); }
+  __device__ __forceinline__ Barrier& q_full() const { return bars[0]; }
+  __device__ __forceinline__ Barrier& k_full(int slot) const { return bars[1 + slot]; }
+  __device__ __forceinline__ Barrier& v_full(int slot) const { return bars[1 + kTile.stages + slot]; }
+  __device__ __forceinline__ Barrier& k_empty(int slot) const { return bars[1 + 2 * kTile.stages + slot]; }
+  __device__ __forceinline__ Barrier& v_empty(int slot) const { return bars[1 + 3 * kTile.stages + slot]; }
+};
+
+// Tile t of the visit order is key tile hi - 1 - t, in ring slot t % stages with barrier phase
+// (t / stages) % 2.
+template <int kStages>
+struct RingPos {
+  int slot = 0;
+  std::uint32_t phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++slot == kStages) {
+      slot = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+// The producer: one thread issues every TMA copy of the block.
+template <class T, int kHeadDim, FwdTileSm90 kTile>
+__device__ __forceinline__ void produce(const FwdKernelArgsSm90& args, const FwdSmem<T, kHeadDim, kTile>& sm,
+                                        const KeyTiles& tiles, int b, int head, int kv_head, std::int64_t q_row,
+                                        std::int64_t k_row0, int batch_coord) {
+  constexpr int kPanels = kHeadDim / kPanelCols;
+  constexpr std::uint32_t kQBytes = kTile.consumers * 64 * kHeadDim * sizeof(T);
+  constexpr std::uint32_t kKVBytes = kTile.block_n * kHeadDim * sizeof(T);
+  (void)b;
+  sm.q_full().arrive_expect_tx(kQBytes);
+#pragma unroll
+  for (int c = 0; c < kTile.consumers; ++c)
+#pragma unroll
+    for (int pn = 0; pn < kPanels; ++pn)
+      tma_load(sm.q(c) + pn * 64 * kPanelCols, &args.tm_q, pn * kPanelCols, head, static_cast<int>(q_row + 64 * c),
+               batch_coord, sm.q_full());
+  RingPos<kTile.stages> pos;
+#pragma unroll 1
+  for (int t = 0; t < tiles.count(); ++t) {
+    const int row = static_cast<int>(k_row0 + static_cast<std::int64_t>(tiles.hi - 1 - t) * kTile.block_n);
+    sm.k_empty(pos.slot).wait(pos.phase ^ 1);
+    sm.k_full(pos.slot).arrive_expect_tx(kKVBytes);
+#pragma unroll
+    for (int pn = 0; pn < kPanels; ++pn)
+      tma_load(sm.k(pos.slot) + pn * kTile.block_n * kPanelCols, &args.tm_k, pn * kPanelCols, kv_head, row,
+               batch_coord, sm.k_full(pos.slot));
+    sm.v_empty(pos.slot).wait(pos.phase ^ 1);
+    sm.v_full(pos.slot).arrive_expect_tx(kKVBytes);
+#pragma unroll
+    for (int pn = 0; pn < kPanels; ++pn)
+      tma_load(sm.v(pos.slot) + pn * kTile.block_n * kPanelCols, &args.tm_v, pn * kPanelCols, kv_head, row,
+               batch_coord, sm.v_full(pos.slot));
+    pos.advance();
+  }
+}
+
+// P (64, kBlockN) of this warpgroup as wgmma A fragments: k step kk (16 keys) is accumulator tiles
+// 2·kk and 2·kk + 1, the m16n8k16 A layout.
+template <class T, int kNTiles>
+__device__ __forceinline__ void p_fragments(std::uint32_t (&a)[kNTiles / 2][4], const float (&s)[1][kNTiles][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kNTiles / 2; ++kk) {
+    a[kk][0] = pack2<T>(s[0][2 * kk][0], s[0][2 * kk][1]);
+    a[kk][1] = pack2<T>(s[0][2 * kk][2], s[0][2 * kk][3]);
+    a[kk][2] = pack2<T>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+    a[kk][3] = pack2<T>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+  }
+}
+
+template <int kRows, int kCols>
+__device__ __forceinline__ float (&flat(float (&x)[kRows][kCols][4]))[kRows * kCols * 4] {
+  return reinterpret_cast<float (&)[kRows * kCols * 4]>(x);
+}
+
+// S (64, kBlockN) = Q (64, kHeadDim) · K (kBlockN, kHeadDim)ᵀ, issued (not waited for).
+template <class T, int kHeadDim, int kBlockN>
+__device__ __forceinline__ void issue_scores(float (&s)[1][kBlockN / 8][4], std::uint32_t q_addr, std::uint32_t k_addr) {
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 16; ++ks)
+    wgmma_ss<0>(flat(s), desc_k_major(q_addr, 64, ks), desc_k_major(k_addr, kBlockN, ks), T{}, ks > 0);
+}
+
+// O (64, kHeadDim) += P (64, kBlockN) · V (kBlockN, kHeadDim), issued (not waited for).
+template <class T, int kHeadDim, int kBlockN>
+__device__ __forceinline__ void issue_pv(float (&o)[1][kHeadDim / 8][4], const std::uint32_t (&pa)[kBlockN / 16][4],
+                                         std::uint32_t v_addr) {
+#pragma unroll
+  for (int kk = 0; kk < kBlockN / 16; ++kk) wgmma_rs<1>(flat(o), pa[kk], desc_mn_major(v_addr, kBlockN, kk), T{}, 1);
+}
+
+}  // namespace sm90
+
+template <class T, int kHeadDim, bool kScoreMods>
+__global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim).threads(), 1)
+    fwd_kernel_sm90(const __grid_constant__ FwdKernelArgsSm90 args) {
+  using namespace sm90;
+  constexpr FwdTileSm90 kTile = fwd_tile_sm90(kHeadDim);
+  constexpr int kBlockM = kTile.block_m(), kBlockN = kTile.block_n;
+  constexpr int kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8;
+  static_assert(kHeadDim % kPanelCols == 0, "head-dim buckets are whole 64-column panels");
+  static_assert(kBlockN % 16 == 0, "P·V takes keys 16 at a time");
+
+  extern __shared__ unsigned char smem_raw[];
+  const FwdSmem<T, kHeadDim, kTile> sm(smem_raw);
+
+  const detail::FwdParams& p = args.p;
+  const int m_block = args.num_m_blocks - 1 - static_cast<int>(blockIdx.x);  // longest causal blocks first
+  const int head = blockIdx.y, b = blockIdx.z;
+  const detail::SeqInfo si = detail::seq_info(p, b);
+  const int R0 = m_block * kBlockM;
+  if (R0 >= si.len_q) return;  // varlen: a sequence shorter than the longest
+  const int kv_head = head / p.group();
+  const detail::Band band = detail::band_of(p, si);
+  const int i_end = R0 + kBlockM < si.len_q ? R0 + kBlockM : si.len_q;
+  const KeyTiles tiles = key_tiles<kBlockN>(band, R0, i_end, si.len_k);
+
+  const int warpgroup = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    sm.q_full().init(1);
+#pragma unroll
+    for (int s = 0; s < kTile.stages; ++s) {
+      sm.k_full(s).init(1);
+      sm.v_full(s).init(1);
+      sm.k_empty(s).init(4 * kTile.consumers);  // one arrival per consumer warp
+      sm.v_empty(s).init(4 * kTile.consumers);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  // Varlen tensors are one batch entry of packed rows.
+  const int batch_coord = p.is_varlen() ? 0 : b;
+  if (warpgroup == 0) {
+    regs_dealloc<kTile.producer_regs>();
+    if (threadIdx.x == 0 && tiles.count() > 0) {
+      prefetch_tensor_map(&args.tm_q);
+      prefetch_tensor_map(&args.tm_k);
+      prefetch_tensor_map(&args.tm_v);
+      produce<T, kHeadDim, kTile>(args, sm, tiles, b, head, kv_head, si.q_row0 + R0, si.k_row0, batch_coord);
+    }
+    return;
+  }
+
+  regs_alloc<kTile.consumer_regs>();
+  const int consumer = warpgroup - 1;
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const int row0 = R0 + 64 * consumer;  // first query row of this warpgroup
+  const BlockRows blk{b, head, 1, si.len_q, si};
+  const RowCoords<1> rows(row0 + 16 * warp, si.len_q, 1, head, lane);
+
+  const ScoreMod mod(p);
+  const float mul = kScoreMods ? mod.softmax_mul() : p.scale_log2;
+  const bool dropout = kScoreMods && p.dropout_p > 0.0f;
+
+  float o[1][kDTiles][4] = {};  // (64, kHeadDim) per warpgroup, unnormalised
+  float s[1][kNTiles][4];       // (64, kBlockN) scores, then P
+  std::uint32_t pa[kNTiles / 2][4];  // P of the previous step as wgmma A fragments
+  OnlineSoftmax<1> softmax;
+  float factor[2];
+
+  // Masks, score modifiers and the first two softmax steps on S of key tile starting at key0; P
+  // stays in s (fp32) for the dropout, then becomes pa after O is rescaled.
+  auto softmax_step = [&](int key0) {
+    if (kScoreMods && mod.active()) {
+      float slope_log2[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) slope_log2[r] = mod.alibi ? detail::alibi_slope(p, b, rows.head(r)) * kLog2e : 0.0f;
+      mod.apply(s, slope_log2, rows, band.diag, key0, lane);
+    }
+    if (tiles.needs_mask(key0)) apply_mask(s, band, rows, si.len_k, key0, lane);
+    softmax.update_max(s, mul, factor);
+    softmax.exp_and_sum(s, mul, factor);
+    if (dropout) {
+      std::uint32_t row_id[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) row_id[r] = detail::dropout_row_id(p, rows.head(r), si, rows.i(r));
+      apply_dropout(s, p, row_id, key0, lane);
+    }
+  };
+
+  const int num_tiles = tiles.count();
+  if (num_tiles > 0) {
+    const std::uint32_t q_addr = smem_addr(sm.q(consumer));
+    sm.q_full().wait(0);
+    RingPos<kTile.stages> kpos, vpos;
+    // Step 0: S only.
+    sm.k_full(kpos.slot).wait(kpos.phase);
+    wgmma_fence();
+    issue_scores<T, kHeadDim, kBlockN>(s, q_addr, smem_addr(sm.k(kpos.slot)));
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(flat(s));
+    if (lane == 0) sm.k_empty(kpos.slot).arrive();
+    kpos.advance();
+    softmax_step((tiles.hi - 1) * kBlockN);
+    p_fragments<T>(pa, s);
+#pragma unroll 1
+    for (int t = 1; t < num_tiles; ++t) {
+      const int key0 = (tiles.hi - 1 - t) * kBlockN;
+      sm.k_full(kpos.slot).wait(kpos.phase);
+      wgmma_fence();
+      issue_scores<T, kHeadDim, kBlockN>(s, q_addr, smem_addr(sm.k(kpos.slot)));
+      wgmma_commit();
+      sm.v_full(vpos.slot).wait(vpos.phase);
+      issue_pv<T, kHeadDim, kBlockN>(o, pa, smem_addr(sm.v(vpos.slot)));
+      wgmma_commit();
+      wgmma_wait<1>();  // S of step t
+      fence_regs(flat(s));
+      if (lane == 0) sm.k_empty(kpos.slot).arrive();
+      kpos.advance();
+      softmax_step(key0);
+      wgmma_wait<0>();  // P·V of step t - 1
+      fence_regs(flat(o));
+      if (lane == 0) sm.v_empty(vpos.slot).arrive();
+      vpos.advance();
+      OnlineSoftmax<1>::rescale(o, factor);
+      p_fragments<T>(pa, s);
+    }
+    sm.v_full(vpos.slot).wait(vpos.phase);
+    wgmma_fence();
+    issue_pv<T, kHeadDim, kBlockN>(o, pa, smem_addr(sm.v(vpos.slot)));
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(flat(o));
+    if (lane == 0) sm.v_empty(vpos.slot).arrive();
+  }
+
+  float inv_l[2], lse[2];
+  softmax.finish(mul, inv_l, lse);
+  if (dropout) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) inv_l[r] *= p.dropout_rescale;
+  }
+  // O is staged in this warpgroup's own Q rows (its last S product has completed), behind a barrier
+  // of its 128 threads only.
+  store_output<T, kHeadDim, 1, 64, 128>(p, blk, row0, o, inv_l, lse, rows, sm.q(consumer), 16 * warp, lane, tid,
+                                        [consumer] { named_sync(1 + consumer, 128); });
+}
+
+}  // namespace flashmonoid::cuda

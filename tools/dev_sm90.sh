@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Development loop for the sm90 kernels on the device machine: build the forward test and the GPU
+# bench only, run the sm90 test cases, time a few training shapes on both kernel families.
+# FM_FILTER: gtest filter (default: every sm90 case); FM_CASES: "hdim causal seqlen;..." to time.
+set -uo pipefail
+OUT=${OUT:-$PWD/device_out}
+mkdir -p "$OUT"
+B=build-dev
+cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 >"$OUT/build.log" 2>&1 &&
+  ninja -C $B ${FM_TARGETS:-test_fwd_cuda flashmonoid-gpu-bench} >>"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+grep -E "spill|stack frame" "$OUT/build.log" | sort | uniq -c | sort -rn | head -5
+if [ -x $B/tests/cpp/test_fwd_cuda ]; then
+  timeout ${FM_TEST_TIMEOUT:-200} $B/tests/cpp/test_fwd_cuda --gtest_filter="${FM_FILTER:-*sm90*}" --gtest_brief=1 \
+    >"$OUT/tests.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|PASSED|Failure|error|Expected|Which is|out:|lse" "$OUT/tests.log" | head -${FM_FAIL_LINES:-40}
+fi
+if [ -n "${FM_SANITIZE:-}" ]; then
+  timeout 200 compute-sanitizer --tool ${FM_SANITIZE} --error-exitcode 3 $B/tests/cpp/test_fwd_cuda \
+    --gtest_filter="${FM_SANITIZE_FILTER:-Hopper/CudaForward.*/sm90_case1}" >"$OUT/sanitizer.log" 2>&1
+  echo "sanitizer rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Invalid|Race" "$OUT/sanitizer.log" | head -10
+fi
+IFS=';' read -ra cases <<<"${FM_CASES:-64 0 16384;128 0 16384;128 1 16384;256 0 16384;128 0 1024}"
+for c in "${cases[@]}"; do
+  timeout 60 $B/bench/gpu/flashmonoid-gpu-bench --no-bwd --case $c 2>&1 | grep -o '"impl": "[a-z_0-9]*".*"tflops": [0-9.]*' |
+    sed 's/"pass.*"hdim"/hdim/; s/"batch.*"ms"/ms/'
+done
