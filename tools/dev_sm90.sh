@@ -5,11 +5,13 @@
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}
 mkdir -p "$OUT"
-B=build-dev
-cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 >"$OUT/build.log" 2>&1 &&
-  ninja -C $B ${FM_TARGETS:-test_fwd_cuda flashmonoid-gpu-bench} >>"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-grep -E "spill|stack frame" "$OUT/build.log" | sort | uniq -c | sort -rn | head -5
-if [ -x $B/tests/cpp/test_fwd_cuda ]; then
+# FM_BUILD: build directory; FM_CUDA_FLAGS: extra nvcc flags (tile experiments, e.g. -DFM_SM90_...).
+B=${FM_BUILD:-build-dev}
+cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+  -DCMAKE_CUDA_FLAGS="${FM_CUDA_FLAGS:-}" >"$OUT/build_$B.log" 2>&1 &&
+  ninja -C $B ${FM_TARGETS:-test_fwd_cuda flashmonoid-gpu-bench} >>"$OUT/build_$B.log" 2>&1 || { tail -40 "$OUT/build_$B.log"; exit 1; }
+grep -E "spill|stack frame" "$OUT/build_$B.log" | sort | uniq -c | sort -rn | head -5
+if [ -x $B/tests/cpp/test_fwd_cuda ] && [ "${FM_FILTER:-}" != none ]; then
   timeout ${FM_TEST_TIMEOUT:-200} $B/tests/cpp/test_fwd_cuda --gtest_filter="${FM_FILTER:-*sm90*}" --gtest_brief=1 \
     >"$OUT/tests.log" 2>&1
   echo "tests rc=$?"; grep -E "FAILED|PASSED|Failure|error|Expected|Which is|out:|lse" "$OUT/tests.log" | head -${FM_FAIL_LINES:-40}
@@ -22,5 +24,5 @@ fi
 IFS=';' read -ra cases <<<"${FM_CASES:-64 0 16384;128 0 16384;128 1 16384;256 0 16384;128 0 1024}"
 for c in "${cases[@]}"; do
   timeout 60 $B/bench/gpu/flashmonoid-gpu-bench --no-bwd --case $c 2>&1 | grep -o '"impl": "[a-z_0-9]*".*"tflops": [0-9.]*' |
-    sed 's/"pass.*"hdim"/hdim/; s/"batch.*"ms"/ms/'
+    sed 's/"pass.*"hdim"/hdim/; s/"batch.*"ms"/ms/; s/"impl": //; s/"causal": //; s/"tflops": //' | grep -v "${FM_HIDE:-@}"
 done

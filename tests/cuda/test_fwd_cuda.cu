@@ -206,14 +206,16 @@ std::vector<Shape> gpu_grid() {
   return out;
 }
 
-// Whether the sm90 kernels can run s here (a Hopper device, a prefill shape); the same rule as
-// src/cuda/sm90/fwd_sm90.hpp, so that a forced sm90 run is skipped exactly where it must throw.
+// Whether the sm90 kernels can run s here (a Hopper device, a prefill shape, no score modifiers
+// above hdim 128); the same rule as src/cuda/sm90/fwd_sm90.hpp, so that a forced sm90 run is skipped
+// exactly where it must throw.
 bool sm90_runs(const Shape& s) {
   int major = 0;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) != cudaSuccess || major != 9) return false;
   int max_q = s.s_q;
   if (s.varlen) max_q = *std::max_element(s.lens_q.begin(), s.lens_q.end());
-  return max_q >= 65;
+  const bool mods = s.softcap > 0.0f || s.alibi || s.dropout_p > 0.0f;
+  return max_q >= 65 && !(s.d > 128 && mods);
 }
 
 // Sharper shapes for the sm90 kernels: several 128-row blocks, ragged 128- and 80-key tiles, GQA,

@@ -41,4 +41,20 @@ __device__ __forceinline__ KeyTiles key_tiles(const detail::Band& band, int i_fi
   return t;
 }
 
+// A persistent grid's static schedule: block c takes work tiles c, c + grid, c + 2·grid, ... of
+// num_m_blocks · heads · batch (query block, head, batch) tiles. Query blocks vary fastest and are
+// visited last to first, so blocks running side by side share a head's K/V in L2 and the longest
+// causal rows start first.
+struct WorkTiles {
+  int num_m_blocks = 0, heads = 0, batch = 0;
+  struct Tile {
+    int m_block, head, batch;
+  };
+  __host__ __device__ int count() const { return num_m_blocks * heads * batch; }
+  __device__ __forceinline__ Tile operator[](int t) const {
+    const int rest = t / num_m_blocks;
+    return {num_m_blocks - 1 - (t - rest * num_m_blocks), rest % heads, rest / heads};
+  }
+};
+
 }  // namespace flashmonoid::cuda

@@ -9,11 +9,20 @@
 
 namespace flashmonoid::cuda {
 
+// Softcap, ALiBi or dropout: the sm90 kernels compile them into a second variant.
+inline bool fwd_score_mods(const detail::FwdParams& p) {
+  return p.softcap > 0.0f || p.alibi != nullptr || p.dropout_p > 0.0f;
+}
+
 // Whether the sm90 forward runs p on a device of compute capability 9.x: prefill-shaped calls.
 // Decoding-shaped ones (s_q small enough that GQA packing or split-KV pays) keep the sm80 kernels,
-// which read K/V at copy speed already (bench/NOTES.md).
+// which read K/V at copy speed already (bench/NOTES.md). Head dims above 128 with score modifiers
+// also stay on sm80: O takes 128 of the 240 registers there and the modifiers' state spilled
+// (24-32 bytes with 32-48-key tiles).
 inline constexpr int kFwdSm90MinRows = 65;
-inline bool fwd_sm90_eligible(const detail::FwdParams& p) { return p.seqlen_q >= kFwdSm90MinRows; }
+inline bool fwd_sm90_eligible(const detail::FwdParams& p) {
+  return p.seqlen_q >= kFwdSm90MinRows && !(p.d > 128 && fwd_score_mods(p));
+}
 
 // Queue the forward on `stream` (never synchronises, never allocates). T is __half or
 // __nv_bfloat16; kHeadDim is the head-dim bucket (64, 128, 256) that p.d <= kHeadDim pads to.

@@ -1,12 +1,14 @@
-// The sm90 forward kernel: warp-specialised, TMA + wgmma (FlashAttention-3's schedule). One block
-// per (128-row query block, head, batch), three warpgroups:
-// - the producer (warpgroup 0, one thread) loads Q once and streams K and V tiles (kBlockN, kHeadDim)
-//   through a `stages`-deep ring of shared-memory slots with TMA, one "full" mbarrier per slot that
-//   the copy engine completes and one "empty" mbarrier that the consumers release;
-// - two consumers (warpgroups 1, 2) own 64 query rows each: S = Q·Kᵀ by wgmma from shared memory,
-//   the online softmax in registers, O += P·V by wgmma with P from registers. S of step t is issued
-//   together with P·V of step t - 1, so the softmax of one step runs while the tensor cores work on
-//   the other product.
+// The sm90 forward kernel: warp-specialised, TMA + wgmma (FlashAttention-3's schedule). A persistent
+// grid (one block per multiprocessor) walks the (query block, head, batch) work tiles of WorkTiles;
+// each block has a producer and `consumers` consumer warpgroups:
+// - the producer (warpgroup 0, one thread) loads each work tile's Q into one of q_stages buffers and
+//   streams K and V tiles (kBlockN, kHeadDim) through a `stages`-deep ring of shared-memory slots with
+//   TMA, one "full" mbarrier per slot that the copy engine completes and one "empty" mbarrier that the
+//   consumers release. The ring runs on across work tiles, so the next tile's K/V arrive while this
+//   one's last products and epilogue run;
+// - each consumer owns 64 query rows: S = Q·Kᵀ by wgmma from shared memory, the online softmax in
+//   registers, O += P·V by wgmma with P from registers. S of step t is issued together with P·V of
+//   step t - 1, so the softmax of one step runs while the tensor cores work on the other product.
 // Softmax, masks, score modifiers, dropout and the epilogue are common/'s, in the same register
 // layout as sm80's (a wgmma accumulator row pair is an m16n8 tile's), so only the data movement and
 // the products are sm90 specific.
@@ -41,72 +43,118 @@ template <class T, int kHeadDim, FwdTileSm90 kTile>
 struct FwdSmem {
   static constexpr int kQElems = 64 * kHeadDim;             // one consumer's Q rows
   static constexpr int kKVElems = kTile.block_n * kHeadDim;  // one K or V slot
+  static constexpr int kQStageElems = kTile.consumers * kQElems;
   T* base;
-  Barrier* bars;  // q_full, then k_full, v_full, k_empty, v_empty: `stages` each
+  Barrier* bars;  // q_full, q_empty (q_stages each), then k_full, v_full, k_empty, v_empty (stages each)
 
   __device__ __forceinline__ explicit FwdSmem(unsigned char* raw)
       // Panels need 1024-byte alignment for the swizzle atoms; dynamic shared memory guarantees 16.
       : base(reinterpret_cast<T*>((reinterpret_cast<std::uintptr_t>(raw) + 1023) & ~std::uintptr_t(1023))),
-        bars(reinterpret_cast<Barrier*>(base + kTile.consumers * kQElems + 2 * kTile.stages * kKVElems)) {}
+        bars(reinterpret_cast<Barrier*>(base + kTile.q_stages * kQStageElems + 2 * kTile.stages * kKVElems)) {}
   // Addresses computed from the slot (an array of slot pointers indexed at run time went to local
   // memory).
-  __device__ __forceinline__ T* q(int consumer) const { return base + consumer * kQElems; }
-  __device__ __forceinline__ T* k(int slot) const { return base + kTile.consumers * kQElems + slot * kKVElems; }
+  __device__ __forceinline__ T* q(int stage, int consumer) const { return base + stage * kQStageElems + consumer * kQElems; }
+  __device__ __forceinline__ T* k(int slot) const { return base + kTile.q_stages * kQStageElems + slot * kKVElems; }
   __device__ __forceinline__ T* v(int slot) const { return k(kTile.stages + slot); }
-  __device__ __forceinline__ Barrier& q_full() const { return bars[0]; }
-  __device__ __forceinline__ Barrier& k_full(int slot) const { return bars[1 + slot]; }
-  __device__ __forceinline__ Barrier& v_full(int slot) const { return bars[1 + kTile.stages + slot]; }
-  __device__ __forceinline__ Barrier& k_empty(int slot) const { return bars[1 + 2 * kTile.stages + slot]; }
-  __device__ __forceinline__ Barrier& v_empty(int slot) const { return bars[1 + 3 * kTile.stages + slot]; }
-};
+  __device__ __forceinline__ Barrier& q_full(int stage) const { return bars[stage]; }
+  __device__ __forceinline__ Barrier& q_empty(int stage) const { return bars[kTile.q_stages + stage]; }
+  __device__ __forceinline__ Barrier& k_full(int slot) const { return bars[2 * kTile.q_stages + slot]; }
+  __device__ __forceinline__ Barrier& v_full(int slot) const { return bars[2 * kTile.q_stages + kTile.stages + slot]; }
+  __device__ __forceinline__ Barrier& k_empty(int slot) const { return bars[2 * kTile.q_stages + 2 * kTile.stages + slot]; }
+  __device__ __forceinline__ Barrier& v_empty(int slot) const { return bars[2 * kTile.q_stages + 3 * kTile.stages + slot]; }
 
-// Tile t of the visit order is key tile hi - 1 - t, in ring slot t % stages with barrier phase
-// (t / stages) % 2.
-template <int kStages>
-struct RingPos {
-  int slot = 0;
-  std::uint32_t phase = 0;
-  __device__ __forceinline__ void advance() {
-    if (++slot == kStages) {
-      slot = 0;
-      phase ^= 1;
+  __device__ __forceinline__ void init_barriers() const {
+#pragma unroll
+    for (int s = 0; s < kTile.q_stages; ++s) {
+      q_full(s).init(1);
+      q_empty(s).init(4 * kTile.consumers);  // one arrival per consumer warp
     }
+#pragma unroll
+    for (int s = 0; s < kTile.stages; ++s) {
+      k_full(s).init(1);
+      v_full(s).init(1);
+      k_empty(s).init(4 * kTile.consumers);
+      v_empty(s).init(4 * kTile.consumers);
+    }
+    fence_barrier_init();
   }
 };
 
-// The producer: one thread issues every TMA copy of the block.
+// What a work tile is: its rows, sequence, KV head and key tiles; the producer and the consumers
+// derive it the same way, so they walk the same sequence of tiles.
+template <int kBlockM, int kBlockN>
+struct FwdWork {
+  int m_block, head, b, R0, kv_head;
+  detail::SeqInfo si;
+  detail::Band band;
+  KeyTiles tiles;
+  bool empty;  // a varlen sequence shorter than this query block: nothing to do at all
+
+  __device__ __forceinline__ FwdWork(const detail::FwdParams& p, WorkTiles::Tile t)
+      : m_block(t.m_block), head(t.head), b(t.batch), R0(t.m_block * kBlockM), kv_head(t.head / p.group()),
+        si(detail::seq_info(p, t.batch)), band(detail::band_of(p, si)) {
+    empty = R0 >= si.len_q;
+    const int i_end = R0 + kBlockM < si.len_q ? R0 + kBlockM : si.len_q;
+    tiles = key_tiles<kBlockN>(band, R0, i_end, si.len_k);
+  }
+};
+
+// Position in a ring of kStages slots: the n-th use is slot n % kStages with mbarrier phase
+// (n / kStages) % 2. One counter (a slot and a phase kept apart cost the hdim-256 consumers a spill).
+template <int kStages>
+struct RingPos {
+  unsigned n = 0;
+  __device__ __forceinline__ int slot() const { return static_cast<int>(n % kStages); }
+  __device__ __forceinline__ std::uint32_t phase() const { return (n / kStages) & 1; }
+  __device__ __forceinline__ void advance() { ++n; }
+};
+
+
+// The producer: one thread issues every TMA copy of the block. Per work tile: the first K tile, then
+// Q (into a buffer the consumers have released: with one Q buffer that waits for the previous
+// tile's epilogue, which the K copy need not), then the rest of the K/V ring in visit order.
 template <class T, int kHeadDim, FwdTileSm90 kTile>
 __device__ __forceinline__ void produce(const FwdKernelArgsSm90& args, const FwdSmem<T, kHeadDim, kTile>& sm,
-                                        const KeyTiles& tiles, int b, int head, int kv_head, std::int64_t q_row,
-                                        std::int64_t k_row0, int batch_coord) {
+                                        const WorkTiles& work) {
   constexpr int kPanels = kHeadDim / kPanelCols;
   constexpr std::uint32_t kQBytes = kTile.consumers * 64 * kHeadDim * sizeof(T);
   constexpr std::uint32_t kKVBytes = kTile.block_n * kHeadDim * sizeof(T);
-  (void)b;
-  sm.q_full().arrive_expect_tx(kQBytes);
-#pragma unroll
-  for (int c = 0; c < kTile.consumers; ++c)
-#pragma unroll
-    for (int pn = 0; pn < kPanels; ++pn)
-      tma_load(sm.q(c) + pn * 64 * kPanelCols, &args.tm_q, pn * kPanelCols, head, static_cast<int>(q_row + 64 * c),
-               batch_coord, sm.q_full());
+  const detail::FwdParams& p = args.p;
   RingPos<kTile.stages> pos;
+  RingPos<kTile.q_stages> qpos;
+  auto load_kv = [&](const CUtensorMap* map, T* dst, Barrier& empty, Barrier& full, int row, int batch_coord,
+                     int kv_head) {
+    empty.wait(pos.phase() ^ 1);
+    full.arrive_expect_tx(kKVBytes);
+#pragma unroll
+    for (int pn = 0; pn < kPanels; ++pn)
+      tma_load(dst + pn * kTile.block_n * kPanelCols, map, pn * kPanelCols, kv_head, row, batch_coord, full);
+  };
 #pragma unroll 1
-  for (int t = 0; t < tiles.count(); ++t) {
-    const int row = static_cast<int>(k_row0 + static_cast<std::int64_t>(tiles.hi - 1 - t) * kTile.block_n);
-    sm.k_empty(pos.slot).wait(pos.phase ^ 1);
-    sm.k_full(pos.slot).arrive_expect_tx(kKVBytes);
+  for (int t = blockIdx.x; t < work.count(); t += gridDim.x) {
+    const FwdWork<kTile.block_m(), kTile.block_n> w(p, work[t]);
+    if (w.empty) continue;
+    const int batch_coord = p.is_varlen() ? 0 : w.b;  // varlen tensors are one batch entry of packed rows
+    auto load_q = [&] {
+      sm.q_empty(qpos.slot()).wait(qpos.phase() ^ 1);
+      sm.q_full(qpos.slot()).arrive_expect_tx(kQBytes);
 #pragma unroll
-    for (int pn = 0; pn < kPanels; ++pn)
-      tma_load(sm.k(pos.slot) + pn * kTile.block_n * kPanelCols, &args.tm_k, pn * kPanelCols, kv_head, row,
-               batch_coord, sm.k_full(pos.slot));
-    sm.v_empty(pos.slot).wait(pos.phase ^ 1);
-    sm.v_full(pos.slot).arrive_expect_tx(kKVBytes);
+      for (int c = 0; c < kTile.consumers; ++c)
 #pragma unroll
-    for (int pn = 0; pn < kPanels; ++pn)
-      tma_load(sm.v(pos.slot) + pn * kTile.block_n * kPanelCols, &args.tm_v, pn * kPanelCols, kv_head, row,
-               batch_coord, sm.v_full(pos.slot));
-    pos.advance();
+        for (int pn = 0; pn < kPanels; ++pn)
+          tma_load(sm.q(qpos.slot(), c) + pn * 64 * kPanelCols, &args.tm_q, pn * kPanelCols, w.head,
+                   static_cast<int>(w.si.q_row0 + w.R0 + 64 * c), batch_coord, sm.q_full(qpos.slot()));
+      qpos.advance();
+    };
+    if (w.tiles.count() == 0) load_q();  // the consumers still stage their (zero) output in it
+#pragma unroll 1
+    for (int j = 0; j < w.tiles.count(); ++j) {
+      const int row = static_cast<int>(w.si.k_row0 + static_cast<std::int64_t>(w.tiles.hi - 1 - j) * kTile.block_n);
+      load_kv(&args.tm_k, sm.k(pos.slot()), sm.k_empty(pos.slot()), sm.k_full(pos.slot()), row, batch_coord, w.kv_head);
+      if (j == 0) load_q();
+      load_kv(&args.tm_v, sm.v(pos.slot()), sm.v_empty(pos.slot()), sm.v_full(pos.slot()), row, batch_coord, w.kv_head);
+      pos.advance();
+    }
   }
 }
 
@@ -158,41 +206,20 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim).threads(), 1)
 
   extern __shared__ unsigned char smem_raw[];
   const FwdSmem<T, kHeadDim, kTile> sm(smem_raw);
-
   const detail::FwdParams& p = args.p;
-  const int m_block = args.num_m_blocks - 1 - static_cast<int>(blockIdx.x);  // longest causal blocks first
-  const int head = blockIdx.y, b = blockIdx.z;
-  const detail::SeqInfo si = detail::seq_info(p, b);
-  const int R0 = m_block * kBlockM;
-  if (R0 >= si.len_q) return;  // varlen: a sequence shorter than the longest
-  const int kv_head = head / p.group();
-  const detail::Band band = detail::band_of(p, si);
-  const int i_end = R0 + kBlockM < si.len_q ? R0 + kBlockM : si.len_q;
-  const KeyTiles tiles = key_tiles<kBlockN>(band, R0, i_end, si.len_k);
+  const WorkTiles work{args.num_m_blocks, p.h, p.batch};
 
-  const int warpgroup = threadIdx.x / 128;
-  if (threadIdx.x == 0) {
-    sm.q_full().init(1);
-#pragma unroll
-    for (int s = 0; s < kTile.stages; ++s) {
-      sm.k_full(s).init(1);
-      sm.v_full(s).init(1);
-      sm.k_empty(s).init(4 * kTile.consumers);  // one arrival per consumer warp
-      sm.v_empty(s).init(4 * kTile.consumers);
-    }
-    fence_barrier_init();
-  }
+  if (threadIdx.x == 0) sm.init_barriers();
   __syncthreads();
 
-  // Varlen tensors are one batch entry of packed rows.
-  const int batch_coord = p.is_varlen() ? 0 : b;
+  const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
     regs_dealloc<kTile.producer_regs>();
-    if (threadIdx.x == 0 && tiles.count() > 0) {
+    if (threadIdx.x == 0) {
       prefetch_tensor_map(&args.tm_q);
       prefetch_tensor_map(&args.tm_k);
       prefetch_tensor_map(&args.tm_v);
-      produce<T, kHeadDim, kTile>(args, sm, tiles, b, head, kv_head, si.q_row0 + R0, si.k_row0, batch_coord);
+      produce<T, kHeadDim, kTile>(args, sm, work);
     }
     return;
   }
@@ -200,97 +227,114 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim).threads(), 1)
   regs_alloc<kTile.consumer_regs>();
   const int consumer = warpgroup - 1;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  const int row0 = R0 + 64 * consumer;  // first query row of this warpgroup
-  const BlockRows blk{b, head, 1, si.len_q, si};
-  const RowCoords<1> rows(row0 + 16 * warp, si.len_q, 1, head, lane);
-
   const ScoreMod mod(p);
   const float mul = kScoreMods ? mod.softmax_mul() : p.scale_log2;
   const bool dropout = kScoreMods && p.dropout_p > 0.0f;
+  RingPos<kTile.stages> kpos, vpos;
+  RingPos<kTile.q_stages> qpos;
 
-  float o[1][kDTiles][4] = {};  // (64, kHeadDim) per warpgroup, unnormalised
-  float s[1][kNTiles][4];       // (64, kBlockN) scores, then P
-  std::uint32_t pa[kNTiles / 2][4];  // P of the previous step as wgmma A fragments
-  OnlineSoftmax<1> softmax;
-  float factor[2];
-
-  // Masks, score modifiers and the first two softmax steps on S of key tile starting at key0; P
-  // stays in s (fp32) for the dropout, then becomes pa after O is rescaled.
-  auto softmax_step = [&](int key0) {
-    if (kScoreMods && mod.active()) {
-      float slope_log2[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) slope_log2[r] = mod.alibi ? detail::alibi_slope(p, b, rows.head(r)) * kLog2e : 0.0f;
-      mod.apply(s, slope_log2, rows, band.diag, key0, lane);
-    }
-    if (tiles.needs_mask(key0)) apply_mask(s, band, rows, si.len_k, key0, lane);
-    softmax.update_max(s, mul, factor);
-    softmax.exp_and_sum(s, mul, factor);
-    if (dropout) {
-      std::uint32_t row_id[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) row_id[r] = detail::dropout_row_id(p, rows.head(r), si, rows.i(r));
-      apply_dropout(s, p, row_id, key0, lane);
-    }
-  };
-
-  const int num_tiles = tiles.count();
-  if (num_tiles > 0) {
-    const std::uint32_t q_addr = smem_addr(sm.q(consumer));
-    sm.q_full().wait(0);
-    RingPos<kTile.stages> kpos, vpos;
-    // Step 0: S only.
-    sm.k_full(kpos.slot).wait(kpos.phase);
-    wgmma_fence();
-    issue_scores<T, kHeadDim, kBlockN>(s, q_addr, smem_addr(sm.k(kpos.slot)));
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(flat(s));
-    if (lane == 0) sm.k_empty(kpos.slot).arrive();
-    kpos.advance();
-    softmax_step((tiles.hi - 1) * kBlockN);
-    p_fragments<T>(pa, s);
 #pragma unroll 1
-    for (int t = 1; t < num_tiles; ++t) {
-      const int key0 = (tiles.hi - 1 - t) * kBlockN;
-      sm.k_full(kpos.slot).wait(kpos.phase);
-      wgmma_fence();
-      issue_scores<T, kHeadDim, kBlockN>(s, q_addr, smem_addr(sm.k(kpos.slot)));
-      wgmma_commit();
-      sm.v_full(vpos.slot).wait(vpos.phase);
-      issue_pv<T, kHeadDim, kBlockN>(o, pa, smem_addr(sm.v(vpos.slot)));
-      wgmma_commit();
-      wgmma_wait<1>();  // S of step t
-      fence_regs(flat(s));
-      if (lane == 0) sm.k_empty(kpos.slot).arrive();
-      kpos.advance();
-      softmax_step(key0);
-      wgmma_wait<0>();  // P·V of step t - 1
-      fence_regs(flat(o));
-      if (lane == 0) sm.v_empty(vpos.slot).arrive();
-      vpos.advance();
-      OnlineSoftmax<1>::rescale(o, factor);
-      p_fragments<T>(pa, s);
-    }
-    sm.v_full(vpos.slot).wait(vpos.phase);
-    wgmma_fence();
-    issue_pv<T, kHeadDim, kBlockN>(o, pa, smem_addr(sm.v(vpos.slot)));
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(flat(o));
-    if (lane == 0) sm.v_empty(vpos.slot).arrive();
-  }
+  for (int t = blockIdx.x; t < work.count(); t += gridDim.x) {
+    const FwdWork<kBlockM, kBlockN> w(p, work[t]);
+    if (w.empty) continue;
+    const RowCoords<1> rows(w.R0 + 64 * consumer + 16 * warp, w.si.len_q, 1, w.head, lane);
+    const KeyTiles& tiles = w.tiles;
 
-  float inv_l[2], lse[2];
-  softmax.finish(mul, inv_l, lse);
-  if (dropout) {
+    float o[1][kDTiles][4] = {};  // (64, kHeadDim) per warpgroup, unnormalised
+    float s[1][kNTiles][4];       // (64, kBlockN) scores, then P
+    std::uint32_t pa[kNTiles / 2][4];  // P of the previous step as wgmma A fragments
+    OnlineSoftmax<1> softmax;
+    float factor[2];
+
+    // Masks, score modifiers and the first two softmax steps on S of the key tile starting at key0;
+    // P stays in s (fp32) for the dropout, then becomes pa after O is rescaled.
+    auto softmax_step = [&](int key0) {
+      if (kScoreMods && mod.active()) {
+        float slope_log2[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) inv_l[r] *= p.dropout_rescale;
+        for (int r = 0; r < 2; ++r)
+          slope_log2[r] = mod.alibi ? detail::alibi_slope(p, w.b, rows.head(r)) * kLog2e : 0.0f;
+        mod.apply(s, slope_log2, rows, w.band.diag, key0, lane);
+      }
+      if (tiles.needs_mask(key0)) apply_mask(s, w.band, rows, w.si.len_k, key0, lane);
+      softmax.update_max(s, mul, factor);
+      softmax.exp_and_sum(s, mul, factor);
+      if (dropout) {
+        std::uint32_t row_id[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) row_id[r] = detail::dropout_row_id(p, rows.head(r), w.si, rows.i(r));
+        apply_dropout(s, p, row_id, key0, lane);
+      }
+    };
+
+    const std::uint32_t q_addr = smem_addr(sm.q(qpos.slot(), consumer));
+    sm.q_full(qpos.slot()).wait(qpos.phase());
+    const int num_tiles = tiles.count();
+    if (num_tiles > 0) {
+      // Step 0: S only.
+      sm.k_full(kpos.slot()).wait(kpos.phase());
+      wgmma_fence();
+      issue_scores<T, kHeadDim, kBlockN>(s, q_addr, smem_addr(sm.k(kpos.slot())));
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(flat(s));
+      if (lane == 0) sm.k_empty(kpos.slot()).arrive();
+      kpos.advance();
+      softmax_step((tiles.hi - 1) * kBlockN);
+      p_fragments<T>(pa, s);
+#pragma unroll 1
+      for (int j = 1; j < num_tiles; ++j) {
+        const int key0 = (tiles.hi - 1 - j) * kBlockN;
+        sm.k_full(kpos.slot()).wait(kpos.phase());
+        wgmma_fence();
+        issue_scores<T, kHeadDim, kBlockN>(s, q_addr, smem_addr(sm.k(kpos.slot())));
+        wgmma_commit();
+        sm.v_full(vpos.slot()).wait(vpos.phase());
+        issue_pv<T, kHeadDim, kBlockN>(o, pa, smem_addr(sm.v(vpos.slot())));
+        wgmma_commit();
+        wgmma_wait<1>();  // S of step j
+        fence_regs(flat(s));
+        if (lane == 0) sm.k_empty(kpos.slot()).arrive();
+        kpos.advance();
+        softmax_step(key0);
+        wgmma_wait<0>();  // P·V of step j - 1
+        fence_regs(flat(o));
+        if (lane == 0) sm.v_empty(vpos.slot()).arrive();
+        vpos.advance();
+        OnlineSoftmax<1>::rescale(o, factor);
+        p_fragments<T>(pa, s);
+      }
+      sm.v_full(vpos.slot()).wait(vpos.phase());
+      wgmma_fence();
+      issue_pv<T, kHeadDim, kBlockN>(o, pa, smem_addr(sm.v(vpos.slot())));
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(flat(o));
+      if (lane == 0) sm.v_empty(vpos.slot()).arrive();
+      vpos.advance();
+    }
+
+    // The epilogue re-derives its rows from the tile index (a few integer operations): kept live
+    // across the mainloop they spilled at hdim 256.
+    const FwdWork<kBlockM, kBlockN> we(p, work[t]);
+    const BlockRows blk{we.b, we.head, 1, we.si.len_q, we.si};
+    const RowCoords<1> erows(we.R0 + 64 * consumer + 16 * warp, we.si.len_q, 1, we.head, lane);
+    float inv_l[2], lse[2];
+    softmax.finish(mul, inv_l, lse);
+    if (dropout) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) inv_l[r] *= p.dropout_rescale;
+    }
+    // O is staged in this warpgroup's own Q rows (its last S product has completed), behind a
+    // barrier of its 128 threads only; then the Q buffer goes back to the producer. The fence orders
+    // the staging reads before the copy engine's next writes.
+    store_output<T, kHeadDim, 1, 64, 128>(p, blk, we.R0 + 64 * consumer, o, inv_l, lse, erows, sm.q(qpos.slot(), consumer), 16 * warp,
+                                          lane, tid, [consumer] { named_sync(1 + consumer, 128); });
+    fence_async_shared();
+    __syncwarp();
+    if (lane == 0) sm.q_empty(qpos.slot()).arrive();
+    qpos.advance();
   }
-  // O is staged in this warpgroup's own Q rows (its last S product has completed), behind a barrier
-  // of its 128 threads only.
-  store_output<T, kHeadDim, 1, 64, 128>(p, blk, row0, o, inv_l, lse, rows, sm.q(consumer), 16 * warp, lane, tid,
-                                        [consumer] { named_sync(1 + consumer, 128); });
 }
 
 }  // namespace flashmonoid::cuda

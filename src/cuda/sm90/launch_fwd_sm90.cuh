@@ -13,19 +13,7 @@
 namespace flashmonoid::cuda {
 
 template <class T, int kHeadDim, bool kScoreMods>
-void launch_fwd_sm90(const FwdKernelArgsSm90& args, cudaStream_t stream) {
-  constexpr FwdTileSm90 kTile = fwd_tile_sm90(kHeadDim);
-  auto* kernel = fwd_kernel_sm90<T, kHeadDim, kScoreMods>;
-  constexpr std::size_t kSmem = kTile.smem_bytes(kHeadDim);
-  FM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
-  const dim3 grid(args.num_m_blocks, args.p.h, args.p.batch);
-  kernel<<<grid, kTile.threads(), kSmem, stream>>>(args);
-  FM_CUDA_CHECK_LAUNCH();
-}
-
-template <class T, int kHeadDim>
-void run_fwd_sm90(const detail::FwdParams& p, cudaStream_t stream) {
-  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head-dim buckets are 64, 128, 256");
+void launch_fwd_sm90(const detail::FwdParams& p, cudaStream_t stream) {
   constexpr FwdTileSm90 kTile = fwd_tile_sm90(kHeadDim);
   FwdKernelArgsSm90 args;
   args.p = p;
@@ -39,11 +27,27 @@ void run_fwd_sm90(const detail::FwdParams& p, cudaStream_t stream) {
   args.tm_k = sm90::make_tensor_map(p.k, p.d, p.h_k, k_rows, batch, p.k_stride, kTile.block_n);
   args.tm_v = sm90::make_tensor_map(p.v, p.d, p.h_k, k_rows, batch, p.v_stride, kTile.block_n);
   args.num_m_blocks = (p.seqlen_q + kTile.block_m() - 1) / kTile.block_m();
-  const bool score_mods = p.softcap > 0.0f || p.alibi != nullptr || p.dropout_p > 0.0f;
-  if (score_mods)
-    launch_fwd_sm90<T, kHeadDim, true>(args, stream);
-  else
-    launch_fwd_sm90<T, kHeadDim, false>(args, stream);
+  auto* kernel = fwd_kernel_sm90<T, kHeadDim, kScoreMods>;
+  constexpr std::size_t kSmem = kTile.smem_bytes(kHeadDim);
+  FM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
+  // Persistent: one block per multiprocessor (the shared memory admits no second one).
+  int num_sms = 0;
+  FM_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, p.device.index));
+  const int tiles = WorkTiles{args.num_m_blocks, p.h, p.batch}.count();
+  if (tiles == 0) return;
+  kernel<<<tiles < num_sms ? tiles : num_sms, kTile.threads(), kSmem, stream>>>(args);
+  FM_CUDA_CHECK_LAUNCH();
+}
+
+// Softcap, ALiBi and dropout are compiled into a second variant so the common path carries none of
+// their registers.
+template <class T, int kHeadDim>
+void run_fwd_sm90(const detail::FwdParams& p, cudaStream_t stream) {
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head-dim buckets are 64, 128, 256");
+  if constexpr (kHeadDim <= 128) {
+    if (fwd_score_mods(p)) return launch_fwd_sm90<T, kHeadDim, true>(p, stream);
+  }
+  launch_fwd_sm90<T, kHeadDim, false>(p, stream);  // hdim 256 with modifiers runs on sm80 (fwd_sm90_eligible)
 }
 
 }  // namespace flashmonoid::cuda
