@@ -34,6 +34,7 @@ struct FwdKernelArgsSm90 {
   CUtensorMap tm_v;
   detail::FwdParams p;
   int num_m_blocks = 0;  // per (head, batch): ceil(max_seqlen_q / kBlockM)
+  WorkTiles work;
 };
 
 namespace sm90 {
@@ -131,8 +132,10 @@ __device__ __forceinline__ void produce(const FwdKernelArgsSm90& args, const Fwd
       tma_load(dst + pn * kTile.block_n * kPanelCols, map, pn * kPanelCols, kv_head, row, batch_coord, full);
   };
 #pragma unroll 1
-  for (int t = blockIdx.x; t < work.count(); t += gridDim.x) {
-    const FwdWork<kTile.block_m(), kTile.block_n> w(p, work[t]);
+  for (int t = work.first(blockIdx.x); t < work.end(); t = work.next(t, gridDim.x)) {
+    const WorkTiles::Tile tile = work.at(t);
+    if (tile.m_block < 0) continue;
+    const FwdWork<kTile.block_m(), kTile.block_n> w(p, tile);
     if (w.empty) continue;
     const int batch_coord = p.is_varlen() ? 0 : w.b;  // varlen tensors are one batch entry of packed rows
     auto load_q = [&] {
@@ -195,10 +198,10 @@ __device__ __forceinline__ void issue_pv(float (&o)[1][kHeadDim / 8][4], const s
 }  // namespace sm90
 
 template <class T, int kHeadDim, bool kScoreMods>
-__global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim).threads(), 1)
+__global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kScoreMods).threads(), 1)
     fwd_kernel_sm90(const __grid_constant__ FwdKernelArgsSm90 args) {
   using namespace sm90;
-  constexpr FwdTileSm90 kTile = fwd_tile_sm90(kHeadDim);
+  constexpr FwdTileSm90 kTile = fwd_tile_sm90(kHeadDim, kScoreMods);
   constexpr int kBlockM = kTile.block_m(), kBlockN = kTile.block_n;
   constexpr int kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8;
   static_assert(kHeadDim % kPanelCols == 0, "head-dim buckets are whole 64-column panels");
@@ -207,7 +210,7 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim).threads(), 1)
   extern __shared__ unsigned char smem_raw[];
   const FwdSmem<T, kHeadDim, kTile> sm(smem_raw);
   const detail::FwdParams& p = args.p;
-  const WorkTiles work{args.num_m_blocks, p.h, p.batch};
+  const WorkTiles work = args.work;
 
   if (threadIdx.x == 0) sm.init_barriers();
   __syncthreads();
@@ -234,8 +237,10 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim).threads(), 1)
   RingPos<kTile.q_stages> qpos;
 
 #pragma unroll 1
-  for (int t = blockIdx.x; t < work.count(); t += gridDim.x) {
-    const FwdWork<kBlockM, kBlockN> w(p, work[t]);
+  for (int t = work.first(blockIdx.x); t < work.end(); t = work.next(t, gridDim.x)) {
+    const WorkTiles::Tile tile = work.at(t);
+    if (tile.m_block < 0) continue;
+    const FwdWork<kBlockM, kBlockN> w(p, tile);
     if (w.empty) continue;
     const RowCoords<1> rows(w.R0 + 64 * consumer + 16 * warp, w.si.len_q, 1, w.head, lane);
     const KeyTiles& tiles = w.tiles;
@@ -316,7 +321,7 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim).threads(), 1)
 
     // The epilogue re-derives its rows from the tile index (a few integer operations): kept live
     // across the mainloop they spilled at hdim 256.
-    const FwdWork<kBlockM, kBlockN> we(p, work[t]);
+    const FwdWork<kBlockM, kBlockN> we(p, tile);
     const BlockRows blk{we.b, we.head, 1, we.si.len_q, we.si};
     const RowCoords<1> erows(we.R0 + 64 * consumer + 16 * warp, we.si.len_q, 1, we.head, lane);
     float inv_l[2], lse[2];

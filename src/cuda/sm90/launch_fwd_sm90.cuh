@@ -14,7 +14,7 @@ namespace flashmonoid::cuda {
 
 template <class T, int kHeadDim, bool kScoreMods>
 void launch_fwd_sm90(const detail::FwdParams& p, cudaStream_t stream) {
-  constexpr FwdTileSm90 kTile = fwd_tile_sm90(kHeadDim);
+  constexpr FwdTileSm90 kTile = fwd_tile_sm90(kHeadDim, kScoreMods);
   FwdKernelArgsSm90 args;
   args.p = p;
   const bool varlen = p.is_varlen();
@@ -33,9 +33,10 @@ void launch_fwd_sm90(const detail::FwdParams& p, cudaStream_t stream) {
   // Persistent: one block per multiprocessor (the shared memory admits no second one).
   int num_sms = 0;
   FM_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, p.device.index));
-  const int tiles = WorkTiles{args.num_m_blocks, p.h, p.batch}.count();
-  if (tiles == 0) return;
-  kernel<<<tiles < num_sms ? tiles : num_sms, kTile.threads(), kSmem, stream>>>(args);
+  args.work = WorkTiles{args.num_m_blocks, p.h, p.batch, p.window_right >= 0};
+  const int units = args.work.units();
+  if (units == 0) return;
+  kernel<<<units < num_sms ? units : num_sms, kTile.threads(), kSmem, stream>>>(args);
   FM_CUDA_CHECK_LAUNCH();
 }
 
