@@ -48,17 +48,22 @@ step "GPU tests"
 (cd "$BUILD" && timeout ${FM_TEST_TIMEOUT:-240} ctest -L cuda ${FM_TESTS:+-R "$FM_TESTS"} -j 1 --output-on-failure --timeout 240) >"$LOG/tests.log" 2>&1 || status=1
 grep -E "tests passed|tests failed|\*\*\*Failed|Not Run|Timeout" "$LOG/tests.log" | tail -25
 
-step "compute-sanitizer (memcheck, racecheck) on small cases"
-# Forward: a few grid cases (case25: 2049 keys, hdim 128's two-tile stages), split-KV, dropout,
-# merge. Backward: odd seqlens and varlen, the boundary paths.
-SAN_FWD=${FM_SANITIZE_FWD:-'Grid/CudaForward.*/case0:Grid/CudaForward.*/case1:Grid/CudaForward.*/case3:Grid/CudaForward.*/case25:Decode/CudaSplitKV.*/case0:CudaDropout.*:CudaMerge.*'}
+step "compute-sanitizer (memcheck, racecheck, synccheck) on small cases"
+# Forward sm80: a few grid cases (case25: 2049 keys, hdim 128's two-tile stages), split-KV, dropout,
+# merge. Forward sm90 (the persistent TMA/wgmma kernels, mbarrier rings, named barriers): hdim 64
+# (3 consumers) and 128 causal, 257 and 1031 rows (several work tiles per block), GQA, windows,
+# score modifiers, varlen (case21). Backward: odd seqlens and varlen, the boundary paths.
+SAN_FWD=${FM_SANITIZE_FWD:-'Grid/CudaForward.*/sm80_case0:Grid/CudaForward.*/sm80_case1:Grid/CudaForward.*/sm80_case3:Grid/CudaForward.*/sm80_case25:Decode/CudaSplitKV.*/case0:CudaDropout.*:CudaMerge.*:Hopper/CudaForward.*/sm90_case0:Hopper/CudaForward.*/sm90_case1:Hopper/CudaForward.*/sm90_case8:Hopper/CudaForward.*/sm90_case9:Hopper/CudaForward.*/sm90_case13:Grid/CudaForward.*/sm90_case21'}
+SAN_SYNC=${FM_SANITIZE_SYNC:-'Hopper/CudaForward.*/sm90_case0:Hopper/CudaForward.*/sm90_case7:Grid/CudaForward.*/sm90_case21'}
 SAN_BWD=${FM_SANITIZE_BWD:-'CudaBackward.SeqlensBothWays:CudaBackward.Varlen'}
-for tool in memcheck racecheck; do
+for tool in memcheck racecheck synccheck; do
   for t in fwd bwd; do
     bin="$BUILD/tests/cpp/test_${t}_cuda"
     [ -x "$bin" ] || continue
+    [ $tool = synccheck ] && [ $t = bwd ] && continue
     filter=$SAN_FWD
     [ $t = bwd ] && filter=$SAN_BWD
+    [ $tool = synccheck ] && filter=$SAN_SYNC
     timeout ${FM_SANITIZER_TIMEOUT:-120} compute-sanitizer --tool $tool --error-exitcode 3 "$bin" \
       --gtest_filter="$filter" >"$LOG/sanitizer_${tool}_$t.log" 2>&1
     rc=$?

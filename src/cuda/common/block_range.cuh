@@ -44,30 +44,29 @@ __device__ __forceinline__ KeyTiles key_tiles(const detail::Band& band, int i_fi
 // A persistent grid's static schedule of the num_m_blocks · heads · batch (query block, head, batch)
 // work tiles. The unit of work is one query block, or under a causal-like mask (a right window
 // bound) the pair of blocks k and num_m_blocks - 1 - k, whose key ranges add up to about the same
-// length for every k; block c takes units c, c + grid, ..., so every block's work is within one unit
-// of the others'. Units run head by head, so blocks side by side share a head's K/V in L2. (A plain
-// round robin of single causal blocks gave some blocks only long tiles, -30% at 16k causal; ordering
-// heads in L2-sized groups with every other round reversed lost up to 20% at s = 512, H100.)
+// length for every k. Units run head by head, so blocks side by side share a head's K/V in L2; in
+// round r block c takes unit r·grid + c, or r·grid + grid - 1 - c when r is odd ("snake"), so
+// units of alternating lengths (an odd block count leaves a middle block alone) do not all land on
+// the same blocks. (A plain round robin of single causal blocks gave some blocks only long tiles:
+// -30% at 16k causal; ordering heads in L2-sized groups lost up to 20% at s = 512, H100.)
 struct WorkTiles {
   int num_m_blocks = 0, heads = 0, batch = 0;
   bool paired = false;
   struct Tile {
-    int m_block, head, batch;  // m_block < 0: no tile (the middle block of an odd count)
+    int m_block, head, batch;  // m_block < 0: no tile here
   };
   __host__ __device__ int units_per_head() const { return paired ? (num_m_blocks + 1) / 2 : num_m_blocks; }
   __host__ __device__ int units() const { return units_per_head() * heads * batch; }
   __host__ __device__ int tiles_per_unit() const { return paired ? 2 : 1; }
-  // A block's walk over positions t = unit · tiles_per_unit + j: first(block), next(t, grid), ... < end().
-  __device__ __forceinline__ int first(int block) const { return block * tiles_per_unit(); }
-  __device__ __forceinline__ int end() const { return units() * tiles_per_unit(); }
-  __device__ __forceinline__ int next(int t, int grid) const {
-    return t % tiles_per_unit() == tiles_per_unit() - 1 ? t + 1 + (grid - 1) * tiles_per_unit() : t + 1;
-  }
-  __device__ __forceinline__ Tile at(int t) const { return tile(t / tiles_per_unit(), t % tiles_per_unit()); }
-  // Tile j of unit u: the longer block first.
-  __device__ __forceinline__ Tile tile(int u, int j) const {
+  // A block walks positions t in [0, end(grid)): round t / tiles_per_unit, tile t % tiles_per_unit
+  // of that round's unit.
+  __device__ __forceinline__ int end(int grid) const { return (units() + grid - 1) / grid * tiles_per_unit(); }
+  __device__ __forceinline__ Tile at(int t, int block, int grid) const {
+    const int round = t / tiles_per_unit(), j = t - round * tiles_per_unit();
+    const int u = round * grid + (round & 1 ? grid - 1 - block : block);
+    if (u >= units()) return {-1, 0, 0};
     const int per = units_per_head(), hb = u / per, k = u - hb * per;
-    int m = num_m_blocks - 1 - k;
+    int m = num_m_blocks - 1 - k;  // the longer block of a pair first
     if (j == 1) m = k < num_m_blocks - 1 - k ? k : -1;
     return {m, hb % heads, hb / heads};
   }

@@ -132,8 +132,8 @@ __device__ __forceinline__ void produce(const FwdKernelArgsSm90& args, const Fwd
       tma_load(dst + pn * kTile.block_n * kPanelCols, map, pn * kPanelCols, kv_head, row, batch_coord, full);
   };
 #pragma unroll 1
-  for (int t = work.first(blockIdx.x); t < work.end(); t = work.next(t, gridDim.x)) {
-    const WorkTiles::Tile tile = work.at(t);
+  for (int t = 0; t < work.end(gridDim.x); ++t) {
+    const WorkTiles::Tile tile = work.at(t, blockIdx.x, gridDim.x);
     if (tile.m_block < 0) continue;
     const FwdWork<kTile.block_m(), kTile.block_n> w(p, tile);
     if (w.empty) continue;
@@ -237,8 +237,8 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kScoreMods).threads(),
   RingPos<kTile.q_stages> qpos;
 
 #pragma unroll 1
-  for (int t = work.first(blockIdx.x); t < work.end(); t = work.next(t, gridDim.x)) {
-    const WorkTiles::Tile tile = work.at(t);
+  for (int t = 0; t < work.end(gridDim.x); ++t) {
+    const WorkTiles::Tile tile = work.at(t, blockIdx.x, gridDim.x);
     if (tile.m_block < 0) continue;
     const FwdWork<kBlockM, kBlockN> w(p, tile);
     if (w.empty) continue;
