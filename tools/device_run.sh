@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The one GPU script: build, GPU tests, compute-sanitizer, benchmarks with the peers, then the
-# Python package (pip install, pytest with torch on the GPU, python -m flashmonoid.bench with its
-# plots). Run from the repo root on a machine with a CUDA GPU. $OUT (default ./device_out) gets
+# The one GPU script: build, GPU tests, benchmarks with the peers, compute-sanitizer (after the
+# benchmarks, so that a short lease still gets its numbers), then the Python package (pip install,
+# pytest with torch on the GPU, python -m flashmonoid.bench with its plots). Run from the repo root
+# on a machine with a CUDA GPU. $OUT (default ./device_out) gets
 # bench.json, python_gpu/ (benchmark_results.json and the plots) and logs.tgz (every log); a
 # summary table is printed last. Environment:
 #   FM_TESTS   ctest regex of GPU tests to run (default: every test labelled cuda)
 #   FM_BENCH   0 skips the benchmarks;  FM_PEERS 0 skips the PyTorch peers
 #   FM_ARCH    CUDA architectures to build (default 90: the H100; the library default is 80;90)
 #   FM_PYTHON  0 skips the Python package steps
+#   FM_SANITIZE_FWD / FM_SANITIZE_SYNC / FM_SANITIZE_BWD  gtest filters (FM_SANITIZE_BWD=none skips)
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}
 LOG=${FM_LOG_DIR:-/tmp/flashmonoid-logs}  # logs travel back as one tarball: $OUT holds few files
@@ -48,30 +50,6 @@ step "GPU tests"
 (cd "$BUILD" && timeout ${FM_TEST_TIMEOUT:-240} ctest -L cuda ${FM_TESTS:+-R "$FM_TESTS"} -j 1 --output-on-failure --timeout 240) >"$LOG/tests.log" 2>&1 || status=1
 grep -E "tests passed|tests failed|\*\*\*Failed|Not Run|Timeout" "$LOG/tests.log" | tail -25
 
-step "compute-sanitizer (memcheck, racecheck, synccheck) on small cases"
-# Forward sm80: a few grid cases (case25: 2049 keys, hdim 128's two-tile stages), split-KV, dropout,
-# merge. Forward sm90 (the persistent TMA/wgmma kernels, mbarrier rings, named barriers): hdim 64
-# (3 consumers) and 128 causal, 257 and 1031 rows (several work tiles per block), GQA, windows,
-# score modifiers, varlen (case21). Backward: odd seqlens and varlen, the boundary paths.
-SAN_FWD=${FM_SANITIZE_FWD:-'Grid/CudaForward.*/sm80_case0:Grid/CudaForward.*/sm80_case1:Grid/CudaForward.*/sm80_case3:Grid/CudaForward.*/sm80_case25:Decode/CudaSplitKV.*/case0:CudaDropout.*:CudaMerge.*:Hopper/CudaForward.*/sm90_case0:Hopper/CudaForward.*/sm90_case1:Hopper/CudaForward.*/sm90_case8:Hopper/CudaForward.*/sm90_case9:Hopper/CudaForward.*/sm90_case13:Grid/CudaForward.*/sm90_case21'}
-SAN_SYNC=${FM_SANITIZE_SYNC:-'Hopper/CudaForward.*/sm90_case0:Hopper/CudaForward.*/sm90_case7:Grid/CudaForward.*/sm90_case21'}
-SAN_BWD=${FM_SANITIZE_BWD:-'CudaBackward.SeqlensBothWays:CudaBackward.Varlen'}
-for tool in memcheck racecheck synccheck; do
-  for t in fwd bwd; do
-    bin="$BUILD/tests/cpp/test_${t}_cuda"
-    [ -x "$bin" ] || continue
-    [ $tool = synccheck ] && [ $t = bwd ] && continue
-    filter=$SAN_FWD
-    [ $t = bwd ] && filter=$SAN_BWD
-    [ $tool = synccheck ] && filter=$SAN_SYNC
-    timeout ${FM_SANITIZER_TIMEOUT:-120} compute-sanitizer --tool $tool --error-exitcode 3 "$bin" \
-      --gtest_filter="$filter" >"$LOG/sanitizer_${tool}_$t.log" 2>&1
-    rc=$?
-    echo "$tool $t rc=$rc: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG/sanitizer_${tool}_$t.log" | tail -1)"
-    [ $rc -eq 0 ] || status=1
-  done
-done
-
 if [ "${FM_BENCH:-1}" != 0 ] && [ -x "$BUILD/bench/gpu/flashmonoid-gpu-bench" ]; then
   step "benchmarks"
   timeout 150 "$BUILD/bench/gpu/flashmonoid-gpu-bench" "$LOG/fm.json" ${FM_BENCH_ARGS:-} 2>"$LOG/bench.log" || status=1
@@ -91,6 +69,31 @@ PY
   python3 bench/summarize.py "$OUT/bench.json"
   python3 bench/summarize.py "$OUT/bench.json" --markdown
 fi
+step "compute-sanitizer (memcheck, racecheck, synccheck) on small cases"
+# Forward sm80: a few grid cases (case25: 2049 keys, hdim 128's two-tile stages), split-KV, dropout,
+# merge. Forward sm90 (the persistent TMA/wgmma kernels, mbarrier rings, named barriers): hdim 64
+# (3 consumers) and 128 causal, 257 and 1031 rows (several work tiles per block), GQA, windows,
+# score modifiers, varlen (case21). Backward: odd seqlens and varlen, the boundary paths.
+SAN_FWD=${FM_SANITIZE_FWD:-'Grid/CudaForward.*/sm80_case0:Grid/CudaForward.*/sm80_case1:Grid/CudaForward.*/sm80_case3:Grid/CudaForward.*/sm80_case25:Decode/CudaSplitKV.*/case0:CudaDropout.*:CudaMerge.*:Hopper/CudaForward.*/sm90_case0:Hopper/CudaForward.*/sm90_case1:Hopper/CudaForward.*/sm90_case8:Hopper/CudaForward.*/sm90_case9:Hopper/CudaForward.*/sm90_case13:Grid/CudaForward.*/sm90_case21'}
+SAN_SYNC=${FM_SANITIZE_SYNC:-'Hopper/CudaForward.*/sm90_case0:Hopper/CudaForward.*/sm90_case7:Grid/CudaForward.*/sm90_case21'}
+SAN_BWD=${FM_SANITIZE_BWD:-'CudaBackward.SeqlensBothWays:CudaBackward.Varlen'}
+for tool in memcheck racecheck synccheck; do
+  for t in fwd bwd; do
+    bin="$BUILD/tests/cpp/test_${t}_cuda"
+    [ -x "$bin" ] || continue
+    [ $tool = synccheck ] && [ $t = bwd ] && continue
+    [ $t = bwd ] && [ "$SAN_BWD" = none ] && continue
+    filter=$SAN_FWD
+    [ $t = bwd ] && filter=$SAN_BWD
+    [ $tool = synccheck ] && filter=$SAN_SYNC
+    timeout ${FM_SANITIZER_TIMEOUT:-120} compute-sanitizer --tool $tool --error-exitcode 3 "$bin" \
+      --gtest_filter="$filter" >"$LOG/sanitizer_${tool}_$t.log" 2>&1
+    rc=$?
+    echo "$tool $t rc=$rc: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG/sanitizer_${tool}_$t.log" | tail -1)"
+    [ $rc -eq 0 ] || status=1
+  done
+done
+
 if [ "${FM_PYTHON:-1}" != 0 ]; then
   step "python: pip install, pytest (torch, CUDA), flashmonoid.bench"
   start=$(date +%s)

@@ -158,7 +158,8 @@ Support supports(const TensorView& q, const TensorView& k, const Options& option
   try {
     std::string why, path = "cpu";
     if (q.device.kind == DeviceKind::cpu) {
-      if (q.ndim < 3 || q.size(-1) < 1 || q.size(-1) > 256) why = "head dim must be in [1, 256]";
+      if (q.ndim < 3 || q.size(-1) < 1 || q.size(-1) > detail::kMaxHeadDim)
+        why = "head dim must be in [1, " + std::to_string(detail::kMaxHeadDim) + "]";
     } else {
       const FwdParams p = query_params(q, k, options, nullptr);
       why = unsupported_reason(p);

@@ -10,6 +10,8 @@
 
 namespace flashmonoid::detail {
 
+inline constexpr int kMaxHeadDim = 256;  // the largest head dim any backend supports
+
 // Strides in elements. Sequence b starts at row row_begin(b) of a tensor whose rows of one batch
 // entry are `row` apart and whose batch entries are `batch` apart (0 for varlen, which packs rows).
 struct Strides {

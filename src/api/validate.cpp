@@ -11,7 +11,6 @@
 namespace flashmonoid::detail {
 namespace {
 
-constexpr int kMaxHeadDim = 256;  // the largest head dim any backend supports
 
 std::string shape_str(const TensorView& t) {
   std::string s = "(";

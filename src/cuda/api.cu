@@ -24,7 +24,7 @@ namespace {
 // The kernels move rows in 16-byte vectors (8 fp16/bf16): head dims must be multiples of 8, and
 // base pointers and row/head/batch strides must keep every row 16-byte aligned.
 constexpr int kVectorBytes = 16;
-constexpr int kMaxHeadDim = 256;
+using detail::kMaxHeadDim;
 constexpr int kMinMajor = 8;  // mma.sync m16n8k16 with bf16, cp.async, ldmatrix: sm80 and later
 
 // Makes p.device current for the duration of a call and restores the caller's device.
@@ -165,11 +165,7 @@ int compute_major(int device) {
 
 template <class T>
 void run_bwd(const detail::BwdParams& p, const BwdLaunch& launch) {
-  switch (fwd_head_dim_bucket(p.d)) {
-    case 64: run_bwd_sm80<T, 64>(p, launch); break;
-    case 128: run_bwd_sm80<T, 128>(p, launch); break;
-    default: run_bwd_sm80<T, 256>(p, launch); break;
-  }
+  with_head_dim(p.d, [&](auto hd) { run_bwd_sm80<T, decltype(hd)::value>(p, launch); });
 }
 
 // ---- merge of n partial results (public API) ----------------------------------------------------
@@ -271,7 +267,7 @@ std::string unsupported_reason(const detail::FwdParams& p) {
            "; use fp16/bf16 tensors or the CPU backend";
   if (p.d % 8 != 0 || p.d > kMaxHeadDim || p.d <= 0)
     return "head dim " + std::to_string(p.d) +
-           " is not supported on CUDA: it must be a multiple of 8 (16-byte rows) and at most 256; pad the "
+           " is not supported on CUDA: it must be a multiple of 8 (16-byte rows) and at most " + std::to_string(kMaxHeadDim) + "; pad the "
            "head dim with zeros (exact for attention) or use the CPU backend";
   return "";
 }

@@ -33,8 +33,7 @@ struct FwdKernelArgsSm90 {
   CUtensorMap tm_k;  // (d, h_k, rows, batch), box (64, 1, kBlockN, 1)
   CUtensorMap tm_v;
   detail::FwdParams p;
-  int num_m_blocks = 0;  // per (head, batch): ceil(max_seqlen_q / kBlockM)
-  WorkTiles work;
+  WorkTiles work;  // num_m_blocks per (head, batch): ceil(max_seqlen_q / kBlockM)
 };
 
 namespace sm90 {
@@ -109,7 +108,6 @@ struct RingPos {
   __device__ __forceinline__ std::uint32_t phase() const { return (n / kStages) & 1; }
   __device__ __forceinline__ void advance() { ++n; }
 };
-
 
 // The producer: one thread issues every TMA copy of the block. Per work tile: the first K tile, then
 // Q (into a buffer the consumers have released: with one Q buffer that waits for the previous
@@ -197,6 +195,30 @@ __device__ __forceinline__ void issue_pv(float (&o)[1][kHeadDim / 8][4], const s
 
 }  // namespace sm90
 
+// Ping-pong between consumer warpgroups: each takes its turn to issue its products (named barriers
+// kFirstTurnBarrier + c, the waiting warpgroup's 128 threads and the previous one's 128), so that
+// one warpgroup's softmax and epilogue run while the next one's products occupy the tensor cores.
+// The last warpgroup grants the first turn at the start and the first consumes the last grant at
+// the end, so every barrier sees as many arrivals as waits.
+inline constexpr int kFirstTurnBarrier = 4;  // 1..3: the consumers' epilogue barriers
+template <int kConsumers, bool kOn>
+struct Turns {
+  int self, next;
+  __device__ __forceinline__ explicit Turns(int consumer) : self(consumer), next((consumer + 1) % kConsumers) {}
+  __device__ __forceinline__ void wait() const {
+    if constexpr (kOn) sm90::named_sync(kFirstTurnBarrier + self, 256);
+  }
+  __device__ __forceinline__ void pass() const {
+    if constexpr (kOn) sm90::named_arrive(kFirstTurnBarrier + next, 256);
+  }
+  __device__ __forceinline__ void start() const {
+    if (kOn && self == kConsumers - 1) sm90::named_arrive(kFirstTurnBarrier + 0, 256);
+  }
+  __device__ __forceinline__ void finish() const {
+    if (kOn && self == 0) sm90::named_sync(kFirstTurnBarrier + 0, 256);
+  }
+};
+
 template <class T, int kHeadDim, bool kScoreMods>
 __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kScoreMods).threads(), 1)
     fwd_kernel_sm90(const __grid_constant__ FwdKernelArgsSm90 args) {
@@ -235,6 +257,8 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kScoreMods).threads(),
   const bool dropout = kScoreMods && p.dropout_p > 0.0f;
   RingPos<kTile.stages> kpos, vpos;
   RingPos<kTile.q_stages> qpos;
+  const Turns<kTile.consumers, kTile.pingpong> turns(consumer);
+  turns.start();
 
 #pragma unroll 1
   for (int t = 0; t < work.end(gridDim.x); ++t) {
@@ -278,9 +302,11 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kScoreMods).threads(),
     if (num_tiles > 0) {
       // Step 0: S only.
       sm.k_full(kpos.slot()).wait(kpos.phase());
+      turns.wait();
       wgmma_fence();
       issue_scores<T, kHeadDim, kBlockN>(s, q_addr, smem_addr(sm.k(kpos.slot())));
       wgmma_commit();
+      turns.pass();
       wgmma_wait<0>();
       fence_regs(flat(s));
       if (lane == 0) sm.k_empty(kpos.slot()).arrive();
@@ -291,12 +317,14 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kScoreMods).threads(),
       for (int j = 1; j < num_tiles; ++j) {
         const int key0 = (tiles.hi - 1 - j) * kBlockN;
         sm.k_full(kpos.slot()).wait(kpos.phase());
+        sm.v_full(vpos.slot()).wait(vpos.phase());
+        turns.wait();
         wgmma_fence();
         issue_scores<T, kHeadDim, kBlockN>(s, q_addr, smem_addr(sm.k(kpos.slot())));
         wgmma_commit();
-        sm.v_full(vpos.slot()).wait(vpos.phase());
         issue_pv<T, kHeadDim, kBlockN>(o, pa, smem_addr(sm.v(vpos.slot())));
         wgmma_commit();
+        turns.pass();
         wgmma_wait<1>();  // S of step j
         fence_regs(flat(s));
         if (lane == 0) sm.k_empty(kpos.slot()).arrive();
@@ -310,9 +338,11 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kScoreMods).threads(),
         p_fragments<T>(pa, s);
       }
       sm.v_full(vpos.slot()).wait(vpos.phase());
+      turns.wait();
       wgmma_fence();
       issue_pv<T, kHeadDim, kBlockN>(o, pa, smem_addr(sm.v(vpos.slot())));
       wgmma_commit();
+      turns.pass();
       wgmma_wait<0>();
       fence_regs(flat(o));
       if (lane == 0) sm.v_empty(vpos.slot()).arrive();
@@ -340,6 +370,7 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kScoreMods).threads(),
     if (lane == 0) sm.q_empty(qpos.slot()).arrive();
     qpos.advance();
   }
+  turns.finish();
 }
 
 }  // namespace flashmonoid::cuda

@@ -26,14 +26,14 @@ void launch_fwd_sm90(const detail::FwdParams& p, cudaStream_t stream) {
   args.tm_q = sm90::make_tensor_map(p.q, p.d, p.h, q_rows, batch, p.q_stride, 64);
   args.tm_k = sm90::make_tensor_map(p.k, p.d, p.h_k, k_rows, batch, p.k_stride, kTile.block_n);
   args.tm_v = sm90::make_tensor_map(p.v, p.d, p.h_k, k_rows, batch, p.v_stride, kTile.block_n);
-  args.num_m_blocks = (p.seqlen_q + kTile.block_m() - 1) / kTile.block_m();
   auto* kernel = fwd_kernel_sm90<T, kHeadDim, kScoreMods>;
   constexpr std::size_t kSmem = kTile.smem_bytes(kHeadDim);
   FM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
   // Persistent: one block per multiprocessor (the shared memory admits no second one).
   int num_sms = 0;
   FM_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, p.device.index));
-  args.work = WorkTiles{args.num_m_blocks, p.h, p.batch, p.window_right >= 0};
+  const int num_m_blocks = (p.seqlen_q + kTile.block_m() - 1) / kTile.block_m();
+  args.work = WorkTiles{num_m_blocks, p.h, p.batch, p.window_right >= 0};
   const int units = args.work.units();
   if (units == 0) return;
   kernel<<<units < num_sms ? units : num_sms, kTile.threads(), kSmem, stream>>>(args);
@@ -47,9 +47,6 @@ void run_fwd_sm90(const detail::FwdParams& p, cudaStream_t stream) {
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head-dim buckets are 64, 128, 256");
   if constexpr (kHeadDim <= 128) {
     if (fwd_score_mods(p)) return launch_fwd_sm90<T, kHeadDim, true>(p, stream);
-#ifdef FM_EXP_D64_CAUSAL_2WG
-    if (kHeadDim == 64 && p.window_right >= 0) return launch_fwd_sm90<T, kHeadDim, true>(p, stream);
-#endif
   }
   launch_fwd_sm90<T, kHeadDim, false>(p, stream);  // hdim 256 with modifiers runs on sm80 (fwd_sm90_eligible)
 }
