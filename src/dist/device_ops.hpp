@@ -52,4 +52,15 @@ class CpuOps final : public DeviceOps {
   void fill(const TensorView& dst, float value) override;
 };
 
+// Kernels queued on `stream` (a cudaStream_t); defined in device_ops_cuda.cu (flashmonoid::dist).
+class CudaOps final : public DeviceOps {
+ public:
+  explicit CudaOps(void* stream) : stream_(stream) {}
+  void copy(const TensorView& dst, const TensorView& src, bool accumulate) override;
+  void fill(const TensorView& dst, float value) override;
+
+ private:
+  void* stream_;
+};
+
 }  // namespace flashmonoid::dist
