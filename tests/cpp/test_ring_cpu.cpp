@@ -11,6 +11,7 @@
 #include "attention_case.hpp"
 #include "dist/local_transport.hpp"
 #include "dist/ring.hpp"
+#include "ring_shards.hpp"
 
 namespace fmtest {
 namespace {
@@ -36,44 +37,6 @@ void PrintTo(const RingCase& c, std::ostream* os) { *os << c.str(); }
 
 dist::RingSchedule schedule_of(const RingCase& c, const flashmonoid::Options& o) {
   return dist::make_schedule(c.world, c.shape.s_q, c.layout, o);
-}
-
-// Rows of a (b, s, h, d) tensor for rank r's segments, contiguous (b, n_r, h, d); and back.
-HostTensor shard(const HostTensor& full, const std::vector<dist::Segment>& segs, std::int64_t n) {
-  const TensorView& f = full.view;
-  HostTensor out(f.dtype, {f.shape[0], n, f.shape[2], f.shape[3]});
-  const std::int64_t inner = f.shape[2] * f.shape[3];
-  for (std::int64_t b = 0; b < f.shape[0]; ++b)
-    for (const auto& s : segs)
-      for (std::int64_t i = 0; i < s.length; ++i)
-        for (std::int64_t e = 0; e < inner; ++e)
-          out.set((b * n + s.local_begin + i) * inner + e, full.get((b * f.shape[1] + s.global_begin + i) * inner + e));
-  return out;
-}
-void unshard(HostTensor& full, const HostTensor& part, const std::vector<dist::Segment>& segs) {
-  const TensorView& f = full.view;
-  const std::int64_t n = part.view.shape[1], inner = f.shape[2] * f.shape[3];
-  for (std::int64_t b = 0; b < f.shape[0]; ++b)
-    for (const auto& s : segs)
-      for (std::int64_t i = 0; i < s.length; ++i)
-        for (std::int64_t e = 0; e < inner; ++e)
-          full.set((b * f.shape[1] + s.global_begin + i) * inner + e, part.get((b * n + s.local_begin + i) * inner + e));
-}
-// lse (b, h, s) <-> (b, h, n_r).
-HostTensor shard_lse(const HostTensor& full, const std::vector<dist::Segment>& segs, std::int64_t n) {
-  const TensorView& f = full.view;
-  HostTensor out(DType::f32, {f.shape[0], f.shape[1], n});
-  for (std::int64_t bh = 0; bh < f.shape[0] * f.shape[1]; ++bh)
-    for (const auto& s : segs)
-      for (std::int64_t i = 0; i < s.length; ++i) out.set(bh * n + s.local_begin + i, full.get(bh * f.shape[2] + s.global_begin + i));
-  return out;
-}
-void unshard_lse(HostTensor& full, const HostTensor& part, const std::vector<dist::Segment>& segs) {
-  const TensorView& f = full.view;
-  const std::int64_t n = part.view.shape[2];
-  for (std::int64_t bh = 0; bh < f.shape[0] * f.shape[1]; ++bh)
-    for (const auto& s : segs)
-      for (std::int64_t i = 0; i < s.length; ++i) full.set(bh * f.shape[2] + s.global_begin + i, part.get(bh * n + s.local_begin + i));
 }
 
 // Runs fn(rank, transport) on P threads sharing one LocalRing; rethrows the first failure.
