@@ -25,9 +25,11 @@ padding, any S >= n:
     out_full = fmd.gather(out, q_full.shape[1], layout="zigzag")
 
 torch.compile: the local attention and merge are flashmonoid's custom ops (fake kernels
-registered), but ``ring_attention`` itself is an autograd.Function around point-to-point
-communication, which dynamo does not trace: compiling a model that calls it graph-breaks at the
-call (the code around it still compiles).
+registered; a step of local work compiles with fullgraph=True), but ``ring_attention`` is an
+autograd.Function around point-to-point communication, which dynamo does not trace. It is marked
+``torch.compiler.disable``: a model calling it compiles with one graph break at the call (the code
+before and after it compiles; measured with torch 2.15 on CPU/gloo: 2 graphs, 1 break, forward and
+backward equal to eager).
 """
 
 import functools
@@ -241,6 +243,7 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, None
 
 
+@torch.compiler.disable  # point-to-point communication is not traceable: one clean graph break here
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = False,
                    softmax_scale: Optional[float] = None, window: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                    *, layout: Optional[str] = None, seqlen_total: Optional[int] = None, deterministic: bool = False,
