@@ -26,10 +26,10 @@ has() { [[ " $STAGES " == *" $1 "* ]]; }
 launch() {
   local name=$1 limit=$2
   shift 2
-  local id="/tmp/flashmonoid-nccl-id.$$.$name" pids=() rc=0
+  local id="/tmp/flashmonoid-nccl-id.$$.$name" pids=() rc=0 seed=${FM_SEED:-$RANDOM}  # one seed for all ranks
   rm -f "$id"
   for ((r = 0; r < WORLD; r++)); do
-    RANK=$r WORLD_SIZE=$WORLD LOCAL_RANK=$r FM_NCCL_ID_FILE=$id FM_SEED=${FM_SEED:-$RANDOM} \
+    RANK=$r WORLD_SIZE=$WORLD LOCAL_RANK=$r FM_NCCL_ID_FILE=$id FM_SEED=$seed \
       timeout "$limit" "$@" >"$LOG/$name.$r.log" 2>&1 &
     pids+=($!)
   done
@@ -86,7 +86,7 @@ if has python; then
     mkdir -p "$PKG/flashmonoid"
     ln -s "$PWD"/python/flashmonoid/*.py "$PKG/flashmonoid/"
     ln -s "$PWD"/$BUILD/python/flashmonoid/_C*.so "$PKG/flashmonoid/"
-    PYTHONPATH="$PKG" timeout 300 python3 -m torch.distributed.run --nproc-per-node "$WORLD" \
+    FM_SEED=${FM_SEED:-$RANDOM} PYTHONPATH="$PKG" timeout 300 python3 -m torch.distributed.run --nproc-per-node "$WORLD" \
       tools/ring_torch_check.py "$OUT/ring_torch.json" >"$LOG/ring_torch.log" 2>&1 || status=1
     tail -15 "$LOG/ring_torch.log"
   else

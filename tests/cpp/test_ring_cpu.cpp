@@ -116,7 +116,7 @@ TEST_P(RingAttention, ForwardAndBackwardMatchFloat64ReferenceOnWholeSequence) {
   expect_close("dv", c.shape.dtype, dv.values(), ref.dv.values(), lp.dv.values());
 }
 
-// Every P of the issue, both layouts with and without causal, GQA and MQA, odd lengths that no
+// Every P of the issue (and P = 1), both layouts with and without causal, GQA and MQA, odd lengths that no
 // chunk count divides, windows, softcap, an explicit scale and each dtype.
 std::vector<RingCase> ring_grid() {
   std::vector<RingCase> out;
@@ -145,6 +145,14 @@ std::vector<RingCase> ring_grid() {
       ++n;
     }
   }
+  RingCase one;  // a ring of one: no exchange at all
+  one.world = 1;
+  one.layout = Layout::zigzag;
+  one.shape.s_q = one.shape.s_k = 33;
+  one.shape.h = 2;
+  one.shape.d = 32;
+  one.shape.causal = true;
+  out.push_back(one);
   return out;
 }
 
