@@ -19,7 +19,13 @@ if(_nccl_python)
   endif()
 endif()
 find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${_nccl_hints} PATH_SUFFIXES include)
-find_library(NCCL_LIBRARY NAMES nccl libnccl.so.2 HINTS ${_nccl_hints} PATH_SUFFIXES lib lib64 lib/x86_64-linux-gnu)
+# The library next to the header first (a wheel's libnccl.so.2 before a system libnccl.so), so
+# that header and library come from the same installation.
+if(NCCL_INCLUDE_DIR)
+  get_filename_component(_nccl_root "${NCCL_INCLUDE_DIR}/.." ABSOLUTE)
+endif()
+find_library(NCCL_LIBRARY NAMES nccl libnccl.so.2 NAMES_PER_DIR HINTS ${_nccl_root} ${_nccl_hints}
+             PATH_SUFFIXES lib lib64 lib/x86_64-linux-gnu)
 if(NCCL_INCLUDE_DIR AND EXISTS "${NCCL_INCLUDE_DIR}/nccl.h")
   file(STRINGS "${NCCL_INCLUDE_DIR}/nccl.h" _nccl_v REGEX "^#define NCCL_(MAJOR|MINOR|PATCH) ")
   string(REGEX REPLACE ".*NCCL_MAJOR ([0-9]+).*NCCL_MINOR ([0-9]+).*NCCL_PATCH ([0-9]+).*" "\\1.\\2.\\3" NCCL_VERSION "${_nccl_v}")
