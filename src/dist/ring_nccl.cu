@@ -48,8 +48,12 @@ void NcclTransport::wait(int ticket) {
 
 NcclStreams NcclStreams::create() {
   NcclStreams s;
+  // Highest priority: when an attention kernel's CTAs retire, the block scheduler places NCCL's
+  // CTAs first, so transfers progress while attention fills the GPU.
+  int least = 0, greatest = 0;
+  FM_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
   cudaStream_t comm;
-  FM_CUDA_CHECK(cudaStreamCreateWithFlags(&comm, cudaStreamNonBlocking));
+  FM_CUDA_CHECK(cudaStreamCreateWithPriority(&comm, cudaStreamNonBlocking, greatest));
   s.comm = comm;
   cudaEvent_t e;
   FM_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
