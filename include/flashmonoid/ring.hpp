@@ -36,7 +36,8 @@ class Ring {
  public:
   // Borrows comm (the caller keeps and destroys it); creates a communication stream and a few
   // events on the current CUDA device.
-  Ring(ncclComm_t comm, std::int64_t seqlen_total, Layout layout = Layout::zigzag);
+  // layout is how the caller sharded Q, K and V (zigzag for causal attention).
+  Ring(ncclComm_t comm, std::int64_t seqlen_total, Layout layout);
   ~Ring();
   Ring(const Ring&) = delete;
   Ring& operator=(const Ring&) = delete;

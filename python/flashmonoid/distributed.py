@@ -16,7 +16,8 @@ padding, any S >= n:
   every rank then does the same causal work at every step);
 - ``"contiguous"``: P chunks, rank r holds chunk r (the default otherwise).
 
-``shard`` / ``unshard`` / ``gather`` move between the whole sequence and a rank's shard.
+``shard`` / ``unshard`` / ``gather`` move between the whole sequence and a rank's shard; they take
+the layout explicitly, and it must be the one ring_attention runs with.
 
     # torchrun --nproc-per-node 2 train.py
     dist.init_process_group("nccl")
@@ -60,17 +61,18 @@ def _segments(seqlen_total, world_size, layout):
     return _schedule(world_size, seqlen_total, layout, -1, -1, 0)[0]
 
 
-def shard_ranges(seqlen_total: int, world_size: int, rank: int, layout: str = "zigzag") -> List[Tuple[int, int]]:
+def shard_ranges(seqlen_total: int, world_size: int, rank: int, layout: str) -> List[Tuple[int, int]]:
     """Token ranges [begin, end) of the whole sequence that rank holds, in its local order."""
     return [(g, g + n) for g, _, n in _segments(seqlen_total, world_size, layout)[rank]]
 
 
-def shard(x: Tensor, world_size: int, rank: int, *, layout: str = "zigzag", dim: int = 1) -> Tensor:
-    """Rank's shard of a whole-sequence tensor (sequence along ``dim``)."""
+def shard(x: Tensor, world_size: int, rank: int, *, layout: str, dim: int = 1) -> Tensor:
+    """Rank's shard of a whole-sequence tensor (sequence along ``dim``). The layout has no default
+    here: it must be the one ring_attention runs with (its default is ``default_layout(causal)``)."""
     return torch.cat([x.narrow(dim, b, e - b) for b, e in shard_ranges(x.shape[dim], world_size, rank, layout)], dim)
 
 
-def unshard(shards: Sequence[Tensor], *, layout: str = "zigzag", dim: int = 1) -> Tensor:
+def unshard(shards: Sequence[Tensor], *, layout: str, dim: int = 1) -> Tensor:
     """The whole sequence from every rank's shard (in rank order)."""
     seqlen = sum(s.shape[dim] for s in shards)
     segs = _segments(seqlen, len(shards), layout)
@@ -83,7 +85,7 @@ def unshard(shards: Sequence[Tensor], *, layout: str = "zigzag", dim: int = 1) -
     return out
 
 
-def gather(x: Tensor, seqlen_total: int, *, group=None, layout: str = "zigzag", dim: int = 1) -> Tensor:
+def gather(x: Tensor, seqlen_total: int, *, layout: str, group=None, dim: int = 1) -> Tensor:
     """All-gather of every rank's shard into the whole sequence, on every rank (not differentiable)."""
     world = dist.get_world_size(group)
     segs = _segments(seqlen_total, world, layout)

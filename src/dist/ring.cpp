@@ -160,10 +160,6 @@ void check_workspace(const Context& ctx, std::size_t need) {
 
 }  // namespace
 
-Layout default_layout(const Options& o) {
-  return o.causal || o.window_right == 0 ? Layout::zigzag : Layout::contiguous;
-}
-
 RingSchedule make_schedule(int world_size, std::int64_t seqlen_total, Layout layout, const Options& o) {
   return RingSchedule(world_size, seqlen_total, layout, o.window_left, o.causal ? 0 : o.window_right);
 }

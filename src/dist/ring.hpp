@@ -23,8 +23,6 @@
 
 namespace flashmonoid::dist {
 
-// Zigzag when causal (balanced causal work), contiguous otherwise.
-Layout default_layout(const Options& options);
 // The schedule of a call with these options.
 RingSchedule make_schedule(int world_size, std::int64_t seqlen_total, Layout layout, const Options& options);
 
