@@ -218,8 +218,8 @@ void ring_forward(const TensorView& q, const TensorView& k, const TensorView& v,
         const TensorView task_lse = whole ? f.step_lse
                                           : make(f.task_lse.data, DType::f32, d.device, {d.b, d.h, task.q_end - task.q_begin});
         flashmonoid::forward(rows(q, task.q_begin, task.q_end), rows(shard.k, task.k_begin, task.k_end),
-                rows(shard.v, task.k_begin, task.k_end), rows(f.step_out, task.q_begin, task.q_end), task_lse,
-                task_options(options, task), lib);
+                             rows(shard.v, task.k_begin, task.k_end), rows(f.step_out, task.q_begin, task.q_end),
+                             task_lse, task_options(options, task), lib);
         if (!whole) ops.copy(lse_rows(f.step_lse, task.q_begin, task.q_end), task_lse, false);
       }
       // Fold the layer into the running state; the last fold writes the caller's out and lse.
@@ -267,7 +267,8 @@ void ring_backward(const TensorView& dout, const TensorView& q, const TensorView
       kv_ticket = transport.start({f.kv[t % 2], d.kv_bytes(n_src, d.dtype)}, {f.kv[(t + 1) % 2], d.kv_bytes(n_next, d.dtype)});
     const KvShard shard = kv_shard(f.kv[t % 2], d.dtype, d, n_src);
     const KvShard grads = kv_shard(f.dkv[t % 2], DType::f32, d, n_src);
-    auto arrived = [&] {  // the gradient sums of earlier ranks are needed only from the first accumulation on
+    // The gradient sums of earlier ranks are needed only from the first accumulation on.
+    auto arrived = [&] {
       if (dkv_ticket >= 0) transport.wait(dkv_ticket);
       dkv_ticket = -1;
     };
@@ -282,9 +283,9 @@ void ring_backward(const TensorView& dout, const TensorView& q, const TensorView
         const TensorView dq_task = make(f.dq_task.data, d.dtype, d.device, {d.b, nq, d.h, d.d});
         const KvShard dkv_task = kv_shard(f.dk_task, d.dtype, d, nk);
         flashmonoid::backward(rows(dout, task.q_begin, task.q_end), rows(q, task.q_begin, task.q_end),
-                 rows(shard.k, task.k_begin, task.k_end), rows(shard.v, task.k_begin, task.k_end),
-                 rows(out, task.q_begin, task.q_end), task_lse, dq_task, dkv_task.k, dkv_task.v,
-                 task_options(options, task), lib);
+                              rows(shard.k, task.k_begin, task.k_end), rows(shard.v, task.k_begin, task.k_end),
+                              rows(out, task.q_begin, task.q_end), task_lse, dq_task, dkv_task.k, dkv_task.v,
+                              task_options(options, task), lib);
         ops.copy(rows(f.dq_acc, task.q_begin, task.q_end), dq_task, true);
         arrived();
         ops.copy(rows(grads.k, task.k_begin, task.k_end), dkv_task.k, true);
