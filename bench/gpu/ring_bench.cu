@@ -82,7 +82,7 @@ class NoTransport final : public dist::Transport {
   NoTransport(int rank, int world) : rank_(rank), world_(world) {}
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
-  int start(dist::Message, dist::Message) override { return 0; }
+  int start(dist::Message, dist::Message, int) override { return 0; }
   void wait(int) override {}
 
  private:

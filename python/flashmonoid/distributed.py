@@ -116,7 +116,7 @@ class _Ring:
         self.seqlen = n * self.world if seqlen_total is None else int(seqlen_total)
         self.layout = layout or default_layout(causal, window)
         wl, wr = int(window[0]), 0 if causal else int(window[1])
-        self.segments, self.steps = _schedule(self.world, self.seqlen, self.layout, wl, wr, self.rank)
+        self.segments, self.steps, self.home_shift = _schedule(self.world, self.seqlen, self.layout, wl, wr, self.rank)
         self.lens = [sum(s[2] for s in segs) for segs in self.segments]
         if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"flashmonoid: q: ring_attention runs float32, float16 and bfloat16, got {q.dtype} (the "
@@ -132,17 +132,18 @@ class _Ring:
         self.scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
         self.softcap = float(softcap)
         self.deterministic = bool(deterministic)
-        self.peers = [dist.get_global_rank(group, (self.rank + o) % self.world) if group is not None
-                      else (self.rank + o) % self.world for o in (1, -1)]
+    def peer(self, offset):
+        r = (self.rank + offset) % self.world
+        return dist.get_global_rank(self.group, r) if self.group is not None else r
 
-    def exchange(self, send: Tensor, recv_rows: int):
-        """Starts sending `send` (a packed (2, b, n, h_k, d) shard) to the next rank and receiving the
-        previous rank's, of recv_rows rows; returns (requests, receive buffer)."""
+    def exchange(self, send: Tensor, recv_rows: int, shift: int = 1):
+        """Starts sending `send` (a packed (2, b, n, h_k, d) shard) to rank + shift and receiving
+        rank - shift's, of recv_rows rows; returns (requests, receive buffer)."""
         shape = list(send.shape)
         shape[2] = recv_rows
         recv = send.new_empty(shape)
-        ops = [dist.P2POp(dist.isend, send, self.peers[0], self.group),
-               dist.P2POp(dist.irecv, recv, self.peers[1], self.group)]
+        ops = [dist.P2POp(dist.isend, send, self.peer(shift), self.group),
+               dist.P2POp(dist.irecv, recv, self.peer(-shift), self.group)]
         return dist.batch_isend_irecv(ops), recv
 
     def source_rows(self, step):
@@ -172,7 +173,7 @@ def _ring_forward(ring: _Ring, q, k, v):
     kv = torch.stack([k, v])  # (2, b, n, h_k, d): one message per exchange
     acc_out = acc_lse = None
     for t, (src, layers) in enumerate(ring.steps):
-        pending = ring.exchange(kv, ring.source_rows(t + 1)) if t + 1 < ring.world else None
+        pending = ring.exchange(kv, ring.source_rows(t + 1)) if t + 1 < len(ring.steps) else None
         for layer in layers:
             if len(layer) == 1 and layer[0][0] == 0 and layer[0][1] == n:
                 q0, q1, k0, k1, wl, wr = layer[0]
@@ -204,7 +205,8 @@ def _ring_backward(ring: _Ring, dout, q, k, v, out, lse):
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dkv_pending = None
     for t, (src, layers) in enumerate(ring.steps):
-        kv_pending = ring.exchange(kv, ring.source_rows(t + 1)) if t + 1 < ring.world else None
+        last = t + 1 == len(ring.steps)
+        kv_pending = None if last else ring.exchange(kv, ring.source_rows(t + 1))
         for layer in layers:
             for q0, q1, k0, k1, wl, wr in layer:
                 g_q, g_k, g_v = ring.bwd(dout[:, q0:q1], q[:, q0:q1], kv[0][:, k0:k1], kv[1][:, k0:k1],
@@ -218,12 +220,14 @@ def _ring_backward(ring: _Ring, dout, q, k, v, out, lse):
         if dkv_pending is not None:
             _wait(dkv_pending[0])
             dkv, dkv_pending = dkv_pending[1], None
-        if ring.world > 1:
-            dkv_pending = ring.exchange(dkv, ring.source_rows(t + 1))
+        # On to the next rank, or after the last step home (shift 1 after a full ring).
+        shift = ring.home_shift if last else 1
+        if shift:
+            dkv_pending = ring.exchange(dkv, n if last else ring.source_rows(t + 1), shift)
         if kv_pending is not None:
             _wait(kv_pending[0])
             kv = kv_pending[1]
-    if dkv_pending is not None:  # after step P-1 this rank's own shard's sums come home
+    if dkv_pending is not None:  # after the last step this rank's own shard's sums come home
         _wait(dkv_pending[0])
         dkv = dkv_pending[1]
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)

@@ -321,11 +321,12 @@ NB_MODULE(_C, m) {
           }
           steps.push_back(std::move(out));
         }
-        return std::make_pair(segments, steps);
+        return std::make_tuple(segments, steps, s.home_shift());
       },
       nb::arg("world_size"), nb::arg("seqlen_total"), nb::arg("layout"), nb::arg("window_left"),
       nb::arg("window_right"), nb::arg("rank"),
-      "(segments, steps): segments[r] = [(global_begin, local_begin, length)] of every rank; steps of `rank`: "
-      "[(src, layers)], each layer a list of tasks (q_begin, q_end, k_begin, k_end, window_left, window_right).");
+      "(segments, steps, home_shift): segments[r] = [(global_begin, local_begin, length)] of every rank; steps "
+      "of `rank`: [(src, layers)], each layer a list of tasks (q_begin, q_end, k_begin, k_end, window_left, "
+      "window_right); after the last step dK/dV go to rank + home_shift (0: already home).");
   m.attr("__version__") = FLASHMONOID_VERSION;
 }

@@ -21,6 +21,7 @@ class LocalRing {
   friend class LocalTransport;
   struct Posted {
     Message send, recv;
+    int shift = 1;
   };
   int world_;
   std::barrier<> barrier_;
@@ -33,7 +34,7 @@ class LocalTransport final : public Transport {
   LocalTransport(LocalRing& ring, int rank) : ring_(ring), rank_(rank) {}
   int rank() const override { return rank_; }
   int world_size() const override { return ring_.world_size(); }
-  int start(Message send, Message recv) override;
+  int start(Message send, Message recv, int shift) override;
   void wait(int ticket) override;
 
  private:

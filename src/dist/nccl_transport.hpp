@@ -26,7 +26,7 @@ class NcclTransport final : public Transport {
   NcclTransport(ncclComm_t comm, const NcclStreams& streams, void* compute_stream);
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
-  int start(Message send, Message recv) override;
+  int start(Message send, Message recv, int shift) override;
   void wait(int ticket) override;
 
  private:

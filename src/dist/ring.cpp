@@ -204,12 +204,13 @@ void ring_forward(const TensorView& q, const TensorView& k, const TensorView& v,
   ops.copy(own.v, v, false);
 
   int cur = -1;  // which acc holds the running state; -1 before the first layer
-  for (int t = 0; t < world; ++t) {
+  const int n_steps = static_cast<int>(steps.size());
+  for (int t = 0; t < n_steps; ++t) {
     const int src = steps[t].src, next_src = RingSchedule::source(rank, t + 1, world);
     int ticket = -1;
-    if (t + 1 < world)
+    if (t + 1 < n_steps)
       ticket = transport.start({f.kv[t % 2], d.kv_bytes(schedule.local_len(src), d.dtype)},
-                               {f.kv[(t + 1) % 2], d.kv_bytes(schedule.local_len(next_src), d.dtype)});
+                               {f.kv[(t + 1) % 2], d.kv_bytes(schedule.local_len(next_src), d.dtype)}, 1);
     const KvShard shard = kv_shard(f.kv[t % 2], d.dtype, d, schedule.local_len(src));
     for (const auto& layer : steps[t].layers) {
       const bool whole = covers_all_rows(layer, d.n);
@@ -259,19 +260,22 @@ void ring_backward(const TensorView& dout, const TensorView& q, const TensorView
   ops.fill(make(f.dkv[0], DType::f32, d.device, {static_cast<std::int64_t>(d.kv_bytes(d.n, DType::f32) / 4)}), 0.0f);
 
   int dkv_ticket = -1;  // the exchange bringing the visiting shard's gradient sums into dkv[t % 2]
-  for (int t = 0; t < world; ++t) {
+  // Earlier ranks' gradient sums are needed only from the first accumulation on.
+  auto arrived = [&] {
+    if (dkv_ticket >= 0) transport.wait(dkv_ticket);
+    dkv_ticket = -1;
+  };
+  const int n_steps = static_cast<int>(steps.size());
+  for (int t = 0; t < n_steps; ++t) {
+    const bool last = t + 1 == n_steps;
     const int src = steps[t].src, next_src = RingSchedule::source(rank, t + 1, world);
     const std::int64_t n_src = schedule.local_len(src), n_next = schedule.local_len(next_src);
     int kv_ticket = -1;
-    if (t + 1 < world)
-      kv_ticket = transport.start({f.kv[t % 2], d.kv_bytes(n_src, d.dtype)}, {f.kv[(t + 1) % 2], d.kv_bytes(n_next, d.dtype)});
+    if (!last)
+      kv_ticket = transport.start({f.kv[t % 2], d.kv_bytes(n_src, d.dtype)},
+                                  {f.kv[(t + 1) % 2], d.kv_bytes(n_next, d.dtype)}, 1);
     const KvShard shard = kv_shard(f.kv[t % 2], d.dtype, d, n_src);
     const KvShard grads = kv_shard(f.dkv[t % 2], DType::f32, d, n_src);
-    // The gradient sums of earlier ranks are needed only from the first accumulation on.
-    auto arrived = [&] {
-      if (dkv_ticket >= 0) transport.wait(dkv_ticket);
-      dkv_ticket = -1;
-    };
     for (const auto& layer : steps[t].layers)
       for (const Task& task : layer) {
         const std::int64_t nq = task.q_end - task.q_begin, nk = task.k_end - task.k_begin;
@@ -292,14 +296,15 @@ void ring_backward(const TensorView& dout, const TensorView& q, const TensorView
         ops.copy(rows(grads.v, task.k_begin, task.k_end), dkv_task.v, true);
       }
     arrived();
-    if (world > 1)
+    // On to the next rank, or after the last step home (shift 1 after a full ring of P steps).
+    const int shift = last ? schedule.home_shift() : 1;
+    if (shift != 0)
       dkv_ticket = transport.start({f.dkv[t % 2], d.kv_bytes(n_src, DType::f32)},
-                                   {f.dkv[(t + 1) % 2], d.kv_bytes(n_next, DType::f32)});
+                                   {f.dkv[(t + 1) % 2], d.kv_bytes(last ? d.n : n_next, DType::f32)}, shift);
     if (kv_ticket >= 0) transport.wait(kv_ticket);
   }
-  // After step P-1 the last exchange brought this rank's own shard's sums home.
-  if (dkv_ticket >= 0) transport.wait(dkv_ticket);
-  const KvShard home = kv_shard(f.dkv[world > 1 ? world % 2 : 0], DType::f32, d, d.n);
+  arrived();
+  const KvShard home = kv_shard(f.dkv[schedule.home_shift() != 0 ? n_steps % 2 : (n_steps - 1) % 2], DType::f32, d, d.n);
   ops.copy(dk, home.k, false);
   ops.copy(dv, home.v, false);
   ops.copy(dq, f.dq_acc, false);

@@ -26,13 +26,13 @@ NcclTransport::NcclTransport(ncclComm_t comm, const NcclStreams& streams, void* 
   FM_NCCL_CHECK(ncclCommCount(comm, &world_));
 }
 
-int NcclTransport::start(Message send, Message recv) {
+int NcclTransport::start(Message send, Message recv, int shift) {
   const auto compute = static_cast<cudaStream_t>(compute_), comm = static_cast<cudaStream_t>(streams_.comm);
   FM_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(streams_.ready), compute));
   FM_CUDA_CHECK(cudaStreamWaitEvent(comm, static_cast<cudaEvent_t>(streams_.ready), 0));
   FM_NCCL_CHECK(ncclGroupStart());
-  FM_NCCL_CHECK(ncclSend(send.data, send.bytes, ncclUint8, (rank_ + 1) % world_, comm_, comm));
-  FM_NCCL_CHECK(ncclRecv(recv.data, recv.bytes, ncclUint8, (rank_ - 1 + world_) % world_, comm_, comm));
+  FM_NCCL_CHECK(ncclSend(send.data, send.bytes, ncclUint8, (rank_ + shift) % world_, comm_, comm));
+  FM_NCCL_CHECK(ncclRecv(recv.data, recv.bytes, ncclUint8, ((rank_ - shift) % world_ + world_) % world_, comm_, comm));
   FM_NCCL_CHECK(ncclGroupEnd());
   const int ticket = next_++;
   FM_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(streams_.done[ticket % NcclStreams::kEvents]), comm));

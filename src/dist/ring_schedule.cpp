@@ -120,6 +120,14 @@ RingSchedule::RingSchedule(int world_size, std::int64_t seqlen_total, Layout lay
                                     std::to_string(seqlen_total));
   lo_ = window_left >= 0 ? -static_cast<std::int64_t>(window_left) : -kInf;
   hi_ = window_right >= 0 ? static_cast<std::int64_t>(window_right) : kInf;
+  for (int r = 0; r < world_; ++r) {  // the last step any rank computes
+    const std::vector<Step> all = all_steps(r);
+    for (int t = world_ - 1; t >= num_steps_; --t)
+      if (!all[t].empty()) {
+        num_steps_ = t + 1;
+        break;
+      }
+  }
 }
 
 std::vector<Segment> RingSchedule::segments(int rank) const {
@@ -148,6 +156,12 @@ std::int64_t RingSchedule::max_local_len() const {
 }
 
 std::vector<Step> RingSchedule::steps(int rank) const {
+  std::vector<Step> all = all_steps(rank);
+  all.resize(num_steps_);
+  return all;
+}
+
+std::vector<Step> RingSchedule::all_steps(int rank) const {
   std::vector<Step> out;
   const std::vector<Segment> qs = segments(rank);
   for (int t = 0; t < world_; ++t) {

@@ -64,15 +64,25 @@ class RingSchedule {
   std::vector<Segment> segments(int rank) const;
   std::int64_t local_len(int rank) const;
   std::int64_t max_local_len() const;
-  // Steps 0 .. P-1 of a rank; step t visits the shard of rank (rank - t) mod P.
+  // Steps 0 .. num_steps()-1 of a rank; step t visits the shard of rank (rank - t) mod P.
   std::vector<Step> steps(int rank) const;
+  // P, or fewer when a window leaves every rank's last steps empty (causal with a left window on
+  // the contiguous layout: a window of w needs ceil(w / shard) + 1 steps). The ring then stops
+  // early and sends dK/dV home directly (shift home_shift()).
+  int num_steps() const { return num_steps_; }
+  // After the last step, rank r holds the dK/dV sums of shard r - (num_steps() - 1); they go to
+  // rank r + home_shift(). 0 when they are already home (a single step).
+  int home_shift() const { return (world_ - num_steps() + 1) % world_; }
   static int source(int rank, int step, int world) { return ((rank - step) % world + world) % world; }
 
  private:
+  std::vector<Step> all_steps(int rank) const;  // all P steps, empty ones included
+
   int world_;
   std::int64_t seqlen_;
   Layout layout_;
   std::int64_t lo_, hi_;  // key j is visible to query i iff lo_ <= j - i <= hi_ (global positions)
+  int num_steps_ = 1;
 };
 
 }  // namespace flashmonoid::dist

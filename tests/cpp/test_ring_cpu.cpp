@@ -124,7 +124,7 @@ std::vector<RingCase> ring_grid() {
   const int seqlens[] = {67, 45, 101, 29};
   int n = 0;
   for (int world : {2, 3, 4, 8}) {
-    for (int variant = 0; variant < 5; ++variant) {
+    for (int variant = 0; variant < 6; ++variant) {
       RingCase c;
       c.world = world;
       Shape& s = c.shape;
@@ -140,6 +140,7 @@ std::vector<RingCase> ring_grid() {
         case 2: s.causal = true; s.window_left = 9; c.layout = Layout::zigzag; s.softcap = 3.0f; break;
         case 3: s.window_left = 7; s.window_right = 4; c.layout = Layout::contiguous; c.softmax_scale = 0.3f; break;
         case 4: s.causal = true; c.layout = Layout::contiguous; break;  // skipped steps without zigzag
+        case 5: s.causal = true; s.window_left = 5; c.layout = Layout::contiguous; break;  // the ring stops early
       }
       out.push_back(c);
       ++n;
@@ -233,11 +234,18 @@ TEST(RingSchedule, ZigzagCausalIsBalancedWithOneCallPerStep) {
 }
 
 TEST(RingSchedule, WindowSkipsStepsItEmpties) {
-  dist::RingSchedule sched(8, 800, Layout::contiguous, 30, 30);
-  const auto steps = sched.steps(4);
+  dist::RingSchedule both(8, 800, Layout::contiguous, 30, 30);
+  const auto steps = both.steps(4);
   int busy = 0;
   for (const auto& s : steps) busy += !s.empty();
-  EXPECT_EQ(busy, 3);  // its own shard and both neighbours'
+  EXPECT_EQ(busy, 3);  // its own shard and both neighbours' (the right one arrives at step P-1)
+  EXPECT_EQ(both.num_steps(), 8);
+  // Causal with a window of 150 over shards of 100: three steps, then dK/dV go 6 ranks on (2 back).
+  dist::RingSchedule left(8, 800, Layout::contiguous, 150, 0);
+  EXPECT_EQ(left.num_steps(), 3);
+  EXPECT_EQ(left.home_shift(), 6);
+  EXPECT_EQ(left.steps(0).size(), 3u);
+  EXPECT_EQ(dist::RingSchedule(4, 40, Layout::contiguous, 0, 0).home_shift(), 0);  // one step: already home
 }
 
 TEST(RingErrors, NameTheArgumentAndTheRule) {

@@ -20,16 +20,21 @@ CASES = [
     dict(causal=False, layout="contiguous"),
     dict(causal=True, layout="contiguous", window=(6, -1)),
     dict(causal=False, layout="zigzag", window=(5, 3), softcap=2.0, softmax_scale=0.4),
+    dict(causal=True, layout="contiguous", window=(3, -1)),  # the ring stops after 2 steps at P = 4
 ]
 
 
 def test_schedule_binding_covers_the_sequence_and_names_bad_arguments():
     for world, seqlen, layout in [(2, 9, "zigzag"), (3, 10, "contiguous"), (4, 33, "zigzag")]:
-        segments, steps = _C.ring_schedule(world, seqlen, layout, -1, 0, world - 1)
+        segments, steps, home = _C.ring_schedule(world, seqlen, layout, -1, 0, world - 1)
+        assert home == 1  # causal without a window: a full ring
         covered = sorted((g, g + n) for segs in segments for g, _, n in segs)
         assert covered[0][0] == 0 and covered[-1][1] == seqlen
         assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
         assert [src for src, _ in steps] == [(world - 1 - t) % world for t in range(world)]
+    # A causal window of 150 over shards of 100: three steps, then dK/dV go 6 ranks on (2 back).
+    _, steps, home = _C.ring_schedule(8, 800, "contiguous", 150, 0, 0)
+    assert (len(steps), home) == (3, 6)
     with pytest.raises(ValueError, match="seqlen_total"):
         _C.ring_schedule(4, 7, "zigzag", -1, 0, 0)
     with pytest.raises(ValueError, match="layout"):
@@ -69,7 +74,8 @@ def _worker(rank, world, init_file, seed):
     groups[world] = None  # the default group
     f32, bf16 = torch.float32, torch.bfloat16
     # (ranks, case, dtype): every case and P, both dtypes, in few runs (CI has 2 cores).
-    RUNS = [(4, 0, f32), (4, 1, bf16), (4, 2, f32), (2, 2, bf16), (2, 3, f32), (3, 0, bf16), (3, 3, f32), (3, 1, f32)]
+    RUNS = [(4, 0, f32), (4, 1, bf16), (4, 2, f32), (4, 4, f32), (2, 2, bf16), (2, 3, f32), (3, 0, bf16), (3, 3, f32),
+            (3, 4, bf16)]
     try:
         for p, i, dtype in RUNS:
             group = groups[p]
