@@ -43,6 +43,17 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 if [ "$WORLD" -lt 2 ]; then echo "needs at least 2 GPUs"; exit 1; fi
 
 if has build; then
+  # googletest: the system's, else one built from .deps/googletest (as tools/device_run.sh does).
+  GTEST_ARGS=()
+  if [ ! -f /usr/lib/x86_64-linux-gnu/cmake/GTest/GTestConfig.cmake ]; then
+    if [ ! -d /tmp/gtest/lib/cmake/GTest ] && [ -d .deps/googletest ]; then
+      step "googletest from .deps"
+      cmake -S .deps/googletest -B /tmp/gtest-build -G Ninja -DCMAKE_INSTALL_PREFIX=/tmp/gtest -DBUILD_GMOCK=OFF \
+        -DCMAKE_BUILD_TYPE=Release >/dev/null && cmake --build /tmp/gtest-build -j "$(nproc)" >/dev/null &&
+        cmake --install /tmp/gtest-build >/dev/null
+    fi
+    [ -d /tmp/gtest/lib/cmake/GTest ] && GTEST_ARGS=(-DGTest_ROOT=/tmp/gtest -DCMAKE_PREFIX_PATH=/tmp/gtest)
+  fi
   step "build (CUDA archs ${FM_ARCH:-90})"
   start=$(date +%s)
   PY_ARGS=()
@@ -50,7 +61,7 @@ if has build; then
     PY_ARGS=(-DFLASHMONOID_PYTHON=ON -DPython_EXECUTABLE="$(command -v python3)")
   fi
   cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="${FM_ARCH:-90}" \
-    -DFLASHMONOID_NCCL=ON "${PY_ARGS[@]}" >"$LOG/build.log" 2>&1 &&
+    -DFLASHMONOID_NCCL=ON "${GTEST_ARGS[@]}" "${PY_ARGS[@]}" >"$LOG/build.log" 2>&1 &&
     ninja -C $BUILD -j "$(nproc)" test_ring_nccl flashmonoid-ring-bench $([ ${#PY_ARGS[@]} -gt 0 ] && echo _C) \
       >>"$LOG/build.log" 2>&1
   rc=$?
