@@ -9,6 +9,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
@@ -16,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "dist/ring_schedule.hpp"
 #include "flashmonoid/flashmonoid.hpp"
 
 namespace nb = nanobind;
@@ -287,5 +289,44 @@ NB_MODULE(_C, m) {
       "(ok, reason): whether a backend of this build runs these inputs on their device, and why not.");
 
   m.def("cuda_available", &fm::cuda_available);
+
+  // The ring schedule (src/dist/ring_schedule.hpp) that flashmonoid.distributed runs over
+  // torch.distributed: the same steps, tasks and layers as the C++ ring.
+  using Seg = std::tuple<std::int64_t, std::int64_t, std::int64_t>;
+  using TaskT = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, int, int>;
+  using StepT = std::pair<int, std::vector<std::vector<TaskT>>>;
+  m.def(
+      "ring_schedule",
+      [](int world_size, std::int64_t seqlen_total, const std::string& layout, int window_left, int window_right,
+         int rank) {
+        if (layout != "zigzag" && layout != "contiguous")
+          throw fm::Error("layout", "must be 'zigzag' or 'contiguous', got '" + layout + "'");
+        const fm::dist::RingSchedule s(world_size, seqlen_total,
+                                       layout == "zigzag" ? fm::dist::Layout::zigzag : fm::dist::Layout::contiguous,
+                                       window_left, window_right);
+        if (rank < 0 || rank >= world_size)
+          throw fm::Error("rank", "must be in [0, " + std::to_string(world_size) + "), got " + std::to_string(rank));
+        std::vector<std::vector<Seg>> segments;
+        for (int r = 0; r < world_size; ++r) {
+          segments.emplace_back();
+          for (const auto& g : s.segments(r)) segments.back().emplace_back(g.global_begin, g.local_begin, g.length);
+        }
+        std::vector<StepT> steps;
+        for (const auto& st : s.steps(rank)) {
+          StepT out{st.src, {}};
+          for (const auto& layer : st.layers) {
+            out.second.emplace_back();
+            for (const auto& t : layer)
+              out.second.back().emplace_back(t.q_begin, t.q_end, t.k_begin, t.k_end, t.window_left, t.window_right);
+          }
+          steps.push_back(std::move(out));
+        }
+        return std::make_tuple(segments, steps, s.home_shift());
+      },
+      nb::arg("world_size"), nb::arg("seqlen_total"), nb::arg("layout"), nb::arg("window_left"),
+      nb::arg("window_right"), nb::arg("rank"),
+      "(segments, steps, home_shift): segments[r] = [(global_begin, local_begin, length)] of every rank; steps "
+      "of `rank`: [(src, layers)], each layer a list of tasks (q_begin, q_end, k_begin, k_end, window_left, "
+      "window_right); after the last step dK/dV go to rank + home_shift (0: already home).");
   m.attr("__version__") = FLASHMONOID_VERSION;
 }
