@@ -99,17 +99,33 @@ def _on_device(x):
     return contextlib.nullcontext()
 
 
-def forward(q, k, v, out, lse, options, alibi_slopes=None, varlen=None, num_splits=0):
-    """out, lse <- attention. varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
+def forward(q, k, v, out, lse, options, alibi_slopes=None, varlen=None, num_splits=0, block_table=None):
+    """out, lse <- attention. varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k); with a
+    block_table (paged varlen), k and v are pages (num_pages, page_size, h_k, d)."""
     with _on_device(q):
         ctx = context(q, num_splits)
         ws = None
-        if is_cuda(q):
+        if is_cuda(q) and block_table is None:
             ws = _workspace(q, _C.forward_workspace_size(q, k, options, *(varlen or ())))
         if varlen is None:
             _C.forward(q, k, v, out, lse, options, ctx, alibi_slopes, ws)
         else:
-            _C.forward_varlen(q, k, v, *varlen, out, lse, options, ctx, alibi_slopes, ws)
+            _C.forward_varlen(q, k, v, *varlen, out, lse, options, ctx, alibi_slopes, ws, block_table)
+
+
+def forward_kvcache(q, k_cache, v_cache, k_new, v_new, cos, sin, interleaved, seqlens, seqlen, batch_idx, leftpad,
+                    block_table, out, lse, options, alibi_slopes=None, num_splits=0):
+    """out, lse <- attention over the KV cache after appending k_new, v_new into it in place
+    (flashmonoid::forward_kvcache). seqlens: int32 (b) array or None, then seqlen (an int, -1 = full)."""
+    with _on_device(q):
+        ctx = context(q, num_splits)
+        ws = None
+        if is_cuda(q):
+            ws = _workspace(q, _C.forward_kvcache_workspace_size(q, k_cache, v_cache, k_new, cos, sin, interleaved,
+                                                                 seqlens, seqlen, batch_idx, leftpad, block_table,
+                                                                 options))
+        _C.forward_kvcache(q, k_cache, v_cache, k_new, v_new, cos, sin, interleaved, seqlens, seqlen, batch_idx,
+                           leftpad, block_table, out, lse, options, ctx, alibi_slopes, ws)
 
 
 def backward(dout, q, k, v, out, lse, dq, dk, dv, options, alibi_slopes=None, varlen=None):

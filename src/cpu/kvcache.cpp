@@ -71,7 +71,7 @@ void forward_kvcache(const KvCacheCall& c, bool reference, int num_threads) {
       for (int i = 0; i < p.seqlen_q; ++i)
         for (int hq = 0; hq < p.h; ++hq)
           rotate_row(c.rotary, p.dtype, p.q, detail::offset_of(p.q_stride, b, i, hq), q_rotated.data(),
-                     detail::offset_of(dense, b, i, hq), p.d, detail::rotary_query_position(held, i, c.rotary.per_row));
+                     detail::offset_of(dense, b, i, hq), p.d, detail::rotary_query_position(held, i, c.rotary.per_row, c.rotary.seqlen));
     }
     p.q = q_rotated.data();
     p.q_stride = dense;

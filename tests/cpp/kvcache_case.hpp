@@ -212,7 +212,9 @@ struct KvProblem {
   struct Expected {
     std::vector<double> out, lse;  // out (b, s_q, h, d); lse (b, h, s_q)
   };
-  Expected expected(flashmonoid::cpu::Precision prec) const {
+  // fp32_out: q, k, v copied exactly into fp32 first, so that the float64 oracle's output is not
+  // rounded to a 16-bit dtype.
+  Expected expected(flashmonoid::cpu::Precision prec, bool fp32_out = false) const {
     auto [kc, vc] = expected_cache();
     std::vector<int> cu_k(s.b + 1, 0);
     for (int i = 0; i < s.b; ++i) cu_k[i + 1] = cu_k[i] + held[i] + s.s_new - lp[i];
@@ -239,7 +241,13 @@ struct KvProblem {
       ck.view.ptr<int>()[i] = cu_k[i];
     }
     flashmonoid::Varlen vl{cq.view, ck.view, s.s_q, capacity};
-    HostTensor o(s.dtype, {total_q, s.h, s.d}), l(DType::f32, {s.h, total_q});
+    if (fp32_out)
+      for (HostTensor* t : {&qp, &kp, &vp}) {
+        HostTensor f(DType::f32, std::vector<std::int64_t>(t->view.shape, t->view.shape + t->view.ndim));
+        for (std::int64_t i = 0; i < t->numel(); ++i) f.set(i, t->get(i));
+        *t = std::move(f);
+      }
+    HostTensor o(qp.view.dtype, {total_q, s.h, s.d}), l(DType::f32, {s.h, total_q});
     o.poison();
     l.poison();
     auto p = flashmonoid::detail::make_fwd_params(qp.view, kp.view, vp.view, o.view, l.view, opt, &vl);

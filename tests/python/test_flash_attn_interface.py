@@ -174,18 +174,6 @@ def test_kvcache_batch_idx_and_int_seqlens():
                                                                v_cache[r:r + 1, :5]).float())
 
 
-def test_unbuilt_features_raise_not_implemented():
-    q, k, v = rand(4, 2, 16), rand(4, 2, 16), rand(4, 2, 16)
-    cu = torch.tensor([0, 4], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="block_table"):
-        fa.flash_attn_varlen_func(q, k, v, cu, cu, 4, 4, block_table=torch.zeros(1, 1, dtype=torch.int32))
-    kc = torch.randn(1, 8, 2, 16)
-    with pytest.raises(NotImplementedError, match="block_table"):
-        fa.flash_attn_with_kvcache(q[None], kc, kc, block_table=torch.zeros(1, 1, dtype=torch.int32))
-    with pytest.raises(NotImplementedError, match="rotary"):
-        fa.flash_attn_with_kvcache(q[None], kc, kc, rotary_cos=torch.ones(8, 8), rotary_sin=torch.ones(8, 8))
-
-
 def _q(*shape, dtype=torch.float16):
     return torch.zeros(*shape, dtype=dtype)
 

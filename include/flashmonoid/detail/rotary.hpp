@@ -29,8 +29,12 @@ FM_HD void rotate(float x_a, float x_b, float c, float s, float* y_a, float* y_b
 
 // Position of query row i of a KV-cache call whose sequence held cache_rows rows before the
 // append: flash-attn's rule, per row when the call is causal or windowed, else the same for all.
-FM_HD std::int64_t rotary_query_position(std::int64_t cache_rows, std::int64_t i, bool per_row) {
-  return cache_rows + (per_row ? i : 0);
+// cos/sin hold `positions` rows (at least the cache's capacity); a query past them (more queries
+// than appended keys, in a full cache) takes the last row instead of reading past the table.
+FM_HD std::int64_t rotary_query_position(std::int64_t cache_rows, std::int64_t i, bool per_row,
+                                         std::int64_t positions) {
+  const std::int64_t pos = cache_rows + (per_row ? i : 0);
+  return pos < positions ? pos : positions - 1;
 }
 
 }  // namespace flashmonoid::detail
