@@ -12,10 +12,12 @@ Behaviour that differs, on purpose:
     raises flashmonoid.NotSupportedError (a NotImplementedError) naming the reason.
   * Dropout draws its Philox seed from torch's default CPU generator; the mask is flashmonoid's
     (detail/philox.hpp), not flash-attn's, so the same seed drops different elements.
-  * return_attn_probs: S_dmask is (batch, nheads, seqlen_q, seqlen_k) (flash-attn pads both
-    lengths to multiples of 128 on CUDA), or for varlen (batch, nheads, max_seqlen_q,
-    max_seqlen_k), zero-padded; computed by materialising the scores (testing only, as upstream).
-    As upstream, it is an empty tensor when dropout_p == 0.
+  * return_attn_probs: S_dmask holds flash-attn's exp(score - row max), negated where dropped,
+    with the whole row's max (flash-attn's test decodes it exactly when a row is one key block;
+    here for any length); shape (batch, nheads, seqlen_q, seqlen_k) (flash-attn pads both lengths
+    to multiples of 128 on CUDA), or for varlen (batch, nheads, max_seqlen_q, max_seqlen_k),
+    zero-padded; vectorised torch on the inputs' device (_attn_probs.py). As upstream, it is an
+    empty tensor when dropout_p == 0.
   * softmax_lse carries no gradient (upstream ignores it in backward too).
   * flash_attn_with_kvcache and flash_attn_varlen_func(block_table=...) take any page size
     (flash-attn: multiples of 256), any even rotary dim (flash-attn: multiples of 16), and leftpad
@@ -29,7 +31,7 @@ from typing import Optional, Union
 
 import torch
 
-from . import _reference, torch_ops
+from . import _attn_probs, torch_ops
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -86,14 +88,14 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_p):
     _require(tuple(cu_seqlens_k.shape) == (batch_size + 1,), "cu_seqlens_k must have shape (batch_size + 1)")
 
 
-def _s_dmask(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng, cu_q=None, cu_k=None):
+def _s_dmask(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng, cu_q=None, cu_k=None,
+             max_q=0, max_k=0):
     if dropout_p <= 0:
         return torch.empty((0,), dtype=q.dtype, device=q.device)
     o = dict(scale=softmax_scale, causal=causal, window_left=window_size[0], window_right=window_size[1],
              softcap=softcap, alibi=alibi_slopes, dropout_p=dropout_p, seed=int(rng[0]), offset=int(rng[1]))
     with torch.no_grad():
-        p = _reference.probabilities(q.detach().float(), k.detach().float(), o, cu_q, cu_k)
-    return p.to(q.dtype)
+        return _attn_probs.s_dmask(q.detach(), k.detach(), o, cu_q, cu_k, max_q, max_k)
 
 
 def _scale(q, softmax_scale):
@@ -125,7 +127,7 @@ def _attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     if not return_attn_probs:
         return out
     return out, lse, _s_dmask(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng,
-                              cu_seqlens_q, cu_seqlens_k)
+                              cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
 
 def _attn_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,

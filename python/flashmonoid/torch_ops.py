@@ -344,15 +344,35 @@ def _(outs, lses):
 # Python-level entry points with defaults resolved (used by flashmonoid.attention and friends)
 
 
+# The CUDA kernels move rows in 16-byte vectors, so their head dims are multiples of 8; as
+# flash-attn does, other head dims are zero-padded here (exact: zero features add nothing to q·kᵀ,
+# and the padded output columns, zero, are sliced off). Cost: one padded copy of each input, plus
+# autograd's slice of the gradients; for forward_kvcache a padded copy of the whole cache and a
+# copy back (as flash-attn), O(cache) per call. The scale stays 1/sqrt(d) of the true head dim.
+_HEAD_DIM_MULTIPLE = 8
+
+
+def _needs_pad(x):
+    return x.is_cuda and x.shape[-1] % _HEAD_DIM_MULTIPLE != 0
+
+
+def _pad(x):
+    return None if x is None else torch.nn.functional.pad(x, (0, -x.shape[-1] % _HEAD_DIM_MULTIPLE))
+
+
 def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None,
               dropout_p=0.0, deterministic=False, rng=None):
     """(out, lse) for torch tensors, differentiable in q, k and v."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if rng is None:
         rng = new_rng(dropout_p)
+    d = q.shape[-1]
+    if _needs_pad(q):
+        q, k, v = _pad(q), _pad(k), _pad(v)
     op = _fwd_impl if _eager(q, k, v, alibi_slopes) else fwd
-    return op(q, k, v, scale, bool(causal), int(window[0]), int(window[1]), float(softcap), alibi_slopes,
-              float(dropout_p), rng, bool(deterministic))
+    out, lse = op(q, k, v, scale, bool(causal), int(window[0]), int(window[1]), float(softcap), alibi_slopes,
+                  float(dropout_p), rng, bool(deterministic))
+    return out[..., :d], lse
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
@@ -361,18 +381,27 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if rng is None:
         rng = new_rng(dropout_p)
+    d = q.shape[-1]
+    if _needs_pad(q):
+        q, k, v = _pad(q), _pad(k), _pad(v)
     op = _fwd_varlen_impl if _eager(q, k, v, alibi_slopes) else fwd_varlen
-    return op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal),
-              int(window[0]), int(window[1]), float(softcap), alibi_slopes, float(dropout_p), rng, bool(deterministic))
+    out, lse = op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal),
+                  int(window[0]), int(window[1]), float(softcap), alibi_slopes, float(dropout_p), rng,
+                  bool(deterministic))
+    return out[..., :d], lse
 
 
 def attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, *,
                            causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None):
     """(out, lse) of packed q over paged k, v (num_pages, page_size, h_k, d); forward only."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    d = q.shape[-1]
+    if _needs_pad(q):
+        q, k, v = _pad(q), _pad(k), _pad(v)
     op = _fwd_varlen_paged_impl if _eager(q, k, v, alibi_slopes) else fwd_varlen_paged
-    return op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), block_table, scale,
-              bool(causal), int(window[0]), int(window[1]), float(softcap), alibi_slopes)
+    out, lse = op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), block_table, scale,
+                  bool(causal), int(window[0]), int(window[1]), float(softcap), alibi_slopes)
+    return out[..., :d], lse
 
 
 def attention_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
@@ -385,12 +414,21 @@ def attention_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, r
         seqlens, seqlen = None, cache_seqlens
     else:
         seqlens, seqlen = cache_seqlens, -1
+    d = q.shape[-1]
+    caches = None
+    if _needs_pad(q):  # rotary pairs stay within the first rotary_dim <= d features: unaffected
+        caches = (k_cache, v_cache)
+        q, k, v, k_cache, v_cache = _pad(q), _pad(k), _pad(v), _pad(k_cache), _pad(v_cache)
     tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, cache_batch_idx, cache_leftpad,
                block_table, alibi_slopes)
     op = _fwd_kvcache_impl if _eager(*tensors) else fwd_kvcache
-    return op(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, seqlen, cache_batch_idx, cache_leftpad,
-              block_table, alibi_slopes, scale, bool(causal), int(window[0]), int(window[1]), float(softcap),
-              bool(rotary_interleaved), int(num_splits))
+    out, lse = op(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, seqlen, cache_batch_idx,
+                  cache_leftpad, block_table, alibi_slopes, scale, bool(causal), int(window[0]), int(window[1]),
+                  float(softcap), bool(rotary_interleaved), int(num_splits))
+    if caches is not None and k is not None:  # the append went into the padded copies
+        caches[0].copy_(k_cache[..., :d])
+        caches[1].copy_(v_cache[..., :d])
+    return out[..., :d], lse
 
 
 __all__ = ["fwd", "bwd", "fwd_varlen", "bwd_varlen", "fwd_varlen_paged", "fwd_kvcache", "merge", "attention",
