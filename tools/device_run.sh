@@ -53,12 +53,15 @@ step "compute-sanitizer (memcheck, racecheck) on small cases"
 # merge. Backward: odd seqlens and varlen, the boundary paths.
 SAN_FWD=${FM_SANITIZE_FWD:-'Grid/CudaForward.*/case0:Grid/CudaForward.*/case1:Grid/CudaForward.*/case3:Grid/CudaForward.*/case25:Decode/CudaSplitKV.*/case0:CudaDropout.*:CudaMerge.*'}
 SAN_BWD=${FM_SANITIZE_BWD:-'CudaBackward.SeqlensBothWays:CudaBackward.Varlen'}
+# KV cache: out-of-range seqlens / pages / batch indices (clamped, never dereferenced) and pages.
+SAN_KV=${FM_SANITIZE_KV:-'KvCacheCuda.DeviceOnlyValuesOutOfRangeAreClamped:KvCacheCuda.Layouts'}
 for tool in memcheck racecheck; do
-  for t in fwd bwd; do
+  for t in fwd bwd kvcache; do
     bin="$BUILD/tests/cpp/test_${t}_cuda"
     [ -x "$bin" ] || continue
     filter=$SAN_FWD
     [ $t = bwd ] && filter=$SAN_BWD
+    [ $t = kvcache ] && filter=$SAN_KV
     timeout ${FM_SANITIZER_TIMEOUT:-120} compute-sanitizer --tool $tool --error-exitcode 3 "$bin" \
       --gtest_filter="$filter" >"$LOG/sanitizer_${tool}_$t.log" 2>&1
     rc=$?

@@ -7,6 +7,7 @@
 
 #include "api/params.hpp"
 #include "common/check.cuh"
+#include "common/device_guard.cuh"
 #include "common/mma_sm80.cuh"
 #include "cuda_backend.hpp"
 #include "flashmonoid/detail/monoid.hpp"
@@ -23,24 +24,6 @@ namespace {
 constexpr int kVectorBytes = 16;
 constexpr int kMaxHeadDim = 256;
 constexpr int kMinMajor = 8;  // mma.sync m16n8k16 with bf16, cp.async, ldmatrix: sm80 and later
-
-// Makes p.device current for the duration of a call and restores the caller's device.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    FM_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device) FM_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceGuard() {
-    int now = 0;
-    if (cudaGetDevice(&now) == cudaSuccess && now != previous_) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-};
 
 int num_sms(int device) {
   int n = 0;
@@ -99,10 +82,15 @@ void check_fwd_pointers(const detail::FwdParams& p) {
   check_pointer(p.cu_seqlens_q, "cu_seqlens_q", dev, sizeof(int));
   check_pointer(p.cu_seqlens_k, "cu_seqlens_k", dev, sizeof(int));
   check_pointer(p.alibi, "options.alibi_slopes", dev, sizeof(float));
+  check_pointer(p.kv.seqlens, "seqlens", dev, sizeof(int));
+  check_pointer(p.kv.leftpad, "leftpad", dev, sizeof(int));
+  check_pointer(p.kv.batch_idx, "batch_idx", dev, sizeof(int));
+  check_pointer(p.kv.block_table, "block_table", dev, sizeof(int));
   const bool varlen = p.cu_seqlens_q != nullptr;
+  const bool packed_kv = varlen && p.kv.block_table == nullptr;  // pages step by their batch stride
   check_strides(p.q_stride, "q", p.batch, p.h, varlen);
-  check_strides(p.k_stride, "k", p.batch, p.h_k, varlen);
-  check_strides(p.v_stride, "v", p.batch, p.h_k, varlen);
+  check_strides(p.k_stride, "k", p.batch, p.h_k, packed_kv);
+  check_strides(p.v_stride, "v", p.batch, p.h_k, packed_kv);
   check_strides(p.o_stride, "out", p.batch, p.h, varlen);
 }
 
@@ -237,6 +225,10 @@ std::string unsupported_reason(const detail::FwdParams& p) {
 }
 
 void check_pointers(const detail::FwdParams& p) { check_fwd_pointers(p); }
+
+void check_device_pointer(const void* ptr, const char* name, int device, int align) {
+  check_pointer(ptr, name, device, align);
+}
 
 void check_pointers(const detail::BwdParams& p) {
   check_fwd_pointers(p);

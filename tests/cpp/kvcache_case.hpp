@@ -21,6 +21,7 @@ struct KvShape {
   int capacity = 64;   // rows per sequence (paged: rounded up to whole pages)
   bool batch_idx = false, leftpad = false;
   bool seqlens_tensor = true;  // false: one host int (every sequence holds the same rows)
+  bool full = false;           // every sequence full after the append
   int rotary_dim = 0;
   bool interleaved = true;
   bool causal = false;
@@ -77,7 +78,7 @@ struct KvProblem {
     lp.assign(s.b, 0);
     const int common = uniform_int(0, capacity - s.s_new);
     for (int i = 0; i < s.b; ++i) {
-      held[i] = s.seqlens_tensor ? uniform_int(0, capacity - s.s_new) : common;
+      held[i] = s.full ? capacity - s.s_new : s.seqlens_tensor ? uniform_int(0, capacity - s.s_new) : common;
       if (s.leftpad) lp[i] = uniform_int(0, held[i]);
     }
     const std::int64_t rows_phys = paged ? s.page_size : capacity;
@@ -226,7 +227,8 @@ struct KvProblem {
         for (int r = 0; r < s.s_q; ++r)
           for (int hq = 0; hq < s.h; ++hq)
             rotate_host_row(qp, ((static_cast<std::int64_t>(i) * s.s_q + r) * s.h + hq) * s.d, s.d, cos, sin,
-                            s.rotary_dim, s.interleaved, held[i] + (rotary_per_row() ? r : 0));
+                            s.rotary_dim, s.interleaved,
+                            flashmonoid::detail::rotary_query_position(held[i], r, rotary_per_row(), capacity));
     for (int i = 0; i < s.b; ++i)
       for (int j = 0; j < cu_k[i + 1] - cu_k[i]; ++j)
         for (int hk = 0; hk < s.h_k; ++hk)

@@ -149,6 +149,18 @@ TEST(KvCache, HeadDimsAndGroups) {
   }
 }
 
+TEST(KvCache, QueryPositionsPastTheRotaryTableTakeItsLastRow) {
+  // A full cache, 4 queries, 1 appended key, causal: queries 1..3 sit past the cos/sin rows.
+  KvShape s = base(64, DType::bf16);
+  s.full = true;
+  s.s_q = 4;
+  s.s_new = 1;
+  s.causal = true;
+  s.rotary_dim = 64;
+  s.page_size = 3;
+  run_case(s);
+}
+
 TEST(KvCache, WindowPastTheCacheIsNoWindow) {
   // flash-attn's normalisation: window_left >= capacity is unbounded, so rotary positions are the
   // non-windowed ones (every query at seqlens) when the call is not causal.

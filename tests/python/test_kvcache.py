@@ -106,7 +106,8 @@ class Case:
             kn = self.k[i].double() if self.k is not None else keys[:0]
             if self.cos is not None:
                 kn = rope(kn, self.cos.cpu(), self.sin.cpu(), torch.arange(n, n + self.s_new), self.interleaved)
-                pos = torch.arange(n, n + s_q) if per_row else torch.full((s_q,), n)
+                # Queries past the cos/sin table take its last row (kvcache.hpp).
+                pos = (torch.arange(n, n + s_q) if per_row else torch.full((s_q,), n)).clamp(max=self.cos.shape[0] - 1)
                 q = rope(q.cpu(), self.cos.cpu(), self.sin.cpu(), pos, self.interleaved)
             dev, dt = self.q.device, self.q.dtype
             new_k.append(kn.to(device=dev, dtype=dt))
