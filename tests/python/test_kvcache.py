@@ -257,3 +257,20 @@ def test_kvcache_rotary_positions_checked():
         fa.flash_attn_with_kvcache(torch.zeros(1, 1, 2, 8), torch.zeros(1, 8, 2, 8), torch.zeros(1, 8, 2, 8),
                                    torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 2, 8), rotary_cos=torch.ones(7, 4),
                                    rotary_sin=torch.ones(7, 4), cache_seqlens=1)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and a CUDA build")
+@pytest.mark.parametrize("d", [59, 111])
+def test_head_dims_not_a_multiple_of_8_run_on_cuda(d):
+    # Zero-padded to a multiple of 8 in torch_ops (exact), in every function, the cache included.
+    check(Case("cuda", torch.bfloat16, d=d, page=16, rotary_dim=32, seed=7), causal=True)
+    check(Case("cuda", torch.float16, d=d, batch_idx=True, seed=8), causal=False)
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(2, 37, 4, d, generator=g).to("cuda", torch.bfloat16).requires_grad_() for _ in range(3))
+    out = fa.flash_attn_func(q, k, v, causal=True)
+    ref = ref_attention(q, k, v, causal=True)
+    low = ref_attention(q, k, v, causal=True, upcast=False)
+    assert out.shape == q.shape
+    assert (out.double() - ref).abs().max() <= 2 * (low.double() - ref).abs().max()
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert dq.shape == q.shape and not dq.isnan().any()
