@@ -206,6 +206,15 @@ def test_kvcache_compiles_without_graph_breaks():
     assert torch.equal(kc2.nan_to_num(), kc.nan_to_num()) and torch.equal(vc2.nan_to_num(), vc.nan_to_num())
 
 
+def test_kvcache_opcheck():
+    # Schema (k_cache, v_cache mutated), fake kernel, autograd registration, AOT dispatch.
+    case = Case("cpu", torch.float32, page=3, rotary_dim=16, leftpad=True, seed=11)
+    kc, vc = case.k_cache.nan_to_num(), case.v_cache.nan_to_num()
+    args = (case.q, kc, vc, case.k, case.v, case.cos, case.sin, case.seqlens, -1, None, case.leftpad,
+            case.block_table, None, 32 ** -0.5, True, -1, -1, 0.0, True, 0)
+    torch.library.opcheck(torch.ops.flashmonoid.fwd_kvcache.default, args)
+
+
 @pytest.mark.parametrize("device,dtype", CONFIGS)
 @pytest.mark.parametrize("page", [1, 5, 16])
 def test_varlen_with_block_table(device, dtype, page):
