@@ -208,7 +208,7 @@ TEST(KvCacheCuda, DeviceOnlyValuesOutOfRangeAreClamped) {
     s.s_new = 2;
     s.rotary_dim = 64;
     KvProblem pb(s);
-    DeviceKv d(pb, 0);
+    DeviceKv d(pb, 3);  // workspace for 3 splits: the split path runs on the clamped values too
     HostTensor bad_lens = pb.seqlens, bad_lp = pb.leftpad, bad_table = pb.block_table, bad_idx = pb.batch_idx;
     const int lens[] = {1 << 30, -7, pb.capacity};
     std::memcpy(bad_lens.buf.data(), lens, sizeof(lens));  // (a copy's view still points at the original)

@@ -21,7 +21,7 @@ def rope(x, cos, sin, pos, interleaved):
     """x (n, heads, d) rotated at positions pos (n,), in float64 (flash-attn's apply_rotary_emb)."""
     x = x.double().clone()
     half = cos.shape[1]
-    c, s = cos[pos].double()[:, None, :], sin[pos].double()[:, None, :]
+    c, s = cos[pos].double()[:, None, :].to(x.device), sin[pos].double()[:, None, :].to(x.device)
     a_idx = torch.arange(0, 2 * half, 2) if interleaved else torch.arange(half)
     b_idx = a_idx + 1 if interleaved else a_idx + half
     a, b = x[..., a_idx].clone(), x[..., b_idx].clone()
@@ -37,7 +37,7 @@ class Case:
                  leftpad=False, rotary_dim=0, interleaved=True, seed=0):
         g = torch.Generator().manual_seed(seed)
         rnd = lambda *shape: torch.randn(*shape, generator=g).to(device=device, dtype=dtype)  # noqa: E731
-        self.page, self.s_new = page, s_new
+        self.page, self.s_new, self.device = page, s_new, device
         if page:
             self.max_pages = -(-capacity // page)
             capacity = self.max_pages * page
@@ -70,7 +70,8 @@ class Case:
         self.interleaved = interleaved
 
     def where(self, i, rows):
-        """(slot, row) of sequence i's cache rows."""
+        """(slot, row) of sequence i's cache rows, on the cache's device."""
+        rows = rows.to(self.device)
         if self.page:
             return self.block_table[i].long()[rows // self.page], rows % self.page
         slot = int(self.batch_idx[i]) if self.batch_idx is not None else i
@@ -231,7 +232,7 @@ def test_varlen_with_block_table(device, dtype, page):
     kp = torch.full((3 * max_pages + 1, page, h_k, d), float("nan"), dtype=dtype, device=device)
     vp = kp.clone()
     for i in range(3):
-        rows = torch.arange(lens_k[i])
+        rows = torch.arange(lens_k[i], device=device)
         kp[table[i].long()[rows // page], rows % page] = k[cu_k[i]:cu_k[i + 1]]
         vp[table[i].long()[rows // page], rows % page] = v[cu_k[i]:cu_k[i + 1]]
     out = fa.flash_attn_varlen_func(q, kp, vp, cu_q, cu_k, 6, 20, causal=True, block_table=table)
