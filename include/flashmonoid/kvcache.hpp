@@ -19,7 +19,9 @@
 // and <= d, s_ro >= capacity; the first rotary_dim features of q and k_new rotate, the rest pass.
 // Positions are absolute cache rows: new key t at seqlens[i] + t; query row j at seqlens[i] + j
 // when the call is causal or windowed, otherwise every query at seqlens[i] (flash-attn's rule).
-// Rotated values are rounded to the input dtype (they are stored in the cache, as flash-attn).
+// Rotated values are rounded to the input dtype (they are stored in the cache, as flash-attn). A
+// query position past the last cos/sin row (more queries than appended keys in a full cache) takes
+// that last row.
 //
 // Windows of at least the capacity are unbounded (flash-attn's normalisation, which also decides
 // the rotary rule above). Dropout is not available here.
