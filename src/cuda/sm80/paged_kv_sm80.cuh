@@ -2,7 +2,7 @@
 // paged varlen). A contiguous cache (with or without a batch index) keeps load_rows_async's one
 // pointer and stride per thread; a paged cache gathers each row through the block table
 // (detail::kv_offset), still one 16-byte cp.async per (row, chunk), so any page size >= 1 works
-// and a row never straddles pages. Rows at or past rows_valid are zero-filled without reading the
+// and a row never straddles pages; a tile that lies inside one page takes one lookup. Rows at or past rows_valid are zero-filled without reading the
 // block table, so an entry past a sequence's last page is never touched; page numbers read from
 // the table are clamped to [0, num_pages) by kv_offset.
 #pragma once
@@ -23,6 +23,14 @@ __device__ __forceinline__ void load_kv_rows_async(T* smem, const detail::FwdPar
                                                    int key0, int rows_valid) {
   if (p.kv.block_table == nullptr) {
     load_rows_async<kRows, kCols, kThreads>(smem, seq + static_cast<std::int64_t>(key0) * st.row, st.row, rows_valid,
+                                            p.d);
+    return;
+  }
+  // A tile inside one page (pages of at least kRows rows, aligned or not) is one strided copy after
+  // one lookup. rows_valid > 0 keeps the lookup within the sequence's pages.
+  const std::int64_t first = row0 + key0;
+  if (rows_valid > 0 && first % p.kv.page_size + kRows <= p.kv.page_size) {
+    load_rows_async<kRows, kCols, kThreads>(smem, base + detail::kv_offset(p, st, b, first, hk), st.row, rows_valid,
                                             p.d);
     return;
   }
