@@ -2,7 +2,6 @@
 // reference on the gathered keys bit for bit (addressing, append, rotary positions, masks), the
 // flash path meets the FlashAttention error rule, the cache holds exactly the appended rows
 // afterwards, and every host-visible rule has a clear error.
-#include <functional>
 
 #include "kvcache_case.hpp"
 
@@ -11,7 +10,6 @@ namespace {
 
 using flashmonoid::Context;
 using flashmonoid::CpuAlgorithm;
-using flashmonoid::Error;
 using flashmonoid::cpu::Precision;
 
 void run_case(const KvShape& shape) {
