@@ -7,7 +7,8 @@ JSON list of records {impl, pass, dtype, hdim, causal, batch, nheads, nheads_k, 
 ms, tflops | tbps, device}. Usage: peers.py OUT.json
 Environment (to fit a short device lease): FM_PEERS_NO_BWD=1 times the forward only;
 FM_PEERS_IMPLS=torch_flash,torch_cudnn keeps those backends only; FM_PEERS_DECODE_ONLY=1 skips
-the training shapes. Decoding is timed twice: per call (events) and as CUDA-graph replays (graph)."""
+the training shapes; FM_PEERS_KVCACHE=1 adds cuDNN on issue 10's KV-cache decoding shapes.
+Decoding is timed twice: per call (events) and as CUDA-graph replays (graph)."""
 import json
 import os
 import sys
@@ -150,6 +151,31 @@ def decode(out):
             del q, k, v
 
 
+def kvcache_decode(out):
+    """Issue 10's decoding shapes for the cuDNN peer: SDPA over a contiguous cache, no append, no
+    rotary (what it can do), graph-replayed; records as gpu_bench's pass "decode"."""
+    h, hk, d = 32, 8, 128
+    for b in (1, 8, 32, 64):
+        for sk in (4096, 32768, 131072):
+            kv_bytes = 2 * b * hk * sk * d * 2
+            if kv_bytes > 60 * 2**30:
+                continue
+            q = torch.randn(b, h, 1, d, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(b, hk, sk, d, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            call = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+            try:
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    ms = graph_ms(call)
+            except RuntimeError as e:
+                print(f"torch_cudnn kvcache decode b{b} sk{sk}: {str(e).splitlines()[0]}", file=sys.stderr)
+                continue
+            out.append(rec("torch_cudnn", "decode", d, False, b, h, hk, 1, sk, ms, "tbps", kv_bytes / ms / 1e9))
+            out[-1].update(page_size=0, append=False, rotary=False, timing="graph")
+            print(json.dumps(out[-1]), file=sys.stderr)
+            del q, k, v
+
+
 def memory(out):
     b, h, d, s = 1, 16, 64, 65536
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -175,6 +201,8 @@ def main():
     if os.environ.get("FM_PEERS_DECODE_ONLY", "0") == "0":
         train(out)
     decode(out)
+    if os.environ.get("FM_PEERS_KVCACHE", "0") != "0":
+        kvcache_decode(out)
     memory(out)
     with open(sys.argv[1], "w") as f:
         json.dump(out, f, indent=1)

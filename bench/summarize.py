@@ -91,6 +91,26 @@ def markdown(recs):
               f"{g('torch_cudnn'):.2f} | {share} | {'' if host is None else f'{host:.1f}'} |")
     if copy:
         print(f"\nCopy ceiling (device-to-device, bytes read + written): {copy:.2f} TB/s.")
+    kvcache(recs, copy)
+
+
+def kvcache(recs, copy):
+    """Issue 10's KV-cache decoding records (pass "decode"): TB/s of K/V, its share of the copy
+    ceiling, paged against contiguous (same append/rotary/s_q), and cuDNN on the plain read."""
+    dec = [r for r in recs if r.get("pass") == "decode"]
+    if not dec:
+        return
+    key = lambda r: (r["batch"], r["seqlen_k"], r["seqlen_q"], r["append"], r["rotary"])  # noqa: E731
+    contiguous = {key(r): r["tbps"] for r in dec if r["impl"] == "flashmonoid" and r["page_size"] == 0}
+    cudnn = {(r["batch"], r["seqlen_k"]): r["tbps"] for r in dec if r["impl"] == "torch_cudnn"}
+    print("\n| KV cache (graph) | s_q | page | append+rotary | TB/s | / copy | / contiguous | cudnn TB/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in sorted((r for r in dec if r["impl"] == "flashmonoid"),
+                    key=lambda r: (r["batch"], r["seqlen_k"], r["seqlen_q"], r["page_size"], r["append"])):
+        base = contiguous.get(key(r))
+        print(f"| b={r['batch']}, s_k={r['seqlen_k'] // 1024}k | {r['seqlen_q']} | {r['page_size']} | "
+              f"{'yes' if r['append'] else 'no'} | {r['tbps']:.2f} | {r['tbps'] / copy if copy else float('nan'):.0%} | "
+              f"{r['tbps'] / base if base else float('nan'):.2f} | {cudnn.get((r['batch'], r['seqlen_k']), float('nan')):.2f} |")
 
 
 if __name__ == "__main__":

@@ -77,14 +77,18 @@ step "compute-sanitizer (memcheck, racecheck, synccheck) on small cases"
 SAN_FWD=${FM_SANITIZE_FWD:-'Grid/CudaForward.*/sm80_case0:Grid/CudaForward.*/sm80_case1:Grid/CudaForward.*/sm80_case3:Grid/CudaForward.*/sm80_case25:Decode/CudaSplitKV.*/case0:CudaDropout.*:CudaMerge.*:Hopper/CudaForward.*/sm90_case0:Hopper/CudaForward.*/sm90_case1:Hopper/CudaForward.*/sm90_case8:Hopper/CudaForward.*/sm90_case9:Hopper/CudaForward.*/sm90_case13:Grid/CudaForward.*/sm90_case21'}
 SAN_SYNC=${FM_SANITIZE_SYNC:-'Hopper/CudaForward.*/sm90_case0:Hopper/CudaForward.*/sm90_case7:Grid/CudaForward.*/sm90_case21'}
 SAN_BWD=${FM_SANITIZE_BWD:-'CudaBackward.SeqlensBothWays:CudaBackward.Varlen'}
+# KV cache: out-of-range seqlens / pages / batch indices (clamped, never dereferenced) and pages.
+SAN_KV=${FM_SANITIZE_KV:-'KvCacheCuda.DeviceOnlyValuesOutOfRangeAreClamped:KvCacheCuda.Layouts'}
 for tool in memcheck racecheck synccheck; do
-  for t in fwd bwd; do
+  for t in fwd bwd kvcache; do
     bin="$BUILD/tests/cpp/test_${t}_cuda"
     [ -x "$bin" ] || continue
-    [ $tool = synccheck ] && [ $t = bwd ] && continue
+    [ $tool = synccheck ] && [ $t != fwd ] && continue
     [ $t = bwd ] && [ "$SAN_BWD" = none ] && continue
+    [ $t = kvcache ] && [ "$SAN_KV" = none ] && continue
     filter=$SAN_FWD
     [ $t = bwd ] && filter=$SAN_BWD
+    [ $t = kvcache ] && filter=$SAN_KV
     [ $tool = synccheck ] && filter=$SAN_SYNC
     timeout ${FM_SANITIZER_TIMEOUT:-120} compute-sanitizer --tool $tool --error-exitcode 3 "$bin" \
       --gtest_filter="$filter" >"$LOG/sanitizer_${tool}_$t.log" 2>&1

@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -254,6 +255,102 @@ void sweep_decode_splits(int b, int sk) {
   }
 }
 
+// KV-cache decoding through forward_kvcache (issue 10's bars): 32 query heads over 8 KV heads,
+// hdim 128, bf16; the cache holds s_k keys after the call (s_k - s_new before it, s_new = s_q when
+// appending). page 0 = contiguous cache, else pages of that many rows under a shuffled block table.
+// tbps counts the K/V bytes the attention reads (2 · b · s_k · h_k · d · 2), next to the device's
+// copy bandwidth measured in the same run.
+struct KvDecode {
+  static constexpr int h = 32, hk = 8, d = 128;
+  int b, sk, page, sq;
+  bool append, rotary;
+  std::size_t kv_bytes;
+  Buf q, o, lse, k, v, k_new, v_new, cos, sin, seqlens, table;
+  std::unique_ptr<Buf> work;
+  flashmonoid::KVCache cache;
+  flashmonoid::Rotary rot;
+  TensorView qv, ov, lv, knv, vnv;
+  flashmonoid::Options opt;
+
+  static std::size_t rows(int b, int sk) { return static_cast<std::size_t>(b) * sk * hk * d * 2; }
+  KvDecode(int b_, int sk_, int page_, int sq_, bool append_, bool rotary_)
+      : b(b_), sk(sk_), page(page_), sq(sq_), append(append_), rotary(rotary_), kv_bytes(rows(b_, sk_)),
+        q(static_cast<std::size_t>(b_) * sq_ * h * d * 2, true), o(static_cast<std::size_t>(b_) * sq_ * h * d * 2),
+        lse(static_cast<std::size_t>(b_) * h * sq_ * 4), k(kv_bytes, true), v(kv_bytes, true),
+        k_new(append_ ? rows(b_, sq_) : 0, append_), v_new(append_ ? rows(b_, sq_) : 0, append_),
+        cos(rotary_ ? static_cast<std::size_t>(sk_) * d : 0, rotary_), sin(rotary_ ? static_cast<std::size_t>(sk_) * d : 0, rotary_),
+        seqlens(static_cast<std::size_t>(b_) * 4), table(page_ ? static_cast<std::size_t>(b_) * (sk_ / page_) * 4 : 0) {
+    const Device dev = Device::cuda(0);
+    std::vector<int> lens(b, sk - (append ? sq : 0));
+    CHECK(cudaMemcpy(seqlens.p, lens.data(), lens.size() * 4, cudaMemcpyHostToDevice));
+    cache.seqlens = TensorView(seqlens.p, DType::i32, dev, {b});
+    if (page) {
+      const int per_seq = sk / page, pages = b * per_seq;
+      std::vector<int> perm(pages);
+      for (int i = 0; i < pages; ++i) perm[i] = i;
+      std::uint32_t x = 12345;  // a fixed shuffle: pages of a sequence scattered over the pool
+      for (int i = pages - 1; i > 0; --i) {
+        x = x * 1664525u + 1013904223u;
+        std::swap(perm[i], perm[x % (i + 1)]);
+      }
+      CHECK(cudaMemcpy(table.p, perm.data(), perm.size() * 4, cudaMemcpyHostToDevice));
+      cache.k = TensorView(k.p, DType::bf16, dev, {pages, page, hk, d});
+      cache.v = TensorView(v.p, DType::bf16, dev, {pages, page, hk, d});
+      cache.block_table = TensorView(table.p, DType::i32, dev, {b, per_seq});
+    } else {
+      cache.k = view4(k.p, DType::bf16, b, sk, hk, d);
+      cache.v = view4(v.p, DType::bf16, b, sk, hk, d);
+    }
+    if (rotary) {
+      rot.cos = TensorView(cos.p, DType::bf16, dev, {sk, d / 2});
+      rot.sin = TensorView(sin.p, DType::bf16, dev, {sk, d / 2});
+      rot.interleaved = false;
+    }
+    qv = view4(q.p, DType::bf16, b, sq, h, d);
+    ov = view4(o.p, DType::bf16, b, sq, h, d);
+    lv = TensorView(lse.p, DType::f32, dev, {b, h, sq});
+    if (append) {
+      knv = view4(k_new.p, DType::bf16, b, sq, hk, d);
+      vnv = view4(v_new.p, DType::bf16, b, sq, hk, d);
+    }
+    opt.causal = true;
+    work = std::make_unique<Buf>(flashmonoid::forward_kvcache_workspace_size(qv, cache, knv, rot, opt));
+  }
+  void run(cudaStream_t stream) {
+    flashmonoid::Context ctx;
+    ctx.stream = stream;
+    ctx.workspace = work->p;
+    ctx.workspace_bytes = work->bytes;
+    flashmonoid::forward_kvcache(qv, cache, knv, vnv, rot, ov, lv, opt, ctx);
+  }
+  double tbps(double ms) const { return 2.0 * kv_bytes / ms / 1e9; }
+};
+
+double g_copy_tbps = 0.0;
+
+void bench_kvcache(int b, int sk, int page, int sq, bool append, bool rotary, const std::string& dev) {
+  constexpr std::size_t kMaxBytes = std::size_t{60} << 30;  // skip shapes over the H100's memory
+  if (2 * KvDecode::rows(b, sk) > kMaxBytes) return;
+  KvDecode pb(b, sk, page, sq, append, rotary);
+  const double gms = graph_ms([&](cudaStream_t s) { pb.run(s); });
+  const double host = host_us([&] { pb.run(nullptr); });
+  char extra[256];
+  std::snprintf(extra, sizeof extra,
+                ", \"page_size\": %d, \"append\": %s, \"rotary\": %s, \"timing\": \"graph\", \"copy_tbps\": %.3f, "
+                "\"host_us\": %.1f",
+                page, append ? "true" : "false", rotary ? "true" : "false", g_copy_tbps, host);
+  record("decode", KvDecode::d, true, b, KvDecode::h, KvDecode::hk, sq, sk, gms, "tbps", pb.tbps(gms), dev, extra);
+}
+
+void bench_kvcache_all(const std::string& dev) {
+  for (int b : {1, 8, 32, 64})
+    for (int sk : {4096, 32768, 131072}) {
+      bench_kvcache(b, sk, 0, 1, false, false, dev);  // the plain cache read: the bandwidth bar's baseline
+      for (int page : {0, 16, 64, 256}) bench_kvcache(b, sk, page, 1, true, true, dev);
+      bench_kvcache(b, sk, 0, 4, true, true, dev);  // speculative decoding, causal among 4 new tokens
+    }
+}
+
 __global__ void empty_kernel() {}
 
 // Host cost of the CUDA calls a forward makes, each timed alone (median of 15 runs of 200 calls).
@@ -289,10 +386,11 @@ void bench_copy(const std::string& dev) {
   Buf a(bytes, true), c(bytes);
   const double ms = median_ms([&] { CHECK(cudaMemcpyAsync(c.p, a.p, bytes, cudaMemcpyDeviceToDevice)); });
   char line[256];
+  g_copy_tbps = 2.0 * bytes / ms / 1e9;
   std::snprintf(line, sizeof line,
                 "{\"impl\": \"device_copy\", \"pass\": \"copy\", \"bytes\": %zu, \"ms\": %.5f, \"tbps\": %.3f, "
                 "\"device\": \"%s\"}",
-                2 * bytes, ms, 2.0 * bytes / ms / 1e9, dev.c_str());
+                2 * bytes, ms, g_copy_tbps, dev.c_str());
   records.push_back(line);
   std::fprintf(stderr, "%s\n", line);
 }
@@ -327,16 +425,19 @@ void memory_64k(const std::string& dev) {
 }  // namespace
 
 // Usage: flashmonoid-gpu-bench [OUT.json] [--no-bwd] [--case HDIM CAUSAL SEQLEN] [--decode-only] [--sweep]
+//        [--kvcache-only]
 // --case runs one training shape (for a profiler), --decode-only the decoding shapes, --sweep the
-// host cost of single CUDA calls and the decoding shapes over forced split counts.
+// host cost of single CUDA calls and the decoding shapes over forced split counts, --kvcache-only
+// the device copy and the forward_kvcache decoding shapes (pass "decode").
 int main(int argc, char** argv) {
   const std::string dev = device_name();
   const char* out_path = nullptr;
-  bool with_bwd = true, decode_only = false;
+  bool with_bwd = true, decode_only = false, kvcache_only = false;
   int case_d = 0, case_causal = 0, case_s = 0;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--no-bwd")) with_bwd = false;
     else if (!std::strcmp(argv[i], "--decode-only")) decode_only = true;
+    else if (!std::strcmp(argv[i], "--kvcache-only")) kvcache_only = true;
     else if (!std::strcmp(argv[i], "--sweep")) {
       host_costs();
       sweep_decode_splits(1, 32768);
@@ -357,16 +458,20 @@ int main(int argc, char** argv) {
     return 0;
   }
   bench_copy(dev);
+  if (kvcache_only) decode_only = true;
   if (!decode_only)
     for (int d : {64, 128, 256})
       for (bool causal : {false, true})
         for (int s : {512, 1024, 2048, 4096, 8192, 16384}) bench_train(d, causal, s, with_bwd, dev);
-  if (!decode_only)
+  if (!decode_only && !kvcache_only)
     for (int d : {96, 192})
       for (bool causal : {false, true}) bench_train(d, causal, 16384, false, dev);
-  for (int b : {1, 8})
-    for (int sk : {32768, 131072}) bench_decode(b, sk, dev);
-  memory_64k(dev);
+  if (!kvcache_only) {
+    for (int b : {1, 8})
+      for (int sk : {32768, 131072}) bench_decode(b, sk, dev);
+    memory_64k(dev);
+  }
+  bench_kvcache_all(dev);
   FILE* f = out_path ? std::fopen(out_path, "w") : stdout;
   std::fprintf(f, "[\n");
   for (std::size_t i = 0; i < records.size(); ++i) std::fprintf(f, "  %s%s\n", records[i].c_str(), i + 1 < records.size() ? "," : "");

@@ -44,11 +44,18 @@ struct Options {
 // the device of q. max_seqlen_* bound every sequence length (used to size launches). On the CPU
 // the offsets are checked (non-decreasing, within the tensor, within max_seqlen); on CUDA reading
 // them would need a synchronisation, so they are trusted as in FlashAttention-2.
+//
+// Paged K/V (prefill or chunked prefill into a paged cache, forward only): with block_table int32
+// (b, max_pages) defined, k and v are pages (num_pages, page_size, h_k, d), any page_size >= 1,
+// and key j of sequence b (j < cu_seqlens_k[b+1] - cu_seqlens_k[b]) is row j % page_size of page
+// block_table[b, j / page_size]; cu_seqlens_k then only gives the lengths (see kvcache.hpp for
+// what the CUDA kernels do with values only the device sees).
 struct Varlen {
   TensorView cu_seqlens_q;
   TensorView cu_seqlens_k;
   std::int64_t max_seqlen_q = 0;
   std::int64_t max_seqlen_k = 0;
+  TensorView block_table;
 };
 
 // Which algorithm runs on the CPU. The reference materialises S in float64 and is meant as an

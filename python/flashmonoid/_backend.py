@@ -99,17 +99,53 @@ def _on_device(x):
     return contextlib.nullcontext()
 
 
-def forward(q, k, v, out, lse, options, alibi_slopes=None, varlen=None, num_splits=0):
-    """out, lse <- attention. varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
+def forward(q, k, v, out, lse, options, alibi_slopes=None, varlen=None, num_splits=0, block_table=None):
+    """out, lse <- attention. varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k); with a
+    block_table (paged varlen), k and v are pages (num_pages, page_size, h_k, d)."""
     with _on_device(q):
         ctx = context(q, num_splits)
         ws = None
-        if is_cuda(q):
+        if is_cuda(q) and block_table is None:
             ws = _workspace(q, _C.forward_workspace_size(q, k, options, *(varlen or ())))
         if varlen is None:
             _C.forward(q, k, v, out, lse, options, ctx, alibi_slopes, ws)
         else:
-            _C.forward_varlen(q, k, v, *varlen, out, lse, options, ctx, alibi_slopes, ws)
+            _C.forward_varlen(q, k, v, *varlen, out, lse, options, ctx, alibi_slopes, ws, block_table)
+
+
+# Workspace bytes of forward_kvcache by call signature: they depend on shapes and devices only, and
+# a decoding loop repeats one signature, so the second validation and its DLPack conversions are
+# paid once per shape instead of every step (host time is the serving bar, issue 10).
+_kvcache_ws = {}
+
+
+def _kvcache_workspace_size(q, k_cache, v_cache, k_new, cos, sin, interleaved, seqlens, seqlen, batch_idx, leftpad,
+                            block_table, options):
+    sig = lambda x: None if x is None else (tuple(x.shape), str(x.dtype), str(x.device))  # noqa: E731
+    key = (sig(q), sig(k_cache), sig(k_new), sig(cos), sig(block_table), batch_idx is None, seqlens is None,
+           leftpad is None, options.causal, options.window_left, options.window_right)
+    n = _kvcache_ws.get(key)
+    if n is None:
+        if len(_kvcache_ws) > 256:
+            _kvcache_ws.clear()
+        n = _kvcache_ws[key] = _C.forward_kvcache_workspace_size(q, k_cache, v_cache, k_new, cos, sin, interleaved,
+                                                                 seqlens, seqlen, batch_idx, leftpad, block_table,
+                                                                 options)
+    return n
+
+
+def forward_kvcache(q, k_cache, v_cache, k_new, v_new, cos, sin, interleaved, seqlens, seqlen, batch_idx, leftpad,
+                    block_table, out, lse, options, alibi_slopes=None, num_splits=0):
+    """out, lse <- attention over the KV cache after appending k_new, v_new into it in place
+    (flashmonoid::forward_kvcache). seqlens: int32 (b) array or None, then seqlen (an int, -1 = full)."""
+    with _on_device(q):
+        ctx = context(q, num_splits)
+        ws = None
+        if is_cuda(q):
+            ws = _workspace(q, _kvcache_workspace_size(q, k_cache, v_cache, k_new, cos, sin, interleaved, seqlens,
+                                                       seqlen, batch_idx, leftpad, block_table, options))
+        _C.forward_kvcache(q, k_cache, v_cache, k_new, v_new, cos, sin, interleaved, seqlens, seqlen, batch_idx,
+                           leftpad, block_table, out, lse, options, ctx, alibi_slopes, ws)
 
 
 def backward(dout, q, k, v, out, lse, dq, dk, dv, options, alibi_slopes=None, varlen=None):

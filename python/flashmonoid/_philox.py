@@ -15,18 +15,21 @@ _W0, _W1 = np.uint64(0x9E3779B9), np.uint64(0xBB67AE85)  # Weyl key increments
 _ROUNDS = 10
 
 
-def philox4x32_10(c0, c1, c2, c3, k0, k1):
-    """Philox-4x32-10 on broadcastable uint64 arrays holding 32-bit values; returns 4 words."""
-    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) for c in (c0, c1, c2, c3))
-    k0, k1 = np.uint64(k0), np.uint64(k1)
+def philox4x32_10(c0, c1, c2, c3, k0, k1, word=np.uint64):
+    """Philox-4x32-10 on broadcastable arrays holding 32-bit values; returns 4 words. word wraps
+    the constants: np.uint64 for NumPy uint64 arrays, int for torch int64 tensors (whose products
+    wrap modulo 2^64, so the shifted and masked words are exact as in uint64)."""
+    mask, shift = word(0xFFFFFFFF), word(32)
+    m0, m1, w0, w1 = word(0xD2511F53), word(0xCD9E8D57), word(0x9E3779B9), word(0xBB67AE85)
+    k0, k1 = word(k0), word(k1)
     for _ in range(_ROUNDS):
-        p0 = _M0 * c0
-        p1 = _M1 * c2
-        hi0, lo0 = p0 >> np.uint64(32), p0 & _MASK32
-        hi1, lo1 = p1 >> np.uint64(32), p1 & _MASK32
+        p0 = m0 * c0
+        p1 = m1 * c2
+        hi0, lo0 = (p0 >> shift) & mask, p0 & mask
+        hi1, lo1 = (p1 >> shift) & mask, p1 & mask
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-        k0 = (k0 + _W0) & _MASK32
-        k1 = (k1 + _W1) & _MASK32
+        k0 = (k0 + w0) & mask
+        k1 = (k1 + w1) & mask
     return c0, c1, c2, c3
 
 
@@ -45,8 +48,22 @@ def keep_mask(seed, offset, p, row_ids, num_cols):
     seed, offset = int(seed), int(offset)
     rows = (np.asarray(row_ids, dtype=np.uint64) & _MASK32)[:, None]
     cols = np.arange(num_cols, dtype=np.uint64)[None, :]
-    words = philox4x32_10(cols // np.uint64(4), rows, offset & 0xFFFFFFFF, (offset >> 32) & 0xFFFFFFFF,
-                          seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF)
+    words = philox4x32_10(cols // np.uint64(4), rows, np.uint64(offset & 0xFFFFFFFF),
+                          np.uint64((offset >> 32) & 0xFFFFFFFF), seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF)
     lane = (cols % np.uint64(4)).astype(np.int64)
     r = np.choose(np.broadcast_to(lane, np.broadcast_shapes(lane.shape, words[0].shape)), words)
     return r >= np.uint64(threshold(p))
+
+
+def keep_mask_torch(seed, offset, p, row_ids, num_cols):
+    """keep_mask on the device of row_ids (an int64 torch tensor), vectorised: one Philox call per
+    4 columns, int64 arithmetic."""
+    import torch
+
+    seed, offset = int(seed), int(offset)
+    rows = (row_ids & 0xFFFFFFFF)[:, None]
+    groups = torch.arange((num_cols + 3) // 4, dtype=torch.int64, device=row_ids.device)[None, :]
+    words = philox4x32_10(groups, rows, offset & 0xFFFFFFFF, (offset >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF,
+                          (seed >> 32) & 0xFFFFFFFF, word=int)
+    r = torch.stack(torch.broadcast_tensors(*words), dim=-1).reshape(rows.shape[0], -1)[:, :num_cols]
+    return r >= threshold(p)

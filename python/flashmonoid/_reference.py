@@ -135,25 +135,3 @@ def backward_varlen(dout, q, k, v, out, cu_seqlens_q, cu_seqlens_k, o):
         dq[q0:q1], dk[k0:k1], dv[k0:k1] = _backward_seq(
             dout[q0:q1], q[q0:q1], k[k0:k1], v[k0:k1], out[q0:q1], _Seq(b, q0, q.shape[0]), o)
     return dq, dk, dv
-
-
-def probabilities(q, k, o, cu_seqlens_q=None, cu_seqlens_k=None):
-    """The softmax probabilities, dropped elements negated (flash_attn's S_dmask convention).
-
-    Batched: (b, h, s_q, s_k). Varlen: (b, h, max_seqlen_q, max_seqlen_k), zero-padded.
-    """
-    if cu_seqlens_q is None:
-        b, s_q = q.shape[:2]
-        segs = [(i, i * s_q, (i + 1) * s_q, 0, k.shape[1]) for i in range(b)]
-        qs, ks, total = (lambda i, a, z: q[i]), (lambda i, a, z: k[i]), b * s_q
-    else:
-        segs = _segments(cu_seqlens_q, cu_seqlens_k)
-        qs, ks, total = (lambda i, a, z: q[a:z]), (lambda i, a, z: k[a:z]), q.shape[0]
-    mats = []
-    for b, q0, q1, k0, k1 in segs:
-        p, _, _, drop = _probabilities(qs(b, q0, q1), ks(b, k0, k1), _Seq(b, q0, total), o)
-        mats.append(p if drop is None else torch.where(drop > 0, p, -p))
-    s_q = max(m.shape[1] for m in mats)
-    s_k = max(m.shape[2] for m in mats)
-    padded = [torch.nn.functional.pad(m, (0, s_k - m.shape[2], 0, s_q - m.shape[1])) for m in mats]
-    return torch.stack(padded)

@@ -12,14 +12,16 @@ Behaviour that differs, on purpose:
     raises flashmonoid.NotSupportedError (a NotImplementedError) naming the reason.
   * Dropout draws its Philox seed from torch's default CPU generator; the mask is flashmonoid's
     (detail/philox.hpp), not flash-attn's, so the same seed drops different elements.
-  * return_attn_probs: S_dmask is (batch, nheads, seqlen_q, seqlen_k) (flash-attn pads both
-    lengths to multiples of 128 on CUDA), or for varlen (batch, nheads, max_seqlen_q,
-    max_seqlen_k), zero-padded; computed by materialising the scores (testing only, as upstream).
-    As upstream, it is an empty tensor when dropout_p == 0.
+  * return_attn_probs: S_dmask holds flash-attn's exp(score - row max), negated where dropped,
+    with the whole row's max (flash-attn's test decodes it exactly when a row is one key block;
+    here for any length); shape (batch, nheads, seqlen_q, seqlen_k) (flash-attn pads both lengths
+    to multiples of 128 on CUDA), or for varlen (batch, nheads, max_seqlen_q, max_seqlen_k),
+    zero-padded; vectorised torch on the inputs' device (_attn_probs.py). As upstream, it is an
+    empty tensor when dropout_p == 0.
   * softmax_lse carries no gradient (upstream ignores it in backward too).
-  * flash_attn_with_kvcache runs one attention call per sequence of the batch and reads
-    cache_seqlens on the host; paged KV (block_table) and rotary embedding are not built yet and
-    raise NotImplementedError.
+  * flash_attn_with_kvcache and flash_attn_varlen_func(block_table=...) take any page size
+    (flash-attn: multiples of 256), any even rotary dim (flash-attn: multiples of 16), and leftpad
+    with a paged cache.
 
 Invalid input raises RuntimeError with flash-attn's message (torch's TORCH_CHECK raises
 RuntimeError there), e.g. "query and key must have the same dtype".
@@ -29,7 +31,7 @@ from typing import Optional, Union
 
 import torch
 
-from . import _reference, torch_ops
+from . import _attn_probs, torch_ops
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -86,14 +88,14 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_p):
     _require(tuple(cu_seqlens_k.shape) == (batch_size + 1,), "cu_seqlens_k must have shape (batch_size + 1)")
 
 
-def _s_dmask(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng, cu_q=None, cu_k=None):
+def _s_dmask(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng, cu_q=None, cu_k=None,
+             max_q=0, max_k=0):
     if dropout_p <= 0:
         return torch.empty((0,), dtype=q.dtype, device=q.device)
     o = dict(scale=softmax_scale, causal=causal, window_left=window_size[0], window_right=window_size[1],
              softcap=softcap, alibi=alibi_slopes, dropout_p=dropout_p, seed=int(rng[0]), offset=int(rng[1]))
     with torch.no_grad():
-        p = _reference.probabilities(q.detach().float(), k.detach().float(), o, cu_q, cu_k)
-    return p.to(q.dtype)
+        return _attn_probs.s_dmask(q.detach(), k.detach(), o, cu_q, cu_k, max_q, max_k)
 
 
 def _scale(q, softmax_scale):
@@ -125,7 +127,27 @@ def _attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     if not return_attn_probs:
         return out
     return out, lse, _s_dmask(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng,
-                              cu_seqlens_q, cu_seqlens_k)
+                              cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+def _attn_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                       causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table):
+    _require(q.dim() == 3, "q must have shape (total_q, num_heads, head_size)")
+    _require(cu_seqlens_q.dtype == torch.int32, "cu_seqlens_q must have dtype int32")
+    _require(cu_seqlens_k.dtype == torch.int32, "cu_seqlens_k must have dtype int32")
+    batch_size = cu_seqlens_q.numel() - 1
+    _check_common(q, k, v, alibi_slopes, dropout_p, batch_size, q.shape[1])
+    _require(block_table.dtype == torch.int32, "block_table must have dtype torch.int32")
+    _require(block_table.stride(-1) == 1, "block_table must have contiguous last dimension")
+    _require(k.dim() == 4 and tuple(v.shape) == tuple(k.shape),
+             "k must have shape (num_blocks, page_block_size, num_heads_k, head_size_og)")
+    _require(dropout_p == 0.0, "flashmonoid: paged KV (block_table) is inference-only: dropout_p must be 0")
+    out, lse = torch_ops.attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                block_table, causal=causal, softmax_scale=_scale(q, softmax_scale),
+                                                window=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+    if not return_attn_probs:
+        return out
+    return out, lse, torch.empty((0,), dtype=q.dtype, device=q.device)
 
 
 def flash_attn_qkvpacked_func(
@@ -248,11 +270,85 @@ def flash_attn_varlen_func(
     block_table=None,
 ):
     """q (total_q, nheads, headdim), k and v (total_k, nheads_k, headdim), cu_seqlens_q/k int32
-    (batch_size + 1,). softmax_lse is (nheads, total_q). block_table (paged KV) is not built yet."""
+    (batch_size + 1,). softmax_lse is (nheads, total_q). With block_table (batch_size,
+    max_num_blocks_per_seq) int32, k and v are pages (num_blocks, page_block_size, nheads_k,
+    headdim), any page_block_size >= 1, and sequence b's keys are its first
+    cu_seqlens_k[b+1] - cu_seqlens_k[b] rows through its pages (forward only, no dropout)."""
     if block_table is not None:
-        raise NotImplementedError("flashmonoid: block_table: paged KV cache is not supported yet")
+        return _attn_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+                                  block_table)
     return _attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                         causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def _check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                   block_table, alibi_slopes):
+    """flash-attn 2.8's mha_fwd_kvcache checks and messages, less its limits (page sizes that are
+    multiples of 256, rotary dims that are multiples of 16, paged caches without leftpad)."""
+    _require(q.dim() == 4, "q must have shape (batch_size, seqlen_q, num_heads, head_size)")
+    batch_size, seqlen_q, num_heads, head_size = q.shape
+    _require(q.dtype in _DTYPES[:3], "FlashAttention only support fp16 and bf16 data type")
+    _require(k_cache.dtype == q.dtype, "query and key must have the same dtype")
+    _require(v_cache.dtype == q.dtype, "query and value must have the same dtype")
+    _require(q.stride(-1) == 1, "Input tensor must have contiguous last dimension")
+    _require(batch_size > 0, "batch size must be positive")
+    _require(head_size <= 256, "FlashAttention forward only supports head dimension at most 256")
+    _require(k_cache.dim() == 4, "kcache must have 4 dimensions")
+    num_heads_k = k_cache.shape[2]
+    _require(num_heads % num_heads_k == 0, "Number of heads in key/value must divide number of heads in query")
+    if block_table is not None:
+        _require(block_table.dtype == torch.int32, "block_table must have dtype torch.int32")
+        _require(block_table.stride(-1) == 1, "block_table must have contiguous last dimension")
+        _require(cache_batch_idx is None, "Paged KVcache does not support cache_batch_idx")
+        num_blocks, page_block_size = k_cache.shape[0], k_cache.shape[1]
+        _require(tuple(k_cache.shape) == (num_blocks, page_block_size, num_heads_k, head_size),
+                 "kcache must have shape (num_blocks, page_block_size, num_heads_k, head_size_og)")
+        _require(tuple(v_cache.shape) == tuple(k_cache.shape),
+                 "vcache must have shape (num_blocks, page_block_size, num_heads_k, head_size_og)")
+        _require(block_table.dim() == 2 and block_table.shape[0] == batch_size,
+                 "block_table must have shape (batch_size, max_num_blocks_per_seq)")
+        seqlen_k = block_table.shape[1] * page_block_size
+    else:
+        seqlen_k = k_cache.shape[1]
+        _require(tuple(k_cache.shape[1:]) == (seqlen_k, num_heads_k, head_size),
+                 "kcache must have shape (batch_size_c, seqlen_k, num_heads_k, head_size_og)")
+        _require(tuple(v_cache.shape) == tuple(k_cache.shape),
+                 "vcache must have shape (batch_size_c, seqlen_k, num_heads_k, head_size_og)")
+    if k is not None:
+        _require(v is not None, "If key is supplied, value must also be passed in")
+        _require(cache_seqlens is not None, "If key is supplied, seqlens_k must also be passed in")
+        _require(k.dtype == q.dtype, "Key must have the same dtype as query")
+        _require(v.dtype == q.dtype, "Value must have the same dtype as query")
+        _require(k.stride(-1) == 1, "Key tensor must have contiguous last dimension")
+        _require(v.stride(-1) == 1, "Value tensor must have contiguous last dimension")
+        _require(k.dim() == 4 and tuple(k.shape) == (batch_size, k.shape[1], num_heads_k, head_size),
+                 "k must have shape (batch_size, seqlen_knew, num_heads_k, head_size_og)")
+        _require(tuple(v.shape) == tuple(k.shape), "v must have shape (batch_size, seqlen_knew, num_heads_k, head_size_og)")
+        _require(k.shape[1] <= seqlen_k, "If key is supplied, it must have seqlen <= the seqlen of the KV cache")
+    if isinstance(cache_seqlens, torch.Tensor):
+        _require(cache_seqlens.dtype == torch.int32, "seqlens_k must have dtype int32")
+        _require(tuple(cache_seqlens.shape) == (batch_size,), "seqlens_k must have shape (batch_size)")
+    if cache_leftpad is not None:
+        _require(cache_leftpad.dtype == torch.int32, "leftpad_k must have dtype int32")
+        _require(tuple(cache_leftpad.shape) == (batch_size,), "leftpad_k must have shape (batch_size)")
+    if cache_batch_idx is not None:
+        _require(cache_batch_idx.dtype == torch.int32, "cache_batch_idx must have dtype int32")
+    if rotary_cos is not None or rotary_sin is not None:
+        _require(k is not None, "If rotary cos/sin are provided, new key / query must also be provided")
+        _require(rotary_cos is not None and rotary_sin is not None, "rotary_cos and rotary_sin must be given together")
+        rotary_dim = rotary_cos.shape[1] * 2
+        _require(rotary_dim <= head_size, "rotary_dim must be <= headdim")
+        seqlen_ro = rotary_cos.shape[0]
+        _require(seqlen_ro >= seqlen_k, "cos/sin seqlen must be at least the seqlen of KV cache")
+        _require(tuple(rotary_cos.shape) == (seqlen_ro, rotary_dim // 2),
+                 "rotary_cos must have shape (seqlen_ro, rotary_dim / 2)")
+        _require(tuple(rotary_sin.shape) == (seqlen_ro, rotary_dim // 2),
+                 "rotary_sin must have shape (seqlen_ro, rotary_dim / 2)")
+        _require(rotary_cos.dtype == q.dtype, "rotary_cos must have the same dtype as query")
+        _require(rotary_sin.dtype == q.dtype, "rotary_sin must have the same dtype as query")
+    if alibi_slopes is not None:
+        _check_common(q, k_cache, v_cache, alibi_slopes, 0.0, batch_size, num_heads)
 
 
 def flash_attn_with_kvcache(
@@ -276,82 +372,28 @@ def flash_attn_with_kvcache(
     num_splits=0,
     return_softmax_lse=False,
 ):
-    """Attention of q (batch_size, seqlen, nheads, headdim) over the first cache_seqlens[b] rows of
-    k_cache[cache_batch_idx[b]] (from cache_leftpad[b]), after writing k, v (if given) into the
-    cache in place at cache_seqlens[b]. No backward, as upstream. num_splits is a hint only: each
-    call picks its own split."""
+    """Attention of q (batch_size, seqlen, nheads, headdim) over the KV cache, after writing k, v
+    (batch_size, seqlen_new, nheads_k, headdim), if given, into the cache in place at
+    cache_seqlens (k rotated when rotary_cos/sin are given). One call of
+    flashmonoid::forward_kvcache (torch op flashmonoid::fwd_kvcache): cache_seqlens, cache_leftpad,
+    cache_batch_idx and block_table stay on the device (no host synchronisation), so the call can
+    be captured in a CUDA graph.
+
+    k_cache, v_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim), or with block_table
+    (batch_size, max_num_blocks_per_seq) int32 the pages (num_blocks, page_block_size, nheads_k,
+    headdim), any page_block_size >= 1. rotary_cos/sin (seqlen_ro, rotary_dim / 2): query i sits at
+    cache_seqlens + i when causal or windowed, else at cache_seqlens. num_splits: 0 = heuristic.
+    Returns out, and softmax_lse (batch_size, nheads, seqlen) with return_softmax_lse. No backward,
+    as upstream."""
     assert k_cache.stride(-1) == 1, "k_cache must have contiguous last dimension"
     assert v_cache.stride(-1) == 1, "v_cache must have contiguous last dimension"
-    if block_table is not None:
-        raise NotImplementedError("flashmonoid: block_table: paged KV cache is not supported yet")
-    if rotary_cos is not None or rotary_sin is not None:
-        raise NotImplementedError("flashmonoid: rotary_cos/rotary_sin: rotary embedding in the KV cache call is "
-                                  "not supported yet; apply it to q and k before the call")
-    _require(q.dim() == 4, "q must have shape (batch_size, seqlen_q, num_heads, head_size)")
-    batch_size, seqlen_q, num_heads, head_size = q.shape
-    _require(q.dtype in _DTYPES, "FlashAttention only support fp16 and bf16 data type")
-    _require(k_cache.dtype == q.dtype, "query and key must have the same dtype")
-    _require(v_cache.dtype == q.dtype, "query and value must have the same dtype")
-    _require(batch_size > 0, "batch size must be positive")
-    seqlen_cache, num_heads_k = k_cache.shape[1], k_cache.shape[2]
-    _require(num_heads % num_heads_k == 0, "Number of heads in key/value must divide number of heads in query")
-    _require(tuple(k_cache.shape[1:]) == (seqlen_cache, num_heads_k, head_size),
-             "kcache must have shape (batch_size_c, seqlen_k, num_heads_k, head_size_og)")
-    _require(tuple(v_cache.shape) == tuple(k_cache.shape),
-             "vcache must have shape (batch_size_c, seqlen_k, num_heads_k, head_size_og)")
-    if alibi_slopes is not None:
-        _check_common(q, k_cache, v_cache, alibi_slopes, 0.0, batch_size, num_heads)
-    if k is not None:
-        _require(v is not None, "If key is supplied, value must also be passed in")
-        _require(cache_seqlens is not None, "If key is supplied, seqlens_k must also be passed in")
-        _require(k.dtype == q.dtype, "Key must have the same dtype as query")
-        _require(v.dtype == q.dtype, "Value must have the same dtype as query")
-        _require(k.dim() == 4 and tuple(k.shape) == (batch_size, k.shape[1], num_heads_k, head_size),
-                 "k must have shape (batch_size, seqlen_knew, num_heads_k, head_size_og)")
-        _require(tuple(v.shape) == tuple(k.shape), "v must have shape (batch_size, seqlen_knew, num_heads_k, head_size_og)")
-        _require(k.shape[1] <= seqlen_cache, "If key is supplied, it must have seqlen <= the seqlen of the KV cache")
-
-    if cache_seqlens is None:
-        lens = [seqlen_cache] * batch_size
-    elif isinstance(cache_seqlens, int):
-        lens = [cache_seqlens] * batch_size
-    else:
-        _require(cache_seqlens.dtype == torch.int32, "seqlens_k must have dtype int32")
-        _require(tuple(cache_seqlens.shape) == (batch_size,), "seqlens_k must have shape (batch_size)")
-        lens = [int(x) for x in cache_seqlens.tolist()]
-    if cache_batch_idx is not None:
-        _require(cache_batch_idx.dtype == torch.int32, "cache_batch_idx must have dtype int32")
-        rows = [int(x) for x in cache_batch_idx.tolist()]
-    else:
-        rows = list(range(batch_size))
-    if cache_leftpad is not None:
-        _require(cache_leftpad.dtype == torch.int32, "leftpad_k must have dtype int32")
-        _require(tuple(cache_leftpad.shape) == (batch_size,), "leftpad_k must have shape (batch_size)")
-        starts = [int(x) for x in cache_leftpad.tolist()]
-    else:
-        starts = [0] * batch_size
-
-    softmax_scale = _scale(q, softmax_scale)
-    out = torch.empty_like(q)
-    lse = torch.empty((batch_size, num_heads, seqlen_q), dtype=torch.float32, device=q.device)
-    with torch.no_grad():
-        for b in range(batch_size):
-            end = lens[b]
-            if k is not None:
-                new = k.shape[1]
-                if end + new > seqlen_cache:
-                    raise ValueError(f"flashmonoid: cache_seqlens: sequence {b} holds {end} keys; appending {new} "
-                                     f"overflows the cache of {seqlen_cache}")
-                k_cache[rows[b], end:end + new] = k[b]
-                v_cache[rows[b], end:end + new] = v[b]
-                end += new
-            slopes = alibi_slopes[b:b + 1] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
-            o, l = torch_ops.attention(q[b:b + 1], k_cache[rows[b]:rows[b] + 1, starts[b]:end],
-                                       v_cache[rows[b]:rows[b] + 1, starts[b]:end], causal=causal,
-                                       softmax_scale=softmax_scale, window=window_size, softcap=softcap,
-                                       alibi_slopes=slopes)
-            out[b:b + 1] = o
-            lse[b:b + 1] = l
+    _check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                   block_table, alibi_slopes)
+    out, lse = torch_ops.attention_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
+        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table, causal=causal,
+        softmax_scale=_scale(q, softmax_scale), window=window_size, softcap=softcap,
+        rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, num_splits=num_splits)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -251,6 +251,70 @@ torch.library.register_autograd("flashmonoid::fwd_varlen", _backward_fwd_varlen,
 
 
 # ---------------------------------------------------------------------------------------------
+# Paged varlen (prefill into a paged cache; forward only) and KV-cache attention (decoding)
+
+
+def _fwd_varlen_paged_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                           softmax_scale, causal, window_left, window_right, softcap, alibi_slopes):
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    opts = _options(softmax_scale, causal, window_left, window_right, softcap, 0.0, None)
+    varlen = (_c(cu_seqlens_q), _c(cu_seqlens_k), max_seqlen_q, max_seqlen_k)
+    _backend.forward(_c(q), k.detach(), v.detach(), out, lse, opts, _c(alibi_slopes), varlen,
+                     block_table=_c(block_table))
+    return out, lse
+
+
+@torch.library.custom_op("flashmonoid::fwd_varlen_paged", mutates_args=())
+def fwd_varlen_paged(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                     max_seqlen_k: int, block_table: Tensor, softmax_scale: float, causal: bool, window_left: int,
+                     window_right: int, softcap: float, alibi_slopes: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    return _fwd_varlen_paged_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                                  softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
+
+
+@fwd_varlen_paged.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, softmax_scale, causal,
+      window_left, window_right, softcap, alibi_slopes):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def _fwd_kvcache_impl(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen,
+                      cache_batch_idx, cache_leftpad, block_table, alibi_slopes, softmax_scale, causal, window_left,
+                      window_right, softcap, rotary_interleaved, num_splits):
+    b, s_q, h, _ = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, s_q), dtype=torch.float32, device=q.device)
+    opts = _options(softmax_scale, causal, window_left, window_right, softcap, 0.0, None)
+    # The caches are written in place: never copied (their last dimension is contiguous by contract).
+    _backend.forward_kvcache(_c(q), k_cache.detach(), v_cache.detach(), _c(k), _c(v), _c(rotary_cos),
+                             _c(rotary_sin), bool(rotary_interleaved), _c(cache_seqlens), int(cache_seqlen),
+                             _c(cache_batch_idx), _c(cache_leftpad), _c(block_table), out, lse, opts,
+                             _c(alibi_slopes), int(num_splits))
+    return out, lse
+
+
+@torch.library.custom_op("flashmonoid::fwd_kvcache", mutates_args=("k_cache", "v_cache"))
+def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+                rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor], cache_seqlens: Optional[Tensor],
+                cache_seqlen: int, cache_batch_idx: Optional[Tensor], cache_leftpad: Optional[Tensor],
+                block_table: Optional[Tensor], alibi_slopes: Optional[Tensor], softmax_scale: float, causal: bool,
+                window_left: int, window_right: int, softcap: float, rotary_interleaved: bool,
+                num_splits: int) -> Tuple[Tensor, Tensor]:
+    return _fwd_kvcache_impl(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen,
+                             cache_batch_idx, cache_leftpad, block_table, alibi_slopes, softmax_scale, causal,
+                             window_left, window_right, softcap, rotary_interleaved, num_splits)
+
+
+@fwd_kvcache.register_fake
+def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen, cache_batch_idx, cache_leftpad,
+      block_table, alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
+      num_splits):
+    b, s_q, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, s_q), dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
 # Merge of partial results over disjoint key sets
 
 
@@ -280,15 +344,35 @@ def _(outs, lses):
 # Python-level entry points with defaults resolved (used by flashmonoid.attention and friends)
 
 
+# The CUDA kernels move rows in 16-byte vectors, so their head dims are multiples of 8; as
+# flash-attn does, other head dims are zero-padded here (exact: zero features add nothing to q·kᵀ,
+# and the padded output columns, zero, are sliced off). Cost: one padded copy of each input, plus
+# autograd's slice of the gradients; for forward_kvcache a padded copy of the whole cache and a
+# copy back (as flash-attn), O(cache) per call. The scale stays 1/sqrt(d) of the true head dim.
+_HEAD_DIM_MULTIPLE = 8
+
+
+def _needs_pad(x):
+    return x.is_cuda and x.shape[-1] % _HEAD_DIM_MULTIPLE != 0
+
+
+def _pad(x):
+    return None if x is None else torch.nn.functional.pad(x, (0, -x.shape[-1] % _HEAD_DIM_MULTIPLE))
+
+
 def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None,
               dropout_p=0.0, deterministic=False, rng=None):
     """(out, lse) for torch tensors, differentiable in q, k and v."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if rng is None:
         rng = new_rng(dropout_p)
+    d = q.shape[-1]
+    if _needs_pad(q):
+        q, k, v = _pad(q), _pad(k), _pad(v)
     op = _fwd_impl if _eager(q, k, v, alibi_slopes) else fwd
-    return op(q, k, v, scale, bool(causal), int(window[0]), int(window[1]), float(softcap), alibi_slopes,
-              float(dropout_p), rng, bool(deterministic))
+    out, lse = op(q, k, v, scale, bool(causal), int(window[0]), int(window[1]), float(softcap), alibi_slopes,
+                  float(dropout_p), rng, bool(deterministic))
+    return out[..., :d], lse
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
@@ -297,9 +381,55 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if rng is None:
         rng = new_rng(dropout_p)
+    d = q.shape[-1]
+    if _needs_pad(q):
+        q, k, v = _pad(q), _pad(k), _pad(v)
     op = _fwd_varlen_impl if _eager(q, k, v, alibi_slopes) else fwd_varlen
-    return op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal),
-              int(window[0]), int(window[1]), float(softcap), alibi_slopes, float(dropout_p), rng, bool(deterministic))
+    out, lse = op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal),
+                  int(window[0]), int(window[1]), float(softcap), alibi_slopes, float(dropout_p), rng,
+                  bool(deterministic))
+    return out[..., :d], lse
 
 
-__all__ = ["fwd", "bwd", "fwd_varlen", "bwd_varlen", "merge", "attention", "attention_varlen", "new_rng"]
+def attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, *,
+                           causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None):
+    """(out, lse) of packed q over paged k, v (num_pages, page_size, h_k, d); forward only."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    d = q.shape[-1]
+    if _needs_pad(q):
+        q, k, v = _pad(q), _pad(k), _pad(v)
+    op = _fwd_varlen_paged_impl if _eager(q, k, v, alibi_slopes) else fwd_varlen_paged
+    out, lse = op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), block_table, scale,
+                  bool(causal), int(window[0]), int(window[1]), float(softcap), alibi_slopes)
+    return out[..., :d], lse
+
+
+def attention_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                      cache_batch_idx=None, cache_leftpad=None, block_table=None, causal=False, softmax_scale=None,
+                      window=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0):
+    """(out, lse) of flashmonoid::forward_kvcache; k, v are appended into the caches in place.
+    cache_seqlens: int32 tensor (b), an int, or None (every sequence holds the whole cache)."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if isinstance(cache_seqlens, int):
+        seqlens, seqlen = None, cache_seqlens
+    else:
+        seqlens, seqlen = cache_seqlens, -1
+    d = q.shape[-1]
+    caches = None
+    if _needs_pad(q):  # rotary pairs stay within the first rotary_dim <= d features: unaffected
+        caches = (k_cache, v_cache)
+        q, k, v, k_cache, v_cache = _pad(q), _pad(k), _pad(v), _pad(k_cache), _pad(v_cache)
+    tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, cache_batch_idx, cache_leftpad,
+               block_table, alibi_slopes)
+    op = _fwd_kvcache_impl if _eager(*tensors) else fwd_kvcache
+    out, lse = op(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, seqlen, cache_batch_idx,
+                  cache_leftpad, block_table, alibi_slopes, scale, bool(causal), int(window[0]), int(window[1]),
+                  float(softcap), bool(rotary_interleaved), int(num_splits))
+    if caches is not None and k is not None:  # the append went into the padded copies
+        caches[0].copy_(k_cache[..., :d])
+        caches[1].copy_(v_cache[..., :d])
+    return out[..., :d], lse
+
+
+__all__ = ["fwd", "bwd", "fwd_varlen", "bwd_varlen", "fwd_varlen_paged", "fwd_kvcache", "merge", "attention",
+           "attention_varlen", "attention_varlen_paged", "attention_kvcache", "new_rng"]

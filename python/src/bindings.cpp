@@ -194,9 +194,11 @@ NB_MODULE(_C, m) {
       "forward_varlen",
       [](const Array& q, const Array& k, const Array& v, const Array& cu_seqlens_q, const Array& cu_seqlens_k,
          std::int64_t max_seqlen_q, std::int64_t max_seqlen_k, const Array& out, const Array& lse,
-         const fm::Options& options, const fm::Context& ctx, const OptArray& alibi_slopes, const OptArray& workspace) {
+         const fm::Options& options, const fm::Context& ctx, const OptArray& alibi_slopes, const OptArray& workspace,
+         const OptArray& block_table) {
         auto tq = view(q, "q"), tk = view(k, "k"), tv = view(v, "v"), to = view(out, "out"), tl = view(lse, "lse");
         auto vl = make_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+        vl.block_table = view(block_table, "block_table");
         auto o = with_alibi(options, alibi_slopes);
         auto c = with_workspace(ctx, workspace);
         nb::gil_scoped_release release;
@@ -204,7 +206,60 @@ NB_MODULE(_C, m) {
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"),
       nb::arg("max_seqlen_q"), nb::arg("max_seqlen_k"), nb::arg("out"), nb::arg("lse"), nb::arg("options"),
-      nb::arg("ctx"), nb::arg("alibi_slopes").none() = nb::none(), nb::arg("workspace").none() = nb::none());
+      nb::arg("ctx"), nb::arg("alibi_slopes").none() = nb::none(), nb::arg("workspace").none() = nb::none(),
+      nb::arg("block_table").none() = nb::none());
+
+  // forward_kvcache: the cache arrays are written in place (k_new, v_new appended).
+  auto kv_cache = [](const Array& k_cache, const Array& v_cache, const OptArray& seqlens, int seqlen,
+                     const OptArray& batch_idx, const OptArray& leftpad, const OptArray& block_table) {
+    fm::KVCache c;
+    c.k = view(k_cache, "k_cache");
+    c.v = view(v_cache, "v_cache");
+    c.seqlens = view(seqlens, "seqlens");
+    c.seqlen = seqlen;
+    c.batch_idx = view(batch_idx, "batch_idx");
+    c.leftpad = view(leftpad, "leftpad");
+    c.block_table = view(block_table, "block_table");
+    return c;
+  };
+  auto rotary_of = [](const OptArray& cos, const OptArray& sin, bool interleaved) {
+    return fm::Rotary{view(cos, "rotary.cos"), view(sin, "rotary.sin"), interleaved};
+  };
+  m.def(
+      "forward_kvcache",
+      [kv_cache, rotary_of](const Array& q, const Array& k_cache, const Array& v_cache, const OptArray& k_new,
+                            const OptArray& v_new, const OptArray& cos, const OptArray& sin, bool interleaved,
+                            const OptArray& seqlens, int seqlen, const OptArray& batch_idx, const OptArray& leftpad,
+                            const OptArray& block_table, const Array& out, const Array& lse,
+                            const fm::Options& options, const fm::Context& ctx, const OptArray& alibi_slopes,
+                            const OptArray& workspace) {
+        auto tq = view(q, "q"), to = view(out, "out"), tl = view(lse, "lse");
+        auto c = kv_cache(k_cache, v_cache, seqlens, seqlen, batch_idx, leftpad, block_table);
+        auto kn = view(k_new, "k_new"), vn = view(v_new, "v_new");
+        auto r = rotary_of(cos, sin, interleaved);
+        auto o = with_alibi(options, alibi_slopes);
+        auto cx = with_workspace(ctx, workspace);
+        nb::gil_scoped_release release;
+        fm::forward_kvcache(tq, c, kn, vn, r, to, tl, o, cx);
+      },
+      nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("k_new").none(), nb::arg("v_new").none(),
+      nb::arg("cos").none(), nb::arg("sin").none(), nb::arg("interleaved"), nb::arg("seqlens").none(),
+      nb::arg("seqlen"), nb::arg("batch_idx").none(), nb::arg("leftpad").none(), nb::arg("block_table").none(),
+      nb::arg("out"), nb::arg("lse"), nb::arg("options"), nb::arg("ctx"),
+      nb::arg("alibi_slopes").none() = nb::none(), nb::arg("workspace").none() = nb::none());
+  m.def(
+      "forward_kvcache_workspace_size",
+      [kv_cache, rotary_of](const Array& q, const Array& k_cache, const Array& v_cache, const OptArray& k_new,
+                            const OptArray& cos, const OptArray& sin, bool interleaved, const OptArray& seqlens,
+                            int seqlen, const OptArray& batch_idx, const OptArray& leftpad,
+                            const OptArray& block_table, const fm::Options& options) {
+        auto c = kv_cache(k_cache, v_cache, seqlens, seqlen, batch_idx, leftpad, block_table);
+        return fm::forward_kvcache_workspace_size(view(q, "q"), c, view(k_new, "k_new"), rotary_of(cos, sin, interleaved),
+                                                  options);
+      },
+      nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("k_new").none(), nb::arg("cos").none(),
+      nb::arg("sin").none(), nb::arg("interleaved"), nb::arg("seqlens").none(), nb::arg("seqlen"),
+      nb::arg("batch_idx").none(), nb::arg("leftpad").none(), nb::arg("block_table").none(), nb::arg("options"));
 
   m.def(
       "backward",

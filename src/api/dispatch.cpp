@@ -1,6 +1,7 @@
 // Routes validated calls to a backend: the CPU (reference or flash) or CUDA.
 #include <vector>
 
+#include "api/kvcache_params.hpp"
 #include "api/validate.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "flashmonoid/attention.hpp"
@@ -95,7 +96,9 @@ void forward(const TensorView& q, const TensorView& k, const TensorView& v, cons
 
 void forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v, const Varlen& varlen,
                     const TensorView& out, const TensorView& lse, const Options& options, const Context& ctx) {
-  run_forward(detail::make_fwd_params(q, k, v, out, lse, options, &varlen), ctx);
+  run_forward(varlen.block_table.defined() ? detail::make_paged_varlen_params(q, k, v, varlen, out, lse, options)
+                                           : detail::make_fwd_params(q, k, v, out, lse, options, &varlen),
+              ctx);
 }
 
 void backward(const TensorView& dout, const TensorView& q, const TensorView& k, const TensorView& v,

@@ -18,6 +18,24 @@ struct Strides {
   std::int64_t batch = 0, row = 0, head = 0;
 };
 
+// K/V rows read through a KV cache (forward_kvcache) or pages (paged varlen); see kvcache.hpp.
+// Row r of sequence b is row r of cache entry batch_idx[b] (or b), or, paged, row r % page_size of
+// page block_table[b, r / page_size]. Every value read here is clamped (seq_info, kv_offset), so
+// values only the device sees never address memory outside the cache.
+struct KvCacheParams {
+  bool active = false;               // a forward_kvcache call: lengths come from seqlens below
+  const int* seqlens = nullptr;      // (b) rows before the append, or nullptr: seqlen_fixed
+  int seqlen_fixed = 0;
+  const int* leftpad = nullptr;      // (b) or nullptr
+  int seqlen_new = 0;                // rows this call appends
+  int capacity = 0;                  // rows one sequence can hold
+  const int* batch_idx = nullptr;    // (b) or nullptr
+  int cache_batch = 0;               // b_cache
+  const int* block_table = nullptr;  // (b, max_pages) or nullptr
+  std::int64_t block_table_stride = 0;
+  int page_size = 0, num_pages = 0;
+};
+
 struct FwdParams {
   DType dtype = DType::f32;  // of q, k, v, out (and dout, dq, dk, dv in backward)
   const void* q = nullptr;
@@ -46,6 +64,8 @@ struct FwdParams {
   float dropout_rescale = 1.0f;            // 1 / (1 - p)
   std::uint64_t seed = 0, offset = 0;
 
+  KvCacheParams kv;  // K/V addressing of forward_kvcache and paged varlen; inactive otherwise
+
   Device device{};
   FM_HD bool is_varlen() const { return cu_seqlens_q != nullptr; }
   FM_HD int group() const { return h / h_k; }  // query heads per KV head
@@ -67,6 +87,8 @@ struct SeqInfo {
   std::int64_t global_q_row0 = 0;  // b·s_q or cu_seqlens_q[b]: the row used by lse and dropout
 };
 
+FM_HD int clamp_int(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
 FM_HD SeqInfo seq_info(const FwdParams& p, int b) {
   SeqInfo s;
   if (p.cu_seqlens_q != nullptr) {
@@ -80,13 +102,38 @@ FM_HD SeqInfo seq_info(const FwdParams& p, int b) {
     s.len_k = p.seqlen_k;
     s.global_q_row0 = static_cast<std::int64_t>(b) * p.seqlen_q;
   }
+  const KvCacheParams& kv = p.kv;
+  if (kv.active) {  // keys are rows [leftpad, held + seqlen_new) of the sequence's cache
+    const int held = clamp_int(kv.seqlens ? kv.seqlens[b] : kv.seqlen_fixed, 0, kv.capacity - kv.seqlen_new);
+    const int lp = kv.leftpad ? clamp_int(kv.leftpad[b], 0, held) : 0;
+    s.k_row0 = lp;
+    s.len_k = held + kv.seqlen_new - lp;
+  } else if (kv.block_table != nullptr) {  // paged varlen: rows [0, len_k) of the sequence's pages
+    s.k_row0 = 0;
+    s.len_k = clamp_int(s.len_k, 0, kv.capacity);
+  }
   return s;
 }
+
+// Rows a KV-cache sequence held before this call's append (where its new rows start).
+FM_HD int cache_rows_before(const FwdParams& p, const SeqInfo& si) { return si.k_row0 + si.len_k - p.kv.seqlen_new; }
 
 // Element offset of (batch b, row, head hd) in a tensor with strides st.
 // row is the row in the (packed) tensor: SeqInfo::q_row0 / k_row0 plus the row in the sequence.
 FM_HD std::int64_t offset_of(const Strides& st, int b, std::int64_t row, int hd) {
   return b * st.batch + row * st.row + hd * st.head;
+}
+
+// Element offset of row `row` (k_row0 + j) of sequence b's keys or values, head hk: through the
+// block table or the cache batch index when there is one.
+FM_HD std::int64_t kv_offset(const FwdParams& p, const Strides& st, int b, std::int64_t row, int hk) {
+  const KvCacheParams& kv = p.kv;
+  if (kv.block_table != nullptr) {
+    const int page = clamp_int(kv.block_table[b * kv.block_table_stride + row / kv.page_size], 0, kv.num_pages - 1);
+    return page * st.batch + (row % kv.page_size) * st.row + hk * st.head;
+  }
+  if (kv.batch_idx != nullptr) return offset_of(st, clamp_int(kv.batch_idx[b], 0, kv.cache_batch - 1), row, hk);
+  return offset_of(st, b, row, hk);
 }
 
 // lse index of (b, head, row i): contiguous (b, h, s_q) batched, (h, total_q) varlen.

@@ -1,4 +1,5 @@
 #include "api/validate.hpp"
+#include "api/validate_util.hpp"
 
 #include <cmath>
 #include <cstdint>
@@ -9,8 +10,9 @@
 #include "flashmonoid/error.hpp"
 
 namespace flashmonoid::detail {
-namespace {
 
+// The rule helpers (declared in validate_util.hpp, shared with validate_kvcache.cpp).
+using detail::kMaxHeadDim;
 
 std::string shape_str(const TensorView& t) {
   std::string s = "(";
@@ -153,8 +155,6 @@ void fill_strides(Strides& s, const TensorView& t, bool varlen) {
   }
 }
 
-}  // namespace
-
 FwdParams make_fwd_params(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                           const TensorView& lse, const Options& o, const Varlen* varlen) {
   const bool vl = varlen != nullptr;
@@ -272,6 +272,8 @@ FwdParams make_fwd_params(const TensorView& q, const TensorView& k, const Tensor
 BwdParams make_bwd_params(const TensorView& dout, const TensorView& q, const TensorView& k, const TensorView& v,
                           const TensorView& out, const TensorView& lse, const TensorView& dq, const TensorView& dk,
                           const TensorView& dv, const Options& o, const Varlen* varlen) {
+  if (varlen != nullptr && varlen->block_table.defined())
+    fail("block_table", "paged K/V is forward-only; the backward takes packed k, v (total_k, h_k, d)");
   BwdParams p;
   static_cast<FwdParams&>(p) = make_fwd_params(q, k, v, out, lse, o, varlen);
   const bool vl = varlen != nullptr;

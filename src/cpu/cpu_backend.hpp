@@ -1,6 +1,7 @@
 // The CPU backend: the float64 reference (the oracle) and the tiled flash path.
 #pragma once
 
+#include "api/kvcache_params.hpp"
 #include "api/params.hpp"
 
 namespace flashmonoid::cpu {
@@ -19,5 +20,8 @@ void flash_forward(const detail::FwdParams& p, int num_threads);
 void flash_backward(const detail::BwdParams& p, int num_threads);
 
 void merge(const detail::MergeParams& p);
+
+// forward_kvcache (src/cpu/kvcache.cpp): the append and rotary, then reference or flash forward.
+void forward_kvcache(const detail::KvCacheCall& c, bool reference, int num_threads);
 
 }  // namespace flashmonoid::cpu

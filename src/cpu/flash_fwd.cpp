@@ -81,10 +81,11 @@ void pack_tile(const FwdParams& p, PackedKV& kv, std::int64_t t, float* row) {
   const SeqInfo si = seq_info(p, b);
   const std::int64_t j0 = (block_global - kv.first[b]) * kBlockN;
   const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, si.len_k - j0));
-  tiles::load_tile_transposed(p.k, p.dtype, p.k_stride, b, si.k_row0 + j0, hk, n, p.d, kBlockN, 1.0f, row,
-                              kv.kt.data() + t * p.d * kBlockN);
-  tiles::load_tile(p.v, p.dtype, p.v_stride, b, si.k_row0 + j0, hk, n, kBlockN, p.d, kv.dp, 1.0f,
-                   kv.v.data() + t * kBlockN * kv.dp);
+  // Rows through detail::kv_offset: a KV cache's batch index or block table, when there is one.
+  auto k_row = [&](int r) { return detail::kv_offset(p, p.k_stride, b, si.k_row0 + j0 + r, hk); };
+  auto v_row = [&](int r) { return detail::kv_offset(p, p.v_stride, b, si.k_row0 + j0 + r, hk); };
+  tiles::load_rows_transposed(p.k, p.dtype, k_row, n, p.d, kBlockN, 1.0f, row, kv.kt.data() + t * p.d * kBlockN);
+  tiles::load_rows(p.v, p.dtype, v_row, n, kBlockN, p.d, kv.dp, 1.0f, kv.v.data() + t * kBlockN * kv.dp);
 }
 
 // One thread's tiles. dp = d rounded up to the 8-wide vector.

@@ -194,28 +194,35 @@ inline void load_row(const void* base, DType t, std::int64_t offset, int d, floa
   }
 }
 
-// dst (rows_pad × ld) <- mul · rows [0, rows) of head `head` starting at row row0 of a strided
-// tensor; rows [rows, rows_pad) and columns [d, ld) are zeroed so that products over the padding
-// add nothing.
-inline void load_tile(const void* base, DType t, const detail::Strides& st, int b, std::int64_t row0, int head,
-                      int rows, int rows_pad, int d, int ld, float mul, float* dst) {
+// dst (rows_pad × ld) <- mul · rows [0, rows) of a tensor, row r at element row_offset(r); rows
+// [rows, rows_pad) and columns [d, ld) are zeroed so that products over the padding add nothing.
+template <class RowOffset>
+inline void load_rows(const void* base, DType t, RowOffset&& row_offset, int rows, int rows_pad, int d, int ld,
+                      float mul, float* dst) {
   for (int r = 0; r < rows_pad; ++r) {
     float* row = dst + static_cast<std::int64_t>(r) * ld;
     int c = 0;
     if (r < rows) {
-      load_row(base, t, detail::offset_of(st, b, row0 + r, head), d, mul, row);
+      load_row(base, t, row_offset(r), d, mul, row);
       c = d;
     }
     for (; c < ld; ++c) row[c] = 0.0f;
   }
 }
 
-// dst (d × ld) <- the transpose of the tile above: dst[c·ld + r] = mul · src[r][c], columns
+// The same for rows [0, rows) of head `head` starting at row row0 of a strided tensor.
+inline void load_tile(const void* base, DType t, const detail::Strides& st, int b, std::int64_t row0, int head,
+                      int rows, int rows_pad, int d, int ld, float mul, float* dst) {
+  load_rows(base, t, [&](int r) { return detail::offset_of(st, b, row0 + r, head); }, rows, rows_pad, d, ld, mul, dst);
+}
+
+// dst (d × ld) <- the transpose of load_rows' tile: dst[c·ld + r] = mul · src[r][c], columns
 // [rows, ld) zeroed. tmp holds one row (d floats).
-inline void load_tile_transposed(const void* base, DType t, const detail::Strides& st, int b, std::int64_t row0,
-                                 int head, int rows, int d, int ld, float mul, float* tmp, float* dst) {
+template <class RowOffset>
+inline void load_rows_transposed(const void* base, DType t, RowOffset&& row_offset, int rows, int d, int ld,
+                                 float mul, float* tmp, float* dst) {
   for (int r = 0; r < rows; ++r) {
-    load_row(base, t, detail::offset_of(st, b, row0 + r, head), d, mul, tmp);
+    load_row(base, t, row_offset(r), d, mul, tmp);
     for (int c = 0; c < d; ++c) dst[static_cast<std::int64_t>(c) * ld + r] = tmp[c];
   }
   for (int c = 0; c < d; ++c)

@@ -68,7 +68,7 @@ HeadForward head_forward(const FwdParams& p, int b, int hq, const SeqInfo& si, c
     const std::int64_t qo = detail::offset_of(p.q_stride, b, si.q_row0 + i, hq);
     double mx = kNegInf;
     for (int j = 0; j < si.len_k; ++j) {
-      const std::int64_t ko = detail::offset_of(p.k_stride, b, si.k_row0 + j, hk);
+      const std::int64_t ko = detail::kv_offset(p, p.k_stride, b, si.k_row0 + j, hk);
       double x = rnd(rnd.dot(p.d, [&](int c) { return load(p.q, p.dtype, qo + c); },
                              [&](int c) { return load(p.k, p.dtype, ko + c); }) *
                      p.scale);
@@ -116,7 +116,7 @@ void reference_forward(const FwdParams& p, Precision prec) {
         for (int j = 0; j < si.len_k; ++j) {
           const std::size_t ij = static_cast<std::size_t>(i) * si.len_k + j;
           const double pij = rnd(f.prob[ij] * f.keep[ij]);
-          acc += pij * load(p.v, p.dtype, detail::offset_of(p.v_stride, b, si.k_row0 + j, hk) + c);
+          acc += pij * load(p.v, p.dtype, detail::kv_offset(p, p.v_stride, b, si.k_row0 + j, hk) + c);
         }
         store(p.out, p.dtype, oo + c, static_cast<float>(acc));
       }

@@ -9,6 +9,7 @@
 
 #include "api/params.hpp"
 #include "common/check.cuh"
+#include "common/device_guard.cuh"
 #include "common/types.cuh"
 #include "cuda_backend.hpp"
 #include "flashmonoid/detail/monoid.hpp"
@@ -26,24 +27,6 @@ namespace {
 constexpr int kVectorBytes = 16;
 using detail::kMaxHeadDim;
 constexpr int kMinMajor = 8;  // mma.sync m16n8k16 with bf16, cp.async, ldmatrix: sm80 and later
-
-// Makes p.device current for the duration of a call and restores the caller's device.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    FM_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device) FM_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceGuard() {
-    int now = 0;
-    if (cudaGetDevice(&now) == cudaSuccess && now != previous_) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-};
 
 int num_sms(int device) {
   int n = 0;
@@ -102,10 +85,15 @@ void check_fwd_pointers(const detail::FwdParams& p) {
   check_pointer(p.cu_seqlens_q, "cu_seqlens_q", dev, sizeof(int));
   check_pointer(p.cu_seqlens_k, "cu_seqlens_k", dev, sizeof(int));
   check_pointer(p.alibi, "options.alibi_slopes", dev, sizeof(float));
+  check_pointer(p.kv.seqlens, "seqlens", dev, sizeof(int));
+  check_pointer(p.kv.leftpad, "leftpad", dev, sizeof(int));
+  check_pointer(p.kv.batch_idx, "batch_idx", dev, sizeof(int));
+  check_pointer(p.kv.block_table, "block_table", dev, sizeof(int));
   const bool varlen = p.cu_seqlens_q != nullptr;
+  const bool packed_kv = varlen && p.kv.block_table == nullptr;  // pages step by their batch stride
   check_strides(p.q_stride, "q", p.batch, p.h, varlen);
-  check_strides(p.k_stride, "k", p.batch, p.h_k, varlen);
-  check_strides(p.v_stride, "v", p.batch, p.h_k, varlen);
+  check_strides(p.k_stride, "k", p.batch, p.h_k, packed_kv);
+  check_strides(p.v_stride, "v", p.batch, p.h_k, packed_kv);
   check_strides(p.o_stride, "out", p.batch, p.h, varlen);
 }
 
@@ -278,7 +266,8 @@ std::string fwd_path_why_not_sm90(const detail::FwdParams& p, int num_splits) {
   if (!kBuiltSm90) return "this build has no sm90 kernels (CMAKE_CUDA_ARCHITECTURES without 90)";
   if (compute_major(p.device.index) != 9) return "the sm90 kernels need compute capability 9.x (Hopper)";
   if (num_splits > 1) return "the sm90 forward does not split the keys (num_splits > 1)";
-  if (!fwd_sm90_eligible(p)) return "the sm90 forward runs prefill shapes (s_q > 64); decoding runs on sm80";
+  if (!fwd_sm90_eligible(p))
+    return "the sm90 forward runs prefill shapes (s_q > 64) without KV caches, and no softcap/ALiBi/dropout above hdim 128";
   return "";
 }
 
@@ -291,6 +280,10 @@ FwdPath forward_path(const detail::FwdParams& p, const Context& ctx) {
 }
 
 void check_pointers(const detail::FwdParams& p) { check_fwd_pointers(p); }
+
+void check_device_pointer(const void* ptr, const char* name, int device, int align) {
+  check_pointer(ptr, name, device, align);
+}
 
 void check_pointers(const detail::BwdParams& p) {
   check_fwd_pointers(p);

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <string>
 
+#include "api/kvcache_params.hpp"
 #include "api/params.hpp"
 #include "flashmonoid/options.hpp"
 
@@ -18,6 +19,8 @@ std::string unsupported_reason(const detail::FwdParams& p);
 // (throws Error naming the argument otherwise).
 void check_pointers(const detail::FwdParams& p);
 void check_pointers(const detail::BwdParams& p);
+// One pointer: device memory of `device` (or nullptr), aligned to `align` bytes.
+void check_device_pointer(const void* ptr, const char* name, int device, int align);
 
 // Which forward kernel family runs p with ctx (ctx.cuda_path, FLASHMONOID_CUDA_PATH, the device and
 // the shape); throws NotSupported when a forced family cannot run p.
@@ -31,6 +34,10 @@ std::size_t backward_workspace_size(const detail::BwdParams& p);
 void forward(const detail::FwdParams& p, const Context& ctx);
 void backward(const detail::BwdParams& p, const Context& ctx);
 void merge(const detail::MergeParams& p, const Context& ctx);
+
+// forward_kvcache (src/cuda/kvcache.cu): at most one append/rotary launch, then the forward.
+std::size_t forward_kvcache_workspace_size(const detail::KvCacheCall& c);
+void forward_kvcache(const detail::KvCacheCall& c, const Context& ctx);
 
 bool available();  // a device of compute capability >= 8.0 is visible
 

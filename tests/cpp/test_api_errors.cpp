@@ -10,16 +10,6 @@ namespace {
 using flashmonoid::Error;
 using flashmonoid::TensorView;
 
-void expect_error(const std::function<void()>& fn, const std::string& argument, const std::string& rule) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error for " << argument << " (" << rule << ")";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.argument(), argument) << e.what();
-    EXPECT_NE(std::string(e.what()).find(rule), std::string::npos) << "message '" << e.what() << "' lacks '" << rule << "'";
-  }
-}
-
 struct Call {
   Shape s;
   Problem pb;

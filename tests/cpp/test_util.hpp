@@ -5,6 +5,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <functional>
+#include <string>
 #include <limits>
 #include <random>
 #include <vector>
@@ -110,6 +112,17 @@ inline void expect_close(const char* what, DType dtype, const std::vector<double
     const double budget = 2.0 * max_abs_diff(lowp, ref) + 2.0 * unit_roundoff(dtype) * scale;
     EXPECT_LE(err, budget) << what << ": max error " << err << " > 2x the " << flashmonoid::to_string(dtype)
                            << " reference's error (" << max_abs_diff(lowp, ref) << ") + storage rounding";
+  }
+}
+
+// fn must throw flashmonoid::Error naming `argument`, with `rule` in its message.
+inline void expect_error(const std::function<void()>& fn, const std::string& argument, const std::string& rule) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error for " << argument << " (" << rule << ")";
+  } catch (const flashmonoid::Error& e) {
+    EXPECT_EQ(e.argument(), argument) << e.what();
+    EXPECT_NE(std::string(e.what()).find(rule), std::string::npos) << "message '" << e.what() << "' lacks '" << rule << "'";
   }
 }
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "attention_case.hpp"
+#include "device_tensor.hpp"
 #include "flashmonoid/detail/philox.hpp"
 
 namespace fmtest {
@@ -22,37 +23,6 @@ namespace {
 using flashmonoid::Context;
 using flashmonoid::Device;
 using flashmonoid::cpu::Precision;
-
-#define SKIP_WITHOUT_GPU() \
-  if (!flashmonoid::cuda_available()) GTEST_SKIP() << "no CUDA device of compute capability >= 8.0 is visible"
-
-void cuda_ok(cudaError_t e) { ASSERT_EQ(e, cudaSuccess) << cudaGetErrorString(e); }
-
-// Device copy of a host tensor with the same shape and strides (poison included).
-struct DeviceTensor {
-  void* ptr = nullptr;
-  std::size_t bytes = 0;
-  TensorView view;
-  explicit DeviceTensor(const HostTensor& h) : bytes(h.buf.size()), view(h.view) {
-    if (!h.view.defined()) return;
-    cuda_ok(cudaMalloc(&ptr, bytes));
-    cuda_ok(cudaMemcpy(ptr, h.buf.data(), bytes, cudaMemcpyHostToDevice));
-    view.data = ptr;
-    view.device = Device::cuda(0);
-  }
-  DeviceTensor(const DeviceTensor&) = delete;
-  ~DeviceTensor() { cudaFree(ptr); }
-  void copy_to(HostTensor& h) const { cuda_ok(cudaMemcpy(h.buf.data(), ptr, bytes, cudaMemcpyDeviceToHost)); }
-};
-
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  std::size_t bytes = 0;
-  explicit DeviceBuffer(std::size_t n) : bytes(n) {
-    if (n) cuda_ok(cudaMalloc(&ptr, n));
-  }
-  ~DeviceBuffer() { cudaFree(ptr); }
-};
 
 // fp32 copy of a host tensor (exact for fp16/bf16): the float64 reference on it writes an fp32
 // output, an oracle not rounded to the low-precision dtype.

@@ -132,11 +132,52 @@ def test_dropout_attn_probs_encode_the_mask():
     assert s_dmask.shape == (1, 2, 8, 8)
     dropped = s_dmask < 0
     assert 0.2 < dropped.float().mean() < 0.6
+    # flash-attn's convention: exp(score - row max), so each row's largest |entry| is 1 and
+    # |S_dmask| · exp(row max - lse) are the probabilities.
+    a = s_dmask.abs()
+    assert torch.allclose(a.amax(-1), torch.ones(1, 2, 8))
+    scores = torch.einsum("bihd,bjhd->bhij", q.detach(), k.detach()) * 16 ** -0.5
+    probs = a * torch.exp(scores.amax(-1, keepdim=True) - lse[..., None])
+    torch.testing.assert_close(probs, torch.softmax(scores, -1))
     # out = (kept probabilities / (1 - p)) v, with the probabilities S_dmask reports.
-    p = s_dmask.clamp_min(0) / 0.6
-    expected = torch.einsum("bhij,bjhd->bihd", p, v.detach())
+    expected = torch.einsum("bhij,bjhd->bihd", torch.where(s_dmask > 0, probs, 0) / 0.6, v.detach())
     assert rel_err(out, expected) <= 1e-5
-    assert torch.allclose(s_dmask.abs().sum(-1), torch.ones(1, 2, 8))
+
+
+@pytest.mark.parametrize("device", ["cpu"] + [
+    pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and a CUDA build"))])
+def test_attn_probs_match_the_kernels_dropout_and_varlen(device):
+    # The same elements are dropped in S_dmask as in the kernel's output (a dropped key changes out):
+    # out equals the decoded kept probabilities times v, batched and varlen.
+    dtype = torch.float32 if device == "cpu" else torch.float16
+    lens = [5, 12, 1]
+    cu = torch.tensor([0, 5, 17, 18], dtype=torch.int32, device=device)
+    q, k, v = (rand(18, 2, 32, device=device, dtype=dtype, seed=s).detach() for s in range(3))
+    out, lse, s_dmask = fa.flash_attn_varlen_func(q, k, v, cu, cu, 12, 12, dropout_p=0.3, causal=True,
+                                                  return_attn_probs=True)
+    assert s_dmask.shape == (3, 2, 12, 12)
+    for b, n in enumerate(lens):
+        a = s_dmask[b, :, :n, :n].abs().double()
+        probs = a / a.sum(-1, keepdim=True)
+        kept = torch.where(s_dmask[b, :, :n, :n] > 0, probs, 0) / 0.7
+        expected = torch.einsum("hij,jhd->ihd", kept, v[cu[b]:cu[b] + n].double())
+        assert (out[cu[b]:cu[b] + n].double() - expected).abs().max() < (1e-5 if device == "cpu" else 5e-3)
+        assert torch.all(s_dmask[b, :, n:] == 0) and torch.all(s_dmask[b, :, :, n:] == 0)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and a CUDA build")
+def test_attn_probs_are_fast():
+    # Upstream's dropout race test calls this 250 times at b = 60, h = 4, s = 1024, d = 128.
+    import time
+
+    q, k, v = (torch.randn(60, 1024, 4, 128, device="cuda", dtype=torch.float16) for _ in range(3))
+    fa.flash_attn_func(q, k, v, dropout_p=0.17, return_attn_probs=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(3):
+        fa.flash_attn_func(q, k, v, dropout_p=0.17, return_attn_probs=True)
+    torch.cuda.synchronize()
+    assert (time.perf_counter() - start) / 3 < 0.2
 
 
 def test_fully_masked_rows_give_zero_and_minus_inf_lse():
@@ -172,18 +213,6 @@ def test_kvcache_batch_idx_and_int_seqlens():
     for i, r in enumerate(idx.tolist()):
         torch.testing.assert_close(out[i:i + 1], ref_attention(q[i:i + 1], k_cache[r:r + 1, :5],
                                                                v_cache[r:r + 1, :5]).float())
-
-
-def test_unbuilt_features_raise_not_implemented():
-    q, k, v = rand(4, 2, 16), rand(4, 2, 16), rand(4, 2, 16)
-    cu = torch.tensor([0, 4], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="block_table"):
-        fa.flash_attn_varlen_func(q, k, v, cu, cu, 4, 4, block_table=torch.zeros(1, 1, dtype=torch.int32))
-    kc = torch.randn(1, 8, 2, 16)
-    with pytest.raises(NotImplementedError, match="block_table"):
-        fa.flash_attn_with_kvcache(q[None], kc, kc, block_table=torch.zeros(1, 1, dtype=torch.int32))
-    with pytest.raises(NotImplementedError, match="rotary"):
-        fa.flash_attn_with_kvcache(q[None], kc, kc, rotary_cos=torch.ones(8, 8), rotary_sin=torch.ones(8, 8))
 
 
 def _q(*shape, dtype=torch.float16):

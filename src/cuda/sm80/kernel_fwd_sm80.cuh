@@ -10,14 +10,16 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "api/params.hpp"
 #include "common/block_range.cuh"
 #include "common/epilogue.cuh"
-#include "sm80/mma_sm80.cuh"
 #include "common/score_mod.cuh"
-#include "sm80/smem_tile.cuh"
 #include "common/softmax.cuh"
+#include "sm80/mma_sm80.cuh"
+#include "sm80/paged_kv_sm80.cuh"
+#include "sm80/smem_tile.cuh"
 #include "sm80/tile_fwd_sm80.hpp"
 #include "sm80/warp_gemm_sm80.cuh"
 
@@ -98,9 +100,30 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
     if (R >= blk.rows_total) return nullptr;
     return q + detail::offset_of(p.q_stride, b, si.q_row0 + blk.query(R), blk.head(R));
   };
-  // Row 0 of this (batch, KV head)'s keys; tile n starts kBlockN rows further per step.
-  const T* k_seq = k + detail::offset_of(p.k_stride, b, si.k_row0, kv_head);
-  const T* v_seq = v + detail::offset_of(p.v_stride, b, si.k_row0, kv_head);
+  // Row 0 of this (batch, KV head)'s keys; tile n starts kBlockN rows further per step. Only the
+  // narrow tile reads K/V through a KV cache's batch index or block table (plan_fwd_sm80 gives
+  // such calls that tile; a paged cache has no row 0 and is gathered by paged_kv_sm80.cuh): in the
+  // wide tiles the cache addressing cost hdim 128 a 4-byte spill (ptxas, sm90), so they keep the
+  // plain strided copy.
+  constexpr bool kCacheAddressing = kKind == FwdTileKind::narrow;
+  const bool paged = kCacheAddressing && p.kv.block_table != nullptr;
+  const T* k_seq = k + (kCacheAddressing ? (paged ? 0 : detail::kv_offset(p, p.k_stride, b, si.k_row0, kv_head))
+                                         : detail::offset_of(p.k_stride, b, si.k_row0, kv_head));
+  const T* v_seq = v + (kCacheAddressing ? (paged ? 0 : detail::kv_offset(p, p.v_stride, b, si.k_row0, kv_head))
+                                         : detail::offset_of(p.v_stride, b, si.k_row0, kv_head));
+  // Rows [key0, key0 + kRows) of K or V into a ring slot.
+  auto load_keys = [&](auto rows, T* dst, bool is_v, int key0) {
+    constexpr int kRows = decltype(rows)::value;
+    if constexpr (kCacheAddressing)
+      load_kv_rows_async<kRows, kHeadDim, kThreads>(dst, p, is_v ? v : k, is_v ? v_seq : k_seq,
+                                                     is_v ? p.v_stride : p.k_stride, b, kv_head, si.k_row0, key0,
+                                                     si.len_k - key0);
+    else {
+      const std::int64_t stride = is_v ? p.v_stride.row : p.k_stride.row;
+      load_rows_async<kRows, kHeadDim, kThreads>(dst, (is_v ? v_seq : k_seq) + key0 * stride, stride, si.len_k - key0,
+                                                 p.d);
+    }
+  };
   const int num_tiles = tiles.count();
   const LdsmLane<kHeadDim> q_addr = q_lane<kHeadDim>(sQ, warp_row0, lane);
   const LdsmLane<kHeadDim> k_addr = k_lane<kHeadDim>(sK, lane);
@@ -136,11 +159,8 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
       if (t < num_tiles) {
         const int n = s_hi - 1 - t;
         T* stage = sK + (t % kStages) * kStageElems;
-        load_rows_async<kBlockN, kHeadDim, kThreads>(stage, k_seq + n * kBlockN * p.k_stride.row, p.k_stride.row,
-                                                     si.len_k - n * kBlockN, p.d);
-        load_rows_async<kBlockN, kHeadDim, kThreads>(stage + kBlockN * kHeadDim,
-                                                     v_seq + n * kBlockN * p.v_stride.row, p.v_stride.row,
-                                                     si.len_k - n * kBlockN, p.d);
+        load_keys(std::integral_constant<int, kBlockN>{}, stage, false, n * kBlockN);
+        load_keys(std::integral_constant<int, kBlockN>{}, stage + kBlockN * kHeadDim, true, n * kBlockN);
       }
       cp_async_commit();  // empty past the last tile, so that wait_group counts stay uniform
     };
@@ -178,11 +198,8 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
       if (t < num_groups) {
         const int n0 = (g_hi - t) * kSub;  // the group's first (lowest) tile
         T* stage = sK + (t % kStages) * kStageElems;
-        load_rows_async<kGroupRows, kHeadDim, kThreads>(stage, k_seq + n0 * kBlockN * p.k_stride.row, p.k_stride.row,
-                                                        si.len_k - n0 * kBlockN, p.d);
-        load_rows_async<kGroupRows, kHeadDim, kThreads>(stage + kGroupRows * kHeadDim,
-                                                        v_seq + n0 * kBlockN * p.v_stride.row, p.v_stride.row,
-                                                        si.len_k - n0 * kBlockN, p.d);
+        load_keys(std::integral_constant<int, kGroupRows>{}, stage, false, n0 * kBlockN);
+        load_keys(std::integral_constant<int, kGroupRows>{}, stage + kGroupRows * kHeadDim, true, n0 * kBlockN);
       }
       cp_async_commit();  // empty past the last group, so that wait_group counts stay uniform
     };
@@ -219,10 +236,7 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
     auto load_slot = [&](int h, int slot) {
       if (h < 2 * num_tiles) {
         const int n = s_hi - 1 - h / 2;
-        const bool is_v = h & 1;
-        const std::int64_t stride = is_v ? p.v_stride.row : p.k_stride.row;
-        load_rows_async<kBlockN, kHeadDim, kThreads>(sK + slot * kSlotElems, (is_v ? v_seq : k_seq) + n * kBlockN * stride,
-                                                     stride, si.len_k - n * kBlockN, p.d);
+        load_keys(std::integral_constant<int, kBlockN>{}, sK + slot * kSlotElems, h & 1, n * kBlockN);
       }
       cp_async_commit();  // empty past the last tile, so that wait_group counts stay uniform
     };

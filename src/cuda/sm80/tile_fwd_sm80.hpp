@@ -120,7 +120,9 @@ inline FwdPlanSm80 plan_fwd_sm80(const detail::FwdParams& p, std::size_t smem_pe
   plan.pack = p.group() > 1 && p.seqlen_q < kFwdNarrowRows ? p.group() : 1;
   const int rows = p.seqlen_q * plan.pack;
   const int bucket = fwd_head_dim_bucket(p.d);
-  if (rows <= kFwdNarrowRows)
+  // KV caches (batch index, pages) are read by the narrow tile only (kernel_fwd_sm80.cuh:
+  // load_keys), long query blocks too (paged prefill, chunked prefill).
+  if (rows <= kFwdNarrowRows || p.kv.active || p.kv.block_table != nullptr)
     plan.kind = FwdTileKind::narrow;
   else if (fwd_large_smem_tile(bucket, smem_per_sm, p.seqlen_k))
     plan.kind = FwdTileKind::wide_large_smem;

@@ -18,10 +18,12 @@ inline bool fwd_score_mods(const detail::FwdParams& p) {
 // Decoding-shaped ones (s_q small enough that GQA packing or split-KV pays) keep the sm80 kernels,
 // which read K/V at copy speed already (bench/NOTES.md). Head dims above 128 with score modifiers
 // also stay on sm80: O takes 128 of the 240 registers there and the modifiers' state spilled
-// (24-32 bytes with 32-48-key tiles).
+// (24-32 bytes with 32-48-key tiles). So do KV-cache and paged calls: the sm90 kernels read K/V
+// through strided TMA tensor maps, not through a cache's batch index or block table.
 inline constexpr int kFwdSm90MinRows = 65;
 inline bool fwd_sm90_eligible(const detail::FwdParams& p) {
-  return p.seqlen_q >= kFwdSm90MinRows && !(p.d > 128 && fwd_score_mods(p));
+  const bool cache = p.kv.active || p.kv.block_table != nullptr;
+  return p.seqlen_q >= kFwdSm90MinRows && !(p.d > 128 && fwd_score_mods(p)) && !cache;
 }
 
 // Queue the forward on `stream` (never synchronises, never allocates). T is __half or

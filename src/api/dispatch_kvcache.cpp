@@ -1,0 +1,48 @@
+// forward_kvcache and its workspace query: validated once (validate_kvcache.cpp), then the CPU or
+// CUDA backend.
+#include "api/kvcache_params.hpp"
+#include "cpu/cpu_backend.hpp"
+#include "flashmonoid/kvcache.hpp"
+#ifdef FLASHMONOID_WITH_CUDA
+#include "cuda/cuda_backend.hpp"
+#endif
+
+namespace flashmonoid {
+
+void forward_kvcache(const TensorView& q, const KVCache& cache, const TensorView& k_new, const TensorView& v_new,
+                     const Rotary& rotary, const TensorView& out, const TensorView& lse, const Options& options,
+                     const Context& ctx) {
+  const detail::KvCacheCall c = detail::make_kvcache_params(q, cache, k_new, v_new, rotary, out, lse, options);
+  if (c.attn.device.kind == DeviceKind::cpu) {
+    cpu::forward_kvcache(c, ctx.cpu_algorithm == CpuAlgorithm::reference, ctx.num_threads);
+    return;
+  }
+#ifdef FLASHMONOID_WITH_CUDA
+  const std::string why = cuda::unsupported_reason(c.attn);
+  if (!why.empty()) throw NotSupported("q", why);
+  cuda::forward_kvcache(c, ctx);
+#else
+  throw NotSupported("q", "this build of flashmonoid has no CUDA backend (configure with -DFLASHMONOID_CUDA=ON)");
+#endif
+}
+
+std::size_t forward_kvcache_workspace_size(const TensorView& q, const KVCache& cache, const TensorView& k_new,
+                                           const Rotary& rotary, const Options& options) {
+  if (q.device.kind == DeviceKind::cpu) return 0;
+#ifdef FLASHMONOID_WITH_CUDA
+  // Shapes only: outputs are stand-ins, the values behind the views are never read on CUDA.
+  const TensorView out(reinterpret_cast<void*>(std::uintptr_t{1} << 44), q.dtype, q.device,
+                       {q.size(0), q.size(1), q.size(2), q.size(3)});
+  const TensorView lse(reinterpret_cast<void*>(std::uintptr_t{2} << 44), DType::f32, q.device,
+                       {q.size(0), q.size(2), q.size(1)});
+  const TensorView v_new = k_new;
+  const detail::KvCacheCall c = detail::make_kvcache_params(q, cache, k_new, v_new, rotary, out, lse, options);
+  if (!cuda::unsupported_reason(c.attn).empty()) return 0;
+  return cuda::forward_kvcache_workspace_size(c);
+#else
+  (void)cache, (void)k_new, (void)rotary, (void)options;
+  return 0;
+#endif
+}
+
+}  // namespace flashmonoid

@@ -1,0 +1,149 @@
+// The CUDA forward_kvcache: one small launch that appends k_new, v_new into the cache (k rotated)
+// and writes the rotated q into the workspace, then the sm80 forward (split-KV and its combine as
+// the heuristic or ctx.num_splits decide) reading K/V through FwdParams::kv. Nothing is read on the
+// host, nothing synchronises or allocates: the call can be captured in a CUDA graph and replayed
+// with new cache_seqlens, leftpad, batch index and block-table values.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "api/kvcache_params.hpp"
+#include "common/check.cuh"
+#include "common/device_guard.cuh"
+#include "common/types.cuh"
+#include "cuda_backend.hpp"
+#include "flashmonoid/detail/rotary.hpp"
+#include "flashmonoid/error.hpp"
+
+namespace flashmonoid::cuda {
+namespace {
+
+constexpr std::size_t kAlign = 256;
+constexpr std::size_t align_up(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+constexpr int kAppendWarps = 4;
+
+// Bytes of the rotated q: contiguous (b, s_q, h, d) of q's dtype.
+std::size_t rotated_q_bytes(const detail::KvCacheCall& c) {
+  if (c.rotary.dim == 0) return 0;
+  return align_up(static_cast<std::size_t>(c.attn.total_q) * c.attn.h * c.attn.d * 2);
+}
+
+detail::Strides dense_q_strides(const detail::FwdParams& p) {
+  return {static_cast<std::int64_t>(p.seqlen_q) * p.h * p.d, static_cast<std::int64_t>(p.h) * p.d, p.d};
+}
+
+// dst <- src (one row of d features), the first rotary.dim rotated at position pos when rotate.
+// Lane l takes pairs l, l + 32, ... and the pass-through features l + rotary.dim, ...; the math is
+// detail::rotate, the CPU's, so the cache holds the same bits on every backend.
+template <class T>
+__device__ __forceinline__ void rotate_row(const detail::RotaryParams& r, bool rotate, const T* src, T* dst, int d,
+                                           std::int64_t pos, int lane) {
+  const int rd = rotate ? r.dim : 0;
+  const T* cos = static_cast<const T*>(r.cos) + pos * r.cos_stride;
+  const T* sin = static_cast<const T*>(r.sin) + pos * r.sin_stride;
+  for (int i = lane; i < rd / 2; i += 32) {
+    const detail::RotaryPair pr = detail::rotary_pair(i, rd, r.interleaved);
+    float ya, yb;
+    detail::rotate(to_float(src[pr.a]), to_float(src[pr.b]), to_float(cos[i]), to_float(sin[i]), &ya, &yb);
+    dst[pr.a] = from_float<T>(ya);
+    dst[pr.b] = from_float<T>(yb);
+  }
+  for (int c = rd + lane; c < d; c += 32) dst[c] = src[c];
+}
+
+struct AppendArgs {
+  detail::KvCacheCall c;
+  const void* q = nullptr;  // the caller's q (c.attn.q already points at the rotated copy)
+  detail::Strides q_stride;
+  std::int64_t k_rows = 0, q_rows = 0;  // b·s_new·h_k rows of k (and as many of v), b·s_q·h of q
+};
+
+// One warp per row: k_new rows (rotated into the cache), v_new rows (copied), q rows (rotated into
+// the workspace). Every cache row written is below the clamped capacity (detail::seq_info), so a
+// bad cache_seqlens entry cannot write past the sequence's cache.
+template <class T>
+__global__ void __launch_bounds__(kAppendWarps * 32) append_rotary_kernel(const __grid_constant__ AppendArgs a) {
+  const detail::FwdParams& p = a.c.attn;
+  const int lane = threadIdx.x % 32;
+  std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kAppendWarps + threadIdx.x / 32;
+  const bool rotary = a.c.rotary.dim > 0;
+  if (row < 2 * a.k_rows) {
+    const bool is_v = row >= a.k_rows;
+    if (is_v) row -= a.k_rows;
+    const int hk = static_cast<int>(row % p.h_k);
+    const int t = static_cast<int>(row / p.h_k % p.kv.seqlen_new);
+    const int b = static_cast<int>(row / p.h_k / p.kv.seqlen_new);
+    const std::int64_t dst_row = detail::cache_rows_before(p, detail::seq_info(p, b)) + t;
+    const T* src = static_cast<const T*>(is_v ? a.c.v_new : a.c.k_new) +
+                   detail::offset_of(is_v ? a.c.v_new_stride : a.c.k_new_stride, b, t, hk);
+    T* dst = const_cast<T*>(static_cast<const T*>(is_v ? p.v : p.k)) +
+             detail::kv_offset(p, is_v ? p.v_stride : p.k_stride, b, dst_row, hk);
+    rotate_row(a.c.rotary, rotary && !is_v, src, dst, p.d, dst_row, lane);
+    return;
+  }
+  row -= 2 * a.k_rows;
+  if (row >= a.q_rows) return;
+  const int hq = static_cast<int>(row % p.h);
+  const int i = static_cast<int>(row / p.h % p.seqlen_q);
+  const int b = static_cast<int>(row / p.h / p.seqlen_q);
+  const int held = detail::cache_rows_before(p, detail::seq_info(p, b));
+  const std::int64_t pos = detail::rotary_query_position(held, i, a.c.rotary.per_row, a.c.rotary.seqlen);
+  const T* src = static_cast<const T*>(a.q) + detail::offset_of(a.q_stride, b, i, hq);
+  T* dst = const_cast<T*>(static_cast<const T*>(p.q)) + detail::offset_of(p.q_stride, b, i, hq);
+  rotate_row(a.c.rotary, true, src, dst, p.d, pos, lane);
+}
+
+void check_kvcache_pointers(const detail::KvCacheCall& c) {
+  const int dev = c.attn.device.index;
+  check_device_pointer(c.attn.q, "q", dev, 2);
+  check_device_pointer(c.k_new, "k_new", dev, 2);
+  check_device_pointer(c.v_new, "v_new", dev, 2);
+  check_device_pointer(c.rotary.cos, "rotary.cos", dev, 2);
+  check_device_pointer(c.rotary.sin, "rotary.sin", dev, 2);
+}
+
+}  // namespace
+
+std::size_t forward_kvcache_workspace_size(const detail::KvCacheCall& c) {
+  return rotated_q_bytes(c) + forward_workspace_size(c.attn);
+}
+
+void forward_kvcache(const detail::KvCacheCall& c, const Context& ctx) {
+  DeviceGuard guard(c.attn.device.index);
+  check_kvcache_pointers(c);
+  AppendArgs a;
+  a.c = c;
+  a.q = c.attn.q;
+  a.q_stride = c.attn.q_stride;
+  a.k_rows = static_cast<std::int64_t>(c.attn.batch) * c.attn.kv.seqlen_new * c.attn.h_k;
+  Context rest = ctx;
+  const std::size_t q_bytes = rotated_q_bytes(c);
+  if (q_bytes > 0) {  // attention reads q from a rotated copy at the head of the workspace
+    if (ctx.workspace == nullptr || ctx.workspace_bytes < q_bytes)
+      throw Error("ctx.workspace", "forward_kvcache with rotary needs " + std::to_string(q_bytes) +
+                                       " bytes of device workspace for the rotated q (forward_kvcache_workspace_size), "
+                                       "got " + std::to_string(ctx.workspace == nullptr ? 0 : ctx.workspace_bytes));
+    a.c.attn.q = ctx.workspace;
+    a.c.attn.q_stride = dense_q_strides(c.attn);
+    a.q_rows = c.attn.total_q * c.attn.h;
+    rest.workspace = static_cast<char*>(ctx.workspace) + q_bytes;
+    rest.workspace_bytes = ctx.workspace_bytes - q_bytes;
+  }
+  check_pointers(a.c.attn);
+  const std::int64_t rows = 2 * a.k_rows + a.q_rows;
+  if (rows > 0) {
+    const auto stream = static_cast<cudaStream_t>(ctx.stream);
+    const unsigned blocks = static_cast<unsigned>((rows + kAppendWarps - 1) / kAppendWarps);
+    if (c.attn.dtype == DType::bf16)
+      append_rotary_kernel<__nv_bfloat16><<<blocks, kAppendWarps * 32, 0, stream>>>(a);
+    else
+      append_rotary_kernel<__half><<<blocks, kAppendWarps * 32, 0, stream>>>(a);
+    FM_CUDA_CHECK_LAUNCH();
+  }
+  forward(a.c.attn, rest);
+}
+
+}  // namespace flashmonoid::cuda

@@ -1,0 +1,387 @@
+// forward_kvcache and paged varlen on the CPU: the float64 reference through the cache equals the
+// reference on the gathered keys bit for bit (addressing, append, rotary positions, masks), the
+// flash path meets the FlashAttention error rule, the cache holds exactly the appended rows
+// afterwards, and every host-visible rule has a clear error.
+
+#include "kvcache_case.hpp"
+
+namespace fmtest {
+namespace {
+
+using flashmonoid::Context;
+using flashmonoid::CpuAlgorithm;
+using flashmonoid::cpu::Precision;
+
+void run_case(const KvShape& shape) {
+  SCOPED_TRACE(shape.str());
+  KvProblem pb(shape);
+  const auto [k_want, v_want] = pb.expected_cache();
+  const auto want = pb.expected(Precision::f64);
+  const auto lowp = pb.expected(Precision::input);
+  for (CpuAlgorithm algo : {CpuAlgorithm::reference, CpuAlgorithm::flash}) {
+    const bool ref = algo == CpuAlgorithm::reference;
+    SCOPED_TRACE(ref ? "reference" : "flash");
+    HostTensor kc = pb.k_cache, vc = pb.v_cache;  // each run appends into its own copy
+    kc.view.data = kc.buf.data();
+    vc.view.data = vc.buf.data();
+    HostTensor out = pb.new_out(), lse = pb.new_lse();
+    Context ctx;
+    ctx.cpu_algorithm = algo;
+    flashmonoid::forward_kvcache(pb.q.view, pb.cache(kc, vc), pb.k_new.view, pb.v_new.view, pb.rotary(), out.view,
+                                 lse.view, pb.opt, ctx);
+    EXPECT_TRUE(same_bytes(kc, k_want)) << "k_cache differs from the expected append";
+    EXPECT_TRUE(same_bytes(vc, v_want)) << "v_cache differs from the expected append";
+    if (ref) {  // the same float64 fold over the same keys in the same order
+      EXPECT_EQ(max_abs_diff(out.values(), want.out), 0.0);
+      EXPECT_EQ(max_abs_diff(lse.values(), want.lse), 0.0);
+    } else {
+      expect_close("out", shape.dtype, out.values(), want.out, lowp.out);
+      EXPECT_LE(max_abs_diff(lse.values(), want.lse), 1e-4 * std::max(1.0, max_abs(want.lse)));
+    }
+  }
+}
+
+KvShape base(int d, DType t) {
+  KvShape s;
+  s.d = d;
+  s.dtype = t;
+  return s;
+}
+
+TEST(KvCache, ContiguousAndPagedLayouts) {
+  for (int page : {0, 1, 3, 16, 64, 256}) {
+    KvShape s = base(64, DType::f32);
+    s.page_size = page;
+    s.capacity = page >= 64 ? 300 : 70;
+    s.b = 3;
+    s.s_new = 5;  // crosses page boundaries for the small pages
+    s.causal = true;
+    s.s_q = 5;
+    run_case(s);
+  }
+}
+
+TEST(KvCache, BatchIndexLeftpadAndHostSeqlen) {
+  KvShape s = base(64, DType::bf16);
+  s.b = 4;
+  s.batch_idx = true;
+  s.leftpad = true;
+  s.s_q = 3;
+  s.s_new = 2;
+  s.causal = true;
+  run_case(s);
+  s.batch_idx = false;
+  s.page_size = 16;
+  run_case(s);
+  s.seqlens_tensor = false;
+  s.leftpad = false;
+  run_case(s);
+  s.s_new = 0;  // attention over the cache alone
+  s.seqlens_tensor = true;
+  s.leftpad = true;
+  run_case(s);
+}
+
+TEST(KvCache, RotaryBothStyles) {
+  for (bool interleaved : {true, false})
+    for (bool causal : {true, false})
+      for (int page : {0, 3}) {
+        KvShape s = base(64, DType::f16);
+        s.rotary_dim = 32;  // < d: the rest passes through
+        s.interleaved = interleaved;
+        s.causal = causal;
+        s.s_q = 4;
+        s.s_new = 4;
+        s.page_size = page;
+        s.leftpad = page == 0;
+        run_case(s);
+      }
+  KvShape s = base(128, DType::bf16);  // windowed: per-row positions without causal
+  s.rotary_dim = 128;
+  s.interleaved = false;
+  s.window_left = 20;
+  s.window_right = 2;
+  s.s_q = 6;
+  s.s_new = 6;
+  s.page_size = 16;
+  s.capacity = 100;
+  run_case(s);
+}
+
+TEST(KvCache, QueryLengthsMasksAndScoreMods) {
+  const int lens[] = {1, 2, 7, 16, 17};
+  for (int i = 0; i < 5; ++i) {
+    KvShape s = base(64, i % 2 ? DType::bf16 : DType::f32);
+    s.s_q = lens[i];
+    s.s_new = lens[i] % 5;
+    s.capacity = 90;
+    s.page_size = i % 2 ? 16 : 0;
+    s.causal = i % 3 != 1;
+    if (i == 1) s.window_left = 9;
+    if (i == 3) {
+      s.window_left = 30;
+      s.window_right = 3;
+      s.causal = false;
+    }
+    s.softcap = i == 2 || i == 4 ? 5.0f : 0.0f;
+    s.alibi = i >= 3;
+    run_case(s);
+  }
+}
+
+TEST(KvCache, HeadDimsAndGroups) {
+  const int dims[] = {59, 64, 111, 128, 256};
+  const int groups[][2] = {{4, 4}, {8, 2}, {6, 1}, {4, 1}, {2, 2}};
+  for (int i = 0; i < 5; ++i) {
+    KvShape s = base(dims[i], i % 2 ? DType::f16 : DType::bf16);
+    s.h = groups[i][0];
+    s.h_k = groups[i][1];
+    s.s_q = 1 + i;
+    s.s_new = 1;
+    s.page_size = i == 2 ? 3 : (i == 4 ? 64 : 0);
+    s.capacity = 80;
+    s.causal = true;
+    s.rotary_dim = dims[i] % 2 == 0 ? dims[i] / 2 : 32;
+    s.interleaved = i % 2 == 0;
+    run_case(s);
+  }
+}
+
+TEST(KvCache, QueryPositionsPastTheRotaryTableTakeItsLastRow) {
+  // A full cache, 4 queries, 1 appended key, causal: queries 1..3 sit past the cos/sin rows.
+  KvShape s = base(64, DType::bf16);
+  s.full = true;
+  s.s_q = 4;
+  s.s_new = 1;
+  s.causal = true;
+  s.rotary_dim = 64;
+  s.page_size = 3;
+  run_case(s);
+}
+
+TEST(KvCache, WindowPastTheCacheIsNoWindow) {
+  // flash-attn's normalisation: window_left >= capacity is unbounded, so rotary positions are the
+  // non-windowed ones (every query at seqlens) when the call is not causal.
+  KvShape s = base(64, DType::f32);
+  s.rotary_dim = 64;
+  s.s_q = 3;
+  s.s_new = 3;
+  KvProblem pb(s);
+  pb.opt.window_left = pb.capacity;
+  const auto want = pb.expected(Precision::f64);  // expected() rotates with per-row positions off
+  HostTensor kc = pb.k_cache, vc = pb.v_cache, out = pb.new_out(), lse = pb.new_lse();
+  kc.view.data = kc.buf.data();
+  vc.view.data = vc.buf.data();
+  Context ctx;
+  ctx.cpu_algorithm = CpuAlgorithm::reference;
+  flashmonoid::forward_kvcache(pb.q.view, pb.cache(kc, vc), pb.k_new.view, pb.v_new.view, pb.rotary(), out.view,
+                               lse.view, pb.opt, ctx);
+  EXPECT_EQ(max_abs_diff(out.values(), want.out), 0.0);
+}
+
+// Paged prefill: forward_varlen over pages equals forward_varlen over the packed keys.
+TEST(KvCache, PagedVarlen) {
+  for (int page : {1, 3, 16, 256}) {
+    Shape sh;
+    sh.b = 3;
+    sh.h = 4;
+    sh.h_k = 2;
+    sh.d = 40;
+    sh.dtype = DType::bf16;
+    sh.varlen = true;
+    sh.lens_q = {5, 1, 9};
+    sh.lens_k = {5, 30, 12};
+    sh.causal = true;
+    sh.padded_strides = false;
+    Problem pb(sh);
+    const int max_pages = (30 + page - 1) / page, num_pages = 3 * max_pages + 1;
+    std::vector<int> perm(num_pages);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng());
+    HostTensor bt(DType::i32, {3, max_pages}), kp(sh.dtype, {num_pages, page, 2, 40}), vp(sh.dtype, {num_pages, page, 2, 40});
+    kp.poison();
+    vp.poison();
+    const int* ck = pb.cu_k.view.ptr<int>();
+    for (int i = 0; i < 3; ++i) {
+      for (int j = 0; j < max_pages; ++j) bt.view.ptr<int>()[i * max_pages + j] = perm[i * max_pages + j];
+      for (int j = 0; j < ck[i + 1] - ck[i]; ++j)
+        for (int e = 0; e < 2 * 40; ++e) {
+          const std::int64_t dst = (static_cast<std::int64_t>(perm[i * max_pages + j / page]) * page + j % page) * 80 + e;
+          kp.set(dst, pb.k.get((static_cast<std::int64_t>(ck[i]) + j) * 80 + e));
+          vp.set(dst, pb.v.get((static_cast<std::int64_t>(ck[i]) + j) * 80 + e));
+        }
+    }
+    flashmonoid::Varlen vl = pb.vl;
+    vl.block_table = bt.view;
+    for (CpuAlgorithm algo : {CpuAlgorithm::reference, CpuAlgorithm::flash}) {
+      SCOPED_TRACE("page " + std::to_string(page) + (algo == CpuAlgorithm::reference ? " reference" : " flash"));
+      Context ctx;
+      ctx.cpu_algorithm = algo;
+      HostTensor o = pb.new_out(), l = pb.new_lse();
+      flashmonoid::forward_varlen(pb.q.view, kp.view, vp.view, vl, o.view, l.view, pb.opt, ctx);
+      auto [o_want, l_want] = pb.forward(ctx);
+      EXPECT_EQ(max_abs_diff(o.values(), o_want.values()), 0.0);
+      EXPECT_EQ(max_abs_diff(l.values(), l_want.values()), 0.0);
+    }
+  }
+}
+
+TEST(KvCache, RotaryMatchesFloat64Rotation) {
+  // detail::rotate against the rotation written out in float64, both pair styles.
+  std::normal_distribution<double> n(0.0, 1.0);
+  for (int trial = 0; trial < 1000; ++trial) {
+    const double a = n(rng()) * 3.0, x = n(rng()), y = n(rng());
+    float ya, yb;
+    flashmonoid::detail::rotate(static_cast<float>(x), static_cast<float>(y), static_cast<float>(std::cos(a)),
+                                static_cast<float>(std::sin(a)), &ya, &yb);
+    const double c = static_cast<float>(std::cos(a)), s = static_cast<float>(std::sin(a));
+    const double xf = static_cast<float>(x), yf = static_cast<float>(y);
+    EXPECT_NEAR(ya, xf * c - yf * s, 1e-6 * (std::abs(xf) + std::abs(yf)));
+    EXPECT_NEAR(yb, xf * s + yf * c, 1e-6 * (std::abs(xf) + std::abs(yf)));
+  }
+  EXPECT_EQ(flashmonoid::detail::rotary_pair(3, 16, true).a, 6);
+  EXPECT_EQ(flashmonoid::detail::rotary_pair(3, 16, true).b, 7);
+  EXPECT_EQ(flashmonoid::detail::rotary_pair(3, 16, false).a, 3);
+  EXPECT_EQ(flashmonoid::detail::rotary_pair(3, 16, false).b, 11);
+}
+
+// ---- errors ---------------------------------------------------------------------------------------
+
+struct ErrorCall {
+  KvProblem pb;
+  HostTensor out, lse;
+  explicit ErrorCall(KvShape s) : pb(s), out(pb.new_out()), lse(pb.new_lse()) {}
+  static KvShape shape(int page) {
+    KvShape s;
+    s.b = 2;
+    s.s_q = 2;
+    s.s_new = 2;
+    s.h = 4;
+    s.h_k = 2;
+    s.d = 16;
+    s.capacity = 32;
+    s.page_size = page;
+    s.rotary_dim = 8;
+    return s;
+  }
+  void run(const flashmonoid::KVCache& c, const TensorView& kn, const TensorView& vn, const flashmonoid::Rotary& r,
+           const flashmonoid::Options& o) {
+    flashmonoid::forward_kvcache(pb.q.view, c, kn, vn, r, out.view, lse.view, o);
+  }
+  void run(const flashmonoid::KVCache& c) { run(c, pb.k_new.view, pb.v_new.view, pb.rotary(), pb.opt); }
+  flashmonoid::KVCache cache() const { return pb.cache(pb.k_cache, pb.v_cache); }
+};
+
+TEST(KvCacheErrors, CacheLayout) {
+  ErrorCall e(ErrorCall::shape(0));
+  auto c = e.cache();
+  HostTensor k16(DType::f16, {2, 32, 2, 16});
+  c.k = k16.view;
+  expect_error([&] { e.run(c); }, "k_cache", "dtype fp16 differs from q's fp32");
+  c = e.cache();
+  HostTensor k3(DType::f32, {2, 32, 3, 16});
+  c.k = c.v = k3.view;
+  expect_error([&] { e.run(c); }, "k_cache", "must be a multiple of the number of KV heads (3)");
+  c = e.cache();
+  HostTensor kd(DType::f32, {2, 32, 2, 8});
+  c.k = kd.view;
+  expect_error([&] { e.run(c); }, "k_cache", "head dim 8 differs from q's 16");
+  c = e.cache();
+  HostTensor v2(DType::f32, {2, 31, 2, 16});
+  c.v = v2.view;
+  expect_error([&] { e.run(c); }, "v_cache", "the shape of k_cache");
+  c = e.cache();
+  HostTensor small(DType::f32, {1, 32, 2, 16});
+  c.k = c.v = small.view;
+  expect_error([&] { e.run(c); }, "k_cache", "pass batch_idx");
+}
+
+TEST(KvCacheErrors, IndexTensors) {
+  ErrorCall e(ErrorCall::shape(0));
+  auto c = e.cache();
+  HostTensor f(DType::f32, {2});
+  c.seqlens = f.view;
+  expect_error([&] { e.run(c); }, "seqlens", "dtype must be int32");
+  c = e.cache();
+  HostTensor three(DType::i32, {3});
+  c.leftpad = three.view;
+  expect_error([&] { e.run(c); }, "leftpad", "must be (2)");
+  c = e.cache();
+  HostTensor bad(DType::i32, {2});
+  bad.view.ptr<int>()[0] = 31;  // + 2 appended > 32
+  bad.view.ptr<int>()[1] = 0;
+  c.seqlens = bad.view;
+  expect_error([&] { e.run(c); }, "seqlens", "must stay within [0, 32]");
+  c = e.cache();
+  HostTensor lp(DType::i32, {2});
+  lp.view.ptr<int>()[0] = e.pb.held[0] + 1;
+  lp.view.ptr<int>()[1] = 0;
+  c.leftpad = lp.view;
+  expect_error([&] { e.run(c); }, "leftpad", "must be in [0, seqlens[0]");
+  c = e.cache();
+  HostTensor bi(DType::i32, {2});
+  bi.view.ptr<int>()[0] = 0;
+  bi.view.ptr<int>()[1] = 2;
+  c.batch_idx = bi.view;
+  expect_error([&] { e.run(c); }, "batch_idx", "is not a cache entry in [0, 2)");
+  c = e.cache();
+  c.seqlens = {};
+  c.seqlen = 33;
+  expect_error([&] { e.run(c); }, "seqlen", "must be in [0, capacity = 32]");
+}
+
+TEST(KvCacheErrors, Pages) {
+  ErrorCall e(ErrorCall::shape(8));
+  auto c = e.cache();
+  HostTensor bt(DType::i32, {3, 4});
+  c.block_table = bt.view;
+  expect_error([&] { e.run(c); }, "block_table", "q's batch b = 2");
+  c = e.cache();
+  HostTensor bt64(DType::f32, {2, 4});
+  c.block_table = bt64.view;
+  expect_error([&] { e.run(c); }, "block_table", "dtype must be int32");
+  c = e.cache();
+  HostTensor bi(DType::i32, {2});
+  c.batch_idx = bi.view;
+  expect_error([&] { e.run(c); }, "batch_idx", "takes no batch index");
+  c = e.cache();
+  HostTensor wrong(DType::i32, {2, 4});
+  for (int i = 0; i < 8; ++i) wrong.view.ptr<int>()[i] = e.pb.num_pages;  // one past the last page
+  c.block_table = wrong.view;
+  c.seqlens = {};
+  c.seqlen = 4;
+  expect_error([&] { e.run(c); }, "block_table", "is not a page index in [0, " + std::to_string(e.pb.num_pages) + ")");
+}
+
+TEST(KvCacheErrors, NewRowsRotaryAndOptions) {
+  ErrorCall e(ErrorCall::shape(0));
+  const auto c = e.cache();
+  HostTensor kn(DType::f32, {2, 2, 1, 16});
+  expect_error([&] { e.run(c, kn.view, e.pb.v_new.view, e.pb.rotary(), e.pb.opt); }, "k_new", "(b, s_new, h_k, d)");
+  expect_error([&] { e.run(c, e.pb.k_new.view, TensorView{}, e.pb.rotary(), e.pb.opt); }, "v_new", "go together");
+  HostTensor big(DType::f32, {2, 33, 2, 16});
+  expect_error([&] { e.run(c, big.view, big.view, e.pb.rotary(), e.pb.opt); }, "k_new", "at most 32 per sequence");
+  auto r = e.pb.rotary();
+  r.sin = {};
+  expect_error([&] { e.run(c, e.pb.k_new.view, e.pb.v_new.view, r, e.pb.opt); }, "rotary.sin", "both cos and sin");
+  HostTensor cs(DType::f32, {32, 9});  // rotary_dim 18 > d 16
+  r = e.pb.rotary();
+  r.cos = r.sin = cs.view;
+  expect_error([&] { e.run(c, e.pb.k_new.view, e.pb.v_new.view, r, e.pb.opt); }, "rotary.cos", "2 <= rotary_dim <= head dim 16");
+  HostTensor shortcs(DType::f32, {31, 4});
+  r.cos = r.sin = shortcs.view;
+  expect_error([&] { e.run(c, e.pb.k_new.view, e.pb.v_new.view, r, e.pb.opt); }, "rotary.cos", "holds up to 32 rows");
+  HostTensor cs16(DType::f16, {32, 4});
+  r.cos = r.sin = cs16.view;
+  expect_error([&] { e.run(c, e.pb.k_new.view, e.pb.v_new.view, r, e.pb.opt); }, "rotary.cos", "differs from q's fp32");
+  auto o = e.pb.opt;
+  o.dropout_p = 0.1f;
+  expect_error([&] { e.run(c, e.pb.k_new.view, e.pb.v_new.view, e.pb.rotary(), o); }, "options.dropout_p", "not available");
+  const TensorView in_cache(e.pb.k_cache.view.data, DType::f32, e.pb.q.view.device, {2, 2, 4, 16});
+  expect_error([&] { flashmonoid::forward_kvcache(e.pb.q.view, c, e.pb.k_new.view, e.pb.v_new.view, e.pb.rotary(),
+                                                  in_cache, e.lse.view, e.pb.opt); },
+               "out", "overlaps the memory of k_cache");
+}
+
+}  // namespace
+}  // namespace fmtest

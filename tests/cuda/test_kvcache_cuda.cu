@@ -1,0 +1,249 @@
+// CUDA forward_kvcache against the CPU float64 reference on the gathered keys (kvcache_case.hpp):
+// contiguous and paged caches (pages 1, 3, 16, 64, 256, shuffled tables), batch index, leftpad,
+// appends crossing pages, rotary both styles with rotary_dim < d, s_q 1..17 with causal among the
+// new tokens, windows, softcap, ALiBi, GQA/MQA, forced splits; the cache bytes after the append
+// equal the CPU's (same rotary bits); one CUDA graph captured once and replayed with new
+// seqlens / block-table / data; values only the device sees (seqlens past the capacity, pages past
+// num_pages) run without a fault (run this binary under compute-sanitizer memcheck for the proof).
+// Outputs are NaN-poisoned before every launch; unused cache rows and pages hold NaN.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+
+#include "device_tensor.hpp"
+#include "kvcache_case.hpp"
+
+namespace fmtest {
+namespace {
+
+using flashmonoid::Context;
+using flashmonoid::cpu::Precision;
+
+// Device copies of a problem's inputs, outputs and caches, and the call on them.
+struct DeviceKv {
+  const KvProblem& pb;
+  DeviceTensor q, k_new, v_new, k_cache, v_cache, block_table, batch_idx, seqlens, leftpad, cos, sin, alibi;
+  HostTensor out_h, lse_h;
+  DeviceTensor out, lse;
+  std::unique_ptr<DeviceBuffer> work;
+  flashmonoid::Options opt;
+  flashmonoid::KVCache cache;
+  flashmonoid::Rotary rotary;
+
+  DeviceKv(const KvProblem& p, int splits)
+      : pb(p), q(p.q), k_new(p.k_new), v_new(p.v_new), k_cache(p.k_cache), v_cache(p.v_cache),
+        block_table(p.block_table), batch_idx(p.batch_idx), seqlens(p.seqlens), leftpad(p.leftpad), cos(p.cos),
+        sin(p.sin), alibi(p.alibi), out_h(p.new_out()), lse_h(p.new_lse()), out(out_h), lse(lse_h) {
+    opt = p.opt;
+    if (p.s.alibi) opt.alibi_slopes = alibi.view;
+    cache = p.cache(p.k_cache, p.v_cache);
+    cache.k = k_cache.view;
+    cache.v = v_cache.view;
+    if (cache.block_table.defined()) cache.block_table = block_table.view;
+    if (cache.batch_idx.defined()) cache.batch_idx = batch_idx.view;
+    if (cache.seqlens.defined()) cache.seqlens = seqlens.view;
+    if (cache.leftpad.defined()) cache.leftpad = leftpad.view;
+    rotary = p.rotary();
+    rotary.cos = cos.view;
+    rotary.sin = sin.view;
+    // The queried size, plus room for forced splits: (d + 1) fp32 per (split, head, row).
+    const std::size_t need = flashmonoid::forward_kvcache_workspace_size(q.view, cache, k_new.view, rotary, opt);
+    work = std::make_unique<DeviceBuffer>(need + static_cast<std::size_t>(splits) * p.s.h * p.s.b * p.s.s_q *
+                                                     (p.s.d + 1) * 4 + 4096);
+  }
+  void run(int splits, cudaStream_t stream = nullptr) {
+    Context ctx;
+    ctx.stream = stream;
+    ctx.workspace = work->ptr;
+    ctx.workspace_bytes = work->bytes;
+    ctx.num_splits = splits;
+    flashmonoid::forward_kvcache(q.view, cache, k_new.view, v_new.view, rotary, out.view, lse.view, opt, ctx);
+  }
+};
+
+void check_results(const KvProblem& pb, DeviceKv& d) {
+  cuda_ok(cudaDeviceSynchronize());
+  HostTensor out = pb.new_out(), lse = pb.new_lse(), kc = pb.k_cache, vc = pb.v_cache;
+  d.out.copy_to(out);
+  d.lse.copy_to(lse);
+  d.k_cache.copy_to(kc);
+  d.v_cache.copy_to(vc);
+  const auto [k_want, v_want] = pb.expected_cache();
+  EXPECT_TRUE(same_bytes(kc, k_want)) << "k_cache after the append differs from the CPU's";
+  EXPECT_TRUE(same_bytes(vc, v_want)) << "v_cache after the append differs from the CPU's";
+  const auto want = pb.expected(Precision::f64, /*fp32_out=*/true);
+  const auto lowp = pb.expected(Precision::input);
+  expect_close("out", pb.s.dtype, out.values(), want.out, lowp.out);
+  EXPECT_LE(max_abs_diff(lse.values(), want.lse), 1e-5 * std::max(1.0, max_abs(want.lse))) << "lse";
+}
+
+void run_case(const KvShape& s, int splits = 0) {
+  SCOPED_TRACE(s.str() + " splits " + std::to_string(splits));
+  KvProblem pb(s);
+  DeviceKv d(pb, splits);
+  d.run(splits);
+  check_results(pb, d);
+}
+
+KvShape decode_shape(DType t) {
+  KvShape s;
+  s.dtype = t;
+  s.b = 3;
+  s.h = 8;
+  s.h_k = 2;
+  s.d = 128;
+  s.capacity = 700;
+  s.causal = true;
+  return s;
+}
+
+TEST(KvCacheCuda, Layouts) {
+  SKIP_WITHOUT_GPU();
+  for (int page : {0, 1, 3, 16, 64, 256}) {
+    KvShape s = decode_shape(page % 2 ? DType::f16 : DType::bf16);
+    s.page_size = page;
+    s.s_new = 5;
+    s.s_q = 5;
+    s.batch_idx = page == 0;
+    s.leftpad = page != 16;
+    run_case(s);
+  }
+}
+
+TEST(KvCacheCuda, RotaryBothStyles) {
+  SKIP_WITHOUT_GPU();
+  for (bool interleaved : {true, false})
+    for (bool causal : {true, false}) {
+      KvShape s = decode_shape(DType::bf16);
+      s.rotary_dim = 64;
+      s.interleaved = interleaved;
+      s.causal = causal;
+      s.s_q = 4;
+      s.s_new = 4;
+      s.page_size = 16;
+      run_case(s);
+    }
+}
+
+TEST(KvCacheCuda, QueryLengthsMasksScoreModsAndSplits) {
+  SKIP_WITHOUT_GPU();
+  for (int s_q : {1, 2, 4, 8, 16, 17}) {
+    KvShape s = decode_shape(s_q % 2 ? DType::f16 : DType::bf16);
+    s.s_q = s_q;
+    s.s_new = s_q;
+    s.page_size = s_q == 17 ? 3 : 64;
+    s.rotary_dim = 128;
+    s.window_left = s_q == 8 ? 100 : -1;
+    s.softcap = s_q == 4 ? 20.0f : 0.0f;
+    s.alibi = s_q == 16;
+    run_case(s);
+    run_case(s, 4);
+  }
+}
+
+TEST(KvCacheCuda, HeadDimsAndGroups) {
+  SKIP_WITHOUT_GPU();
+  const int dims[] = {64, 128, 256};
+  const int groups[][2] = {{8, 1}, {32, 8}, {4, 4}};
+  for (int i = 0; i < 3; ++i) {
+    KvShape s = decode_shape(DType::bf16);
+    s.d = dims[i];
+    s.h = groups[i][0];
+    s.h_k = groups[i][1];
+    s.page_size = 16;
+    s.rotary_dim = dims[i] / 2;
+    s.interleaved = false;
+    run_case(s);
+  }
+}
+
+// One capture, replays with new seqlens, block tables and data: nothing the host saw at capture
+// time is baked into the graph except shapes and pointers.
+TEST(KvCacheCuda, GraphCaptureAndReplay) {
+  SKIP_WITHOUT_GPU();
+  KvShape s = decode_shape(DType::bf16);
+  s.page_size = 16;
+  s.rotary_dim = 128;
+  s.s_new = 1;
+  s.leftpad = true;
+  KvProblem first(s);
+  DeviceKv d(first, 0);
+  cudaStream_t stream;
+  cuda_ok(cudaStreamCreate(&stream));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  d.run(0, stream);
+  cuda_ok(cudaStreamEndCapture(stream, &graph));
+  cuda_ok(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 3; ++replay) {
+    KvProblem next(s);  // new lengths, pages, leftpad, data: same shapes
+    for (auto [dev, host] : {std::pair{&d.q, &next.q}, {&d.k_new, &next.k_new}, {&d.v_new, &next.v_new},
+                             {&d.k_cache, &next.k_cache}, {&d.v_cache, &next.v_cache},
+                             {&d.block_table, &next.block_table}, {&d.seqlens, &next.seqlens},
+                             {&d.leftpad, &next.leftpad}, {&d.cos, &next.cos}, {&d.sin, &next.sin}})
+      dev->copy_from(*host);
+    d.out.copy_from(next.new_out());  // poisoned
+    d.lse.copy_from(next.new_lse());
+    cuda_ok(cudaGraphLaunch(exec, stream));
+    SCOPED_TRACE("replay " + std::to_string(replay));
+    check_results(next, d);
+  }
+  cuda_ok(cudaGraphExecDestroy(exec));
+  cuda_ok(cudaGraphDestroy(graph));
+  cuda_ok(cudaStreamDestroy(stream));
+}
+
+// Values only the device sees, out of range: the kernels clamp them (kvcache.hpp) and must not
+// fault. The result is unspecified; memcheck (tools/device_run.sh) proves no access goes astray.
+TEST(KvCacheCuda, DeviceOnlyValuesOutOfRangeAreClamped) {
+  SKIP_WITHOUT_GPU();
+  for (int page : {0, 16}) {
+    KvShape s = decode_shape(DType::bf16);
+    s.page_size = page;
+    s.batch_idx = page == 0;
+    s.leftpad = true;
+    s.s_new = 2;
+    s.rotary_dim = 64;
+    KvProblem pb(s);
+    DeviceKv d(pb, 3);  // workspace for 3 splits: the split path runs on the clamped values too
+    HostTensor bad_lens = pb.seqlens, bad_lp = pb.leftpad, bad_table = pb.block_table, bad_idx = pb.batch_idx;
+    const int lens[] = {1 << 30, -7, pb.capacity};
+    std::memcpy(bad_lens.buf.data(), lens, sizeof(lens));  // (a copy's view still points at the original)
+    const int lp[] = {-3, 1 << 29, 1 << 29};
+    std::memcpy(bad_lp.buf.data(), lp, sizeof(lp));
+    d.seqlens.copy_from(bad_lens);
+    d.leftpad.copy_from(bad_lp);
+    if (page) {
+      std::vector<int> t(bad_table.buf.size() / sizeof(int));
+      for (std::size_t i = 0; i < t.size(); ++i) t[i] = i % 2 ? -5 : pb.num_pages + static_cast<int>(i);
+      std::memcpy(bad_table.buf.data(), t.data(), bad_table.buf.size());
+      d.block_table.copy_from(bad_table);
+    } else {
+      const int idx[] = {-1, 1 << 30, 2};
+      std::memcpy(bad_idx.buf.data(), idx, sizeof(idx));
+      d.batch_idx.copy_from(bad_idx);
+    }
+    d.run(0);
+    cuda_ok(cudaDeviceSynchronize());
+    d.run(3);
+    cuda_ok(cudaDeviceSynchronize());
+  }
+}
+
+TEST(KvCacheCuda, HostRulesStillApply) {
+  SKIP_WITHOUT_GPU();
+  KvShape s = decode_shape(DType::bf16);
+  s.rotary_dim = 64;
+  KvProblem pb(s);
+  DeviceKv d(pb, 0);
+  Context ctx;  // rotary needs the rotated q's workspace
+  expect_error([&] { flashmonoid::forward_kvcache(d.q.view, d.cache, d.k_new.view, d.v_new.view, d.rotary, d.out.view,
+                                                  d.lse.view, d.opt, ctx); },
+               "ctx.workspace", "bytes of device workspace for the rotated q");
+}
+
+}  // namespace
+}  // namespace fmtest
