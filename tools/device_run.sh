@@ -52,18 +52,29 @@ grep -E "tests passed|tests failed|\*\*\*Failed|Not Run|Timeout" "$LOG/tests.log
 
 if [ "${FM_BENCH:-1}" != 0 ] && [ -x "$BUILD/bench/gpu/flashmonoid-gpu-bench" ]; then
   step "benchmarks"
-  timeout 150 "$BUILD/bench/gpu/flashmonoid-gpu-bench" "$LOG/fm.json" ${FM_BENCH_ARGS:-} 2>"$LOG/bench.log" || status=1
+  timeout 150 "$BUILD/bench/gpu/flashmonoid-gpu-bench" "$LOG/fm.json" --no-kvcache ${FM_BENCH_ARGS:-} 2>"$LOG/bench.log" || status=1
   if [ "${FM_PEERS:-1}" != 0 ]; then
     PYTHONUNBUFFERED=1 timeout 180 python3 bench/peers.py "$LOG/peers.json" 2>>"$LOG/bench.log" || status=1
+  fi
+  if [ "${FM_KV_BENCH:-1}" != 0 ]; then  # KV-cache decoding shapes (issue 10), on their own clock
+    timeout ${FM_KV_BENCH_TIMEOUT:-120} "$BUILD/bench/gpu/flashmonoid-gpu-bench" "$LOG/kv.json" --kvcache-only \
+      2>>"$LOG/bench.log" || status=1
+  fi
+  if [ -x "$BUILD/tests/cpp/test_wgmma_sm90" ]; then  # the sm90 wrappers as a plain GEMM, next to cuBLAS
+    timeout 60 "$BUILD/tests/cpp/test_wgmma_sm90" --gtest_also_run_disabled_tests --gtest_filter='*Throughput*' |
+      grep '^{' >"$LOG/gemm.jsonl"
   fi
   python3 - "$LOG" "$OUT" <<'PY'
 import json, os, sys
 logs, out = sys.argv[1], sys.argv[2]
 recs = []
-for name in ("fm.json", "peers.json"):
+for name in ("fm.json", "kv.json", "peers.json"):
     p = os.path.join(logs, name)
     if os.path.exists(p):
         recs += json.load(open(p))
+p = os.path.join(logs, "gemm.jsonl")
+if os.path.exists(p):
+    recs += [json.loads(line) for line in open(p) if line.strip()]
 json.dump(recs, open(os.path.join(out, "bench.json"), "w"), indent=1)
 PY
   python3 bench/summarize.py "$OUT/bench.json"

@@ -425,19 +425,20 @@ void memory_64k(const std::string& dev) {
 }  // namespace
 
 // Usage: flashmonoid-gpu-bench [OUT.json] [--no-bwd] [--case HDIM CAUSAL SEQLEN] [--decode-only] [--sweep]
-//        [--kvcache-only]
+//        [--kvcache-only | --no-kvcache]
 // --case runs one training shape (for a profiler), --decode-only the decoding shapes, --sweep the
 // host cost of single CUDA calls and the decoding shapes over forced split counts, --kvcache-only
-// the device copy and the forward_kvcache decoding shapes (pass "decode").
+// the device copy and the forward_kvcache decoding shapes (pass "decode"), --no-kvcache all but those.
 int main(int argc, char** argv) {
   const std::string dev = device_name();
   const char* out_path = nullptr;
-  bool with_bwd = true, decode_only = false, kvcache_only = false;
+  bool with_bwd = true, decode_only = false, kvcache_only = false, with_kvcache = true;
   int case_d = 0, case_causal = 0, case_s = 0;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--no-bwd")) with_bwd = false;
     else if (!std::strcmp(argv[i], "--decode-only")) decode_only = true;
     else if (!std::strcmp(argv[i], "--kvcache-only")) kvcache_only = true;
+    else if (!std::strcmp(argv[i], "--no-kvcache")) with_kvcache = false;
     else if (!std::strcmp(argv[i], "--sweep")) {
       host_costs();
       sweep_decode_splits(1, 32768);
@@ -471,7 +472,7 @@ int main(int argc, char** argv) {
       for (int sk : {32768, 131072}) bench_decode(b, sk, dev);
     memory_64k(dev);
   }
-  bench_kvcache_all(dev);
+  if (with_kvcache) bench_kvcache_all(dev);
   FILE* f = out_path ? std::fopen(out_path, "w") : stdout;
   std::fprintf(f, "[\n");
   for (std::size_t i = 0; i < records.size(); ++i) std::fprintf(f, "  %s%s\n", records[i].c_str(), i + 1 < records.size() ? "," : "");
