@@ -19,6 +19,7 @@
 
 #include "cpu/cpu_backend.hpp"
 #include "cpu/flash_tiles.hpp"
+#include "cpu/kernels.hpp"
 #include "flashmonoid/detail/philox.hpp"
 
 namespace flashmonoid::cpu {
@@ -280,7 +281,7 @@ struct KeyWorkspace {
 // dq_part: this chunk's partial dQ, (query tile, kBlockM, dp) tiles indexed like PackedQ; the
 // first product into a tile overwrites it and sets touched[tile], so tiles no key of the chunk sees
 // (half of them under a causal mask) are neither cleared nor summed.
-void key_chunk(const BwdParams& p, const PackedKV& kv, const BlockGrid& kgrid, const BlockGrid& qgrid, const PackedQ& pq,
+void key_chunk(const BwdParams& p, const Kernels& kn, const PackedKV& kv, const BlockGrid& kgrid, const BlockGrid& qgrid, const PackedQ& pq,
                int b, int hk, std::int64_t kb_begin, std::int64_t kb_end, float* dq_part, unsigned char* touched,
                KeyWorkspace& ws) {
   const SeqInfo si = seq_info(p, b);
@@ -307,8 +308,8 @@ void key_chunk(const BwdParams& p, const PackedKV& kv, const BlockGrid& kgrid, c
           float* dv = ws.dv.data() + (kb - g0) * kv_acc_size;
 
           // Sᵀ (n, kBlockM) = K (n, d) · (scale·Q)ᵀ (d, kBlockM);  dPᵀ (n, kBlockM) = V (n, d) · dOᵀ (d, kBlockM)
-          tiles::gemm<false>(n, kBlockM, d, kv.k_tile(tile), dp, pq.qt_tile(qtile), kBlockM, ws.st.data(), kBlockM);
-          tiles::gemm<false>(n, kBlockM, d, kv.v_tile(tile), dp, pq.dot_tile(qtile), kBlockM, ws.dpt.data(), kBlockM);
+          kn.gemm(n, kBlockM, d, kv.k_tile(tile), dp, pq.qt_tile(qtile), kBlockM, ws.st.data(), kBlockM);
+          kn.gemm(n, kBlockM, d, kv.v_tile(tile), dp, pq.dot_tile(qtile), kBlockM, ws.dpt.data(), kBlockM);
           const bool needs_mask = band.tile_needs_mask(i0, i0 + m, j0, j0 + n, si.len_k);
           if (p.dropout_p > 0.0f) dropout_tile(p, hq, si, i0, m, j0, n, ws.zt.data());
           for (int r = 0; r < n; ++r) {
@@ -319,14 +320,14 @@ void key_chunk(const BwdParams& p, const PackedKV& kv, const BlockGrid& kgrid, c
                         ws.dpt.data() + r * kBlockM, ws.th.data() + r * kBlockM);
           }
           // dV (n, dp) += (P·Z)ᵀ (n, m) · dO (m, dp);  dK (n, dp) += dSᵀ (n, m) · (scale·Q) (m, dp)
-          tiles::gemm<true>(n, dp, m, ws.st.data(), kBlockM, pq.dout_tile(qtile), dp, dv, dp);
-          tiles::gemm<true>(n, dp, m, ws.dpt.data(), kBlockM, pq.q_tile(qtile), dp, dk, dp);
+          kn.gemm_acc(n, dp, m, ws.st.data(), kBlockM, pq.dout_tile(qtile), dp, dv, dp);
+          kn.gemm_acc(n, dp, m, ws.dpt.data(), kBlockM, pq.q_tile(qtile), dp, dk, dp);
           // dQ partial (m, dp) += dS (m, n) · K (n, dp), dS read from the dSᵀ tile; scale applied in pass 2.
           float* dq = dq_part + qtile * q_tile_size;
           if (touched[qtile]) {
-            tiles::gemm<true, true>(m, dp, n, ws.dpt.data(), kBlockM, kv.k_tile(tile), dp, dq, dp);
+            kn.gemm_at_acc(m, dp, n, ws.dpt.data(), kBlockM, kv.k_tile(tile), dp, dq, dp);
           } else {
-            tiles::gemm<false, true>(m, dp, n, ws.dpt.data(), kBlockM, kv.k_tile(tile), dp, dq, dp);
+            kn.gemm_at(m, dp, n, ws.dpt.data(), kBlockM, kv.k_tile(tile), dp, dq, dp);
             touched[qtile] = 1;
           }
         }
@@ -373,7 +374,7 @@ void reduce_dq(const BwdParams& p, const BlockGrid& kgrid, const BlockGrid& qgri
 
 }  // namespace
 
-void flash_backward(const BwdParams& p, int num_threads) {
+void flash_backward(const BwdParams& p, int num_threads, const Kernels& kn) {
   const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
   const BlockGrid qgrid(p, kBlockM, false), kgrid(p, kBlockN, true);
   PackedKV kv;
@@ -409,7 +410,7 @@ void flash_backward(const BwdParams& p, int num_threads) {
       const int used = used_chunks(kgrid, b, chunks);
       if (c >= used) continue;
       auto [kb_begin, kb_end] = chunk_blocks(kgrid, b, used, c);
-      key_chunk(p, kv, kgrid, qgrid, pq, b, hk, kb_begin, kb_end,
+      key_chunk(p, kn, kv, kgrid, qgrid, pq, b, hk, kb_begin, kb_end,
                 dq_parts.data() + static_cast<std::size_t>(c) * n_qtiles * kBlockM * pq.dp, touched.data() + c * n_qtiles,
                 ws);
     }

@@ -10,6 +10,7 @@
 
 #include "cpu/cpu_backend.hpp"
 #include "cpu/flash_tiles.hpp"
+#include "cpu/kernels.hpp"
 #include "flashmonoid/detail/monoid.hpp"
 #include "flashmonoid/detail/philox.hpp"
 
@@ -127,7 +128,7 @@ void apply_dropout(const FwdParams& p, std::uint32_t row_id, std::int64_t j0, in
   }
 }
 
-void query_block(const FwdParams& p, const PackedKV& kv, int b, int hq, int qb, Workspace& ws) {
+void query_block(const FwdParams& p, const Kernels& kn, const PackedKV& kv, int b, int hq, int qb, Workspace& ws) {
   const SeqInfo si = seq_info(p, b);
   const detail::Band band = band_of(p, si);
   const int hk = hq / p.group();
@@ -148,7 +149,7 @@ void query_block(const FwdParams& p, const PackedKV& kv, int b, int hq, int qb, 
     const std::int64_t tile = kv.tile(b, j0 / kBlockN, hk, p.h_k);
 
     // S (m, kBlockN) = (scale · Q) (m, d) · Kᵀ (d, kBlockN)
-    tiles::gemm<false>(m, kBlockN, d, ws.q.data(), d, kv.kt_tile(tile), kBlockN, ws.s.data(), kBlockN);
+    kn.gemm(m, kBlockN, d, ws.q.data(), d, kv.kt_tile(tile), kBlockN, ws.s.data(), kBlockN);
 
     const bool needs_mask = band.tile_needs_mask(i0, i0 + m, j0, j0 + n, si.len_k);
     for (int r = 0; r < m; ++r) {
@@ -157,27 +158,27 @@ void query_block(const FwdParams& p, const PackedKV& kv, int b, int hq, int qb, 
       transform_row(p, band, slope, needs_mask, i, j0, n, s);
       // The tile's partial state is expressed against m_new = max(running max, tile max), so that
       // merging it is just the rescale of the running state (its own factor is exp(0) = 1).
-      const float m_new = std::max(ws.state[r].m, tiles::row_max(s, kBlockN));
+      const float m_new = std::max(ws.state[r].m, kn.row_max(s, kBlockN));
       float sum = 0.0f;
       if (m_new == -INFINITY)
         std::fill(s, s + kBlockN, 0.0f);  // every key so far masked: nothing to add
       else
-        sum = tiles::exp_sub_sum(s, kBlockN, m_new);
+        sum = kn.exp_sub_sum(s, kBlockN, m_new);
       float fa, fb;
       ws.state[r] = detail::merge(ws.state[r], RowState{m_new, sum}, &fa, &fb);
       ws.alpha[r] = fa;
       if (p.dropout_p > 0.0f) apply_dropout(p, detail::dropout_row_id(p, hq, si, i), j0, n, s);
     }
     for (int r = 0; r < m; ++r)
-      if (ws.alpha[r] != 1.0f) tiles::scale_row(ws.o.data() + r * dp, dp, ws.alpha[r]);
+      if (ws.alpha[r] != 1.0f) kn.scale_row(ws.o.data() + r * dp, dp, ws.alpha[r]);
     // O (m, dp) += P (m, n) · V (n, dp)
-    tiles::gemm<true>(m, dp, n, ws.s.data(), kBlockN, kv.v_tile(tile), dp, ws.o.data(), dp);
+    kn.gemm_acc(m, dp, n, ws.s.data(), kBlockN, kv.v_tile(tile), dp, ws.o.data(), dp);
   }
 
   for (int r = 0; r < m; ++r) {
     const std::int64_t i = i0 + r;
     float* o = ws.o.data() + r * dp;
-    tiles::scale_row(o, dp, detail::finish_inv_l(ws.state[r]));
+    kn.scale_row(o, dp, detail::finish_inv_l(ws.state[r]));
     tiles::store_row(p.out, p.dtype, detail::offset_of(p.o_stride, b, si.q_row0 + i, hq), d, o);
     p.lse[detail::lse_index(p, b, hq, si, i)] = detail::finish_lse(ws.state[r]);
   }
@@ -185,7 +186,7 @@ void query_block(const FwdParams& p, const PackedKV& kv, int b, int hq, int qb, 
 
 }  // namespace
 
-void flash_forward(const FwdParams& p, int num_threads) {
+void flash_forward(const FwdParams& p, int num_threads, const Kernels& kn) {
   const Tasks tasks = make_tasks(p);
   const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
   PackedKV kv;
@@ -203,7 +204,7 @@ void flash_forward(const FwdParams& p, int num_threads) {
     for (std::int64_t t = 0; t < tasks.total(); ++t) {
       const int b = static_cast<int>(std::upper_bound(tasks.first.begin(), tasks.first.end(), t) - tasks.first.begin()) - 1;
       const std::int64_t rest = t - tasks.first[b];
-      query_block(p, kv, b, static_cast<int>(rest / tasks.blocks[b]), static_cast<int>(rest % tasks.blocks[b]), ws);
+      query_block(p, kn, kv, b, static_cast<int>(rest / tasks.blocks[b]), static_cast<int>(rest % tasks.blocks[b]), ws);
     }
   }
 }
