@@ -184,9 +184,11 @@ TEST(FlashBackward, DeterministicAcrossRuns) {
   }
 }
 
-// The backward's sums run in an order fixed by the shape: the same bits for any thread count, on
-// every kernel table (GQA 3:1 and dropout so that chunks of several heads and the mask both count).
-TEST(FlashBackward, BitIdenticalForAnyThreadCount) {
+// Both passes' sums run in an order fixed by the shape (the forward's key splits and the
+// backward's key chunks are counted from the shape): the same bits for any thread count, on every
+// kernel table. GQA 3:1, dropout and a window so that several heads per chunk, the mask and the
+// forward's split merge (s_k > 128 with few items) all count.
+TEST(FlashCpu, BitIdenticalForAnyThreadCount) {
   Shape s;
   s.b = 1;
   s.s_q = 150;
@@ -203,6 +205,9 @@ TEST(FlashBackward, BitIdenticalForAnyThreadCount) {
     auto [o, l] = pb.flash(*kn, 1);
     auto a = pb.flash_backward(o, l, *kn, 1);
     for (int threads : {2, 3}) {
+      auto [o2, l2] = pb.flash(*kn, threads);
+      EXPECT_EQ(o.buf, o2.buf) << threads << " threads";
+      EXPECT_EQ(l.buf, l2.buf) << threads << " threads";
       auto b = pb.flash_backward(o, l, *kn, threads);
       EXPECT_EQ(a.dq.buf, b.dq.buf) << threads << " threads";
       EXPECT_EQ(a.dk.buf, b.dk.buf) << threads << " threads";
