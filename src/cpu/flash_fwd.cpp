@@ -5,6 +5,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <memory>
 #include <vector>
@@ -35,7 +36,8 @@ static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of the 16-column mi
 // (batch, head, query block) items; sequences differ in length under varlen, so the items of
 // batch entry b start at first[b]. When items are few (b·h small, short sequences) each item's
 // keys are also split into `splits` runs of key blocks, one task each, whose partial states
-// (m, l, o) are folded with the monoid's merge after a barrier (merge_splits below).
+// (m, l, o) are folded with the monoid's merge by whichever task of the item finishes last
+// (merge_splits below).
 struct Tasks {
   std::vector<std::int64_t> first;  // (batch + 1)
   std::vector<int> blocks;          // query blocks per head of batch entry b
@@ -44,10 +46,12 @@ struct Tasks {
 };
 
 // Key splits depend on the shape alone, never on the thread count, so that the forward's bits are
-// the same for any number of threads (as the backward's chunks). Enough tasks for 16 threads to
-// take 8 each (2 each on 64): b = 1, h = 8 has 88 items at s = 1k, split in 2; from s = 1.5k on,
-// no split. Each split costs a (kBlockM, dp) partial per item and one more merge per row.
-constexpr std::int64_t kTargetTasks = 128;
+// the same for any number of threads (as the backward's chunks). Split when there are fewer than
+// 64 items (4 tasks per thread on 16 cores): b = 1, h = 8 splits up to s = 576. At s = 1k
+// (88 items) a split in 2 measured 10-15% slower with 2 threads (best of 6 alternated runs: 66 vs
+// 47 ms, d = 64): each split's partial (kBlockM, dp) tiles are fresh memory, first touched in the
+// call, and a merge per row.
+constexpr std::int64_t kTargetTasks = 64;
 constexpr int kMaxSplits = 8;
 
 Tasks make_tasks(const FwdParams& p) {
@@ -222,11 +226,12 @@ void store_rows(const FwdParams& p, const Kernels& kn, Item it, int m, float* o,
 }
 
 // Partial states of the split tasks: (split, item) slots of kBlockM rows, uninitialised (a slot
-// is read only where its task wrote it).
+// is read only where its task wrote it), and per item the number of its splits done.
 struct Partials {
   int dp = 0;
   std::unique_ptr<float[]> o;          // (splits · items, kBlockM, dp)
   std::unique_ptr<RowState[]> state;   // (splits · items, kBlockM)
+  std::unique_ptr<std::atomic<int>[]> done;  // (items)
   float* o_slot(std::int64_t slot) const { return o.get() + slot * kBlockM * dp; }
   RowState* state_slot(std::int64_t slot) const { return state.get() + slot * kBlockM; }
 };
@@ -270,9 +275,12 @@ void flash_forward(const FwdParams& p, int num_threads, const Kernels& kn) {
     parts.dp = tiles::round_up(p.d, kLanes);
     parts.o = std::make_unique_for_overwrite<float[]>(slots * kBlockM * parts.dp);
     parts.state = std::make_unique<RowState[]>(slots * kBlockM);
+    parts.done = std::make_unique<std::atomic<int>[]>(static_cast<std::size_t>(tasks.items()));
   }
-  // One parallel region for all loops: on a loaded 2-core machine every fork/join cost ~10 ms
-  // (a descheduled worker holds up the barrier), 3x the whole compute at s = 256.
+  // One parallel region, one barrier (after packing): on a loaded 2-core machine every fork/join or
+  // barrier cost ~10 ms (a descheduled worker holds up the others), 3x the whole compute at s = 256.
+  // A barrier before merging the splits cost as much (b = 1, h = 8, s = 1k, d = 64, 2 threads:
+  // 56-80 ms without splits, 72-102 with splits and a barrier), hence the merge by the last task.
 #pragma omp parallel num_threads(threads)
   {
     Workspace ws(p.d);
@@ -289,15 +297,14 @@ void flash_forward(const FwdParams& p, int num_threads, const Kernels& kn) {
       const int m = fold_keys(p, kn, kv, it, kblocks * c / tasks.splits, kblocks * (c + 1) / tasks.splits, ws);
       if (tasks.splits == 1) {
         store_rows(p, kn, it, m, ws.o.data(), ws.dp, ws.state.data());
-      } else {
-        std::copy(ws.o.begin(), ws.o.begin() + static_cast<std::ptrdiff_t>(m) * ws.dp, parts.o_slot(task));
-        std::copy(ws.state.begin(), ws.state.begin() + m, parts.state_slot(task));
+        continue;
       }
-    }
-    if (tasks.splits > 1) {
-#pragma omp barrier
-#pragma omp for schedule(static) nowait
-      for (std::int64_t t = 0; t < tasks.items(); ++t) merge_splits(p, kn, tasks, parts, t, ws);
+      std::copy(ws.o.begin(), ws.o.begin() + static_cast<std::ptrdiff_t>(m) * ws.dp, parts.o_slot(task));
+      std::copy(ws.state.begin(), ws.state.begin() + m, parts.state_slot(task));
+      // acq_rel: the last task sees every other split's partial. The fold's order is the split
+      // order whichever task runs it, so the bits do not depend on the schedule.
+      if (parts.done[t].fetch_add(1, std::memory_order_acq_rel) == tasks.splits - 1)
+        merge_splits(p, kn, tasks, parts, t, ws);
     }
   }
 }
