@@ -197,7 +197,8 @@ def main():
                         line.append(f"{impl} {ms:9.2f} ms {rec['gflops']:7.1f} GFLOP/s")
                     ratio = ""
                     if "torch_cpu" in times and "flashmonoid" in times:
-                        ratio = f"  flashmonoid/torch speed {statistics.median(times['torch_cpu']) / statistics.median(times['flashmonoid']):.2f}x"
+                        speed = statistics.median(times["torch_cpu"]) / statistics.median(times["flashmonoid"])
+                        ratio = f"  flashmonoid/torch speed {speed:.2f}x"
                     print(f"{dtype_name} {pas:7s} d={d:3d} s={s:5d} | " + " | ".join(line) + ratio, flush=True)
                     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
                     with open(out, "w") as f:

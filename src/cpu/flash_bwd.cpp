@@ -194,8 +194,8 @@ void pack_tile(const BwdParams& p, const BlockGrid& qgrid, PackedQ& pq, std::int
 //   dp[c] = P∘(dP·Z − D) · (1 − tanh²)   (softcap chain rule): the dK / dQ operand (dS).
 // cnt is the number of valid elements; s, dp, th and z have room for round_up(cnt, 8).
 template <class IJ>
-void score_grads(const BwdParams& p, const Band& band, float slope, bool needs_mask, int cnt, IJ ij, const float* lse,
-                 const float* dsum, const float* z, float* s, float* dp, float* th) {
+void score_grads(const BwdParams& p, const Kernels& kn, const Band& band, float slope, bool needs_mask, int cnt, IJ ij,
+                 const float* lse, const float* dsum, const float* z, float* s, float* dp, float* th) {
   const bool softcap = p.softcap > 0.0f;
   if (softcap) {
     const __m256 inv = _mm256_set1_ps(1.0f / p.softcap), cap = _mm256_set1_ps(p.softcap);
@@ -215,25 +215,7 @@ void score_grads(const BwdParams& p, const Band& band, float slope, bool needs_m
       auto [i, j] = ij(c);
       if (!band.visible(i, j)) s[c] = -INFINITY;
     }
-  const __m256 one = _mm256_set1_ps(1.0f);
-  for (int c = 0; c < cnt; c += kLanes) {
-    const __m256 prob = tiles::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), _mm256_loadu_ps(lse + c)));
-    const __m256 dpv = _mm256_loadu_ps(dp + c), dsum_v = _mm256_loadu_ps(dsum + c);
-    __m256 ds;
-    if (z != nullptr) {
-      const __m256 zv = _mm256_loadu_ps(z + c);
-      _mm256_storeu_ps(s + c, _mm256_mul_ps(prob, zv));
-      ds = _mm256_mul_ps(prob, _mm256_fmsub_ps(dpv, zv, dsum_v));
-    } else {
-      _mm256_storeu_ps(s + c, prob);
-      ds = _mm256_mul_ps(prob, _mm256_sub_ps(dpv, dsum_v));
-    }
-    if (softcap) {
-      const __m256 t = _mm256_loadu_ps(th + c);
-      ds = _mm256_mul_ps(ds, _mm256_fnmadd_ps(t, t, one));
-    }
-    _mm256_storeu_ps(dp + c, ds);
-  }
+  kn.softmax_grad(tiles::round_up(cnt, kLanes), lse, dsum, z, softcap ? th : nullptr, s, dp);
 }
 
 // zt (n, kBlockM) <- Zᵀ of the tile of queries i0 .. i0 + m and keys j0 .. j0 + n of head hq:
@@ -315,7 +297,7 @@ void key_chunk(const BwdParams& p, const Kernels& kn, const PackedKV& kv, const 
           for (int r = 0; r < n; ++r) {
             const std::int64_t j = j0 + r;
             auto ij = [i0, j](int c) { return std::pair<std::int64_t, std::int64_t>{i0 + c, j}; };
-            score_grads(p, band, slope, needs_mask, m, ij, pq.lse_tile(qtile), pq.dsum_tile(qtile),
+            score_grads(p, kn, band, slope, needs_mask, m, ij, pq.lse_tile(qtile), pq.dsum_tile(qtile),
                         p.dropout_p > 0.0f ? ws.zt.data() + r * kBlockM : nullptr, ws.st.data() + r * kBlockM,
                         ws.dpt.data() + r * kBlockM, ws.th.data() + r * kBlockM);
           }

@@ -241,7 +241,8 @@ void merge_splits(const FwdParams& p, const Kernels& kn, const Tasks& tasks, con
                   Workspace& ws) {
   const Item it = item_at(tasks, t);
   const SeqInfo si = seq_info(p, it.b);
-  const int m = static_cast<int>(std::min<std::int64_t>(kBlockM, si.len_q - static_cast<std::int64_t>(it.qb) * kBlockM));
+  const std::int64_t i0 = static_cast<std::int64_t>(it.qb) * kBlockM;
+  const int m = static_cast<int>(std::min<std::int64_t>(kBlockM, si.len_q - i0));
   const int dp = ws.dp;
   for (int r = 0; r < m; ++r) {
     RowState acc{};

@@ -24,6 +24,11 @@ struct Kernels {
   float (*exp_sub_sum)(float* x, int n, float sub);
   // x[c] *= a for c < n, n a multiple of 8.
   void (*scale_row)(float* x, int n, float a);
+  // The backward's score gradients over n elements (a multiple of 8), element c:
+  //   P = exp(s[c] - lse[c]);  s[c] <- P·z[c];  dp[c] <- P·(dp[c]·z[c] - dsum[c]) · (1 - th[c]²)
+  // where z = nullptr means z[c] = 1 (no dropout) and th = nullptr drops the softcap factor.
+  void (*softmax_grad)(int n, const float* lse, const float* dsum, const float* z, const float* th, float* s,
+                       float* dp);
 
   template <bool Acc, bool TransA>
   GemmFn gemm_for() const {

@@ -130,9 +130,37 @@ void scale_row(float* x, int n, float a) {
 }
 
 template <class V>
+inline void softmax_grad_at(int c, const float* lse, const float* dsum, const float* z, const float* th, float* s,
+                            float* dp) {
+  const V prob = simd::exp(simd::loadu<V>(s + c) - simd::loadu<V>(lse + c));
+  const V dsum_v = simd::loadu<V>(dsum + c), dp_v = simd::loadu<V>(dp + c);
+  V ds;
+  if (z != nullptr) {
+    const V zv = simd::loadu<V>(z + c);
+    simd::storeu(s + c, prob * zv);
+    ds = prob * (dp_v * zv - dsum_v);
+  } else {
+    simd::storeu(s + c, prob);
+    ds = prob * (dp_v - dsum_v);
+  }
+  if (th != nullptr) {
+    const V t = simd::loadu<V>(th + c);
+    ds = ds * (1.0f - t * t);
+  }
+  simd::storeu(dp + c, ds);
+}
+
+template <class V>
+void softmax_grad(int n, const float* lse, const float* dsum, const float* z, const float* th, float* s, float* dp) {
+  int c = 0;
+  for (; c + simd::lanes<V> <= n; c += simd::lanes<V>) softmax_grad_at<V>(c, lse, dsum, z, th, s, dp);
+  if (c < n) softmax_grad_at<f32x8>(c, lse, dsum, z, th, s, dp);
+}
+
+template <class V>
 constexpr Kernels make_kernels(Isa isa) {
-  return Kernels{isa,           gemm<V, false, false>, gemm<V, true, false>, gemm<V, false, true>,
-                 gemm<V, true, true>, row_max<V>,      exp_sub_sum<V>,       scale_row<V>};
+  return Kernels{isa,        gemm<V, false, false>, gemm<V, true, false>, gemm<V, false, true>, gemm<V, true, true>,
+                 row_max<V>, exp_sub_sum<V>,        scale_row<V>,         softmax_grad<V>};
 }
 
 }  // namespace

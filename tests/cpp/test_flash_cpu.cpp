@@ -140,7 +140,8 @@ std::vector<Shape> backward_grid() {
 
 class FlashBackward : public ::testing::TestWithParam<Shape> {};
 
-void expect_backward_close(const Problem& pb, const HostTensor& ref_o, const HostTensor& ref_l, const Problem::Grads& g) {
+void expect_backward_close(const Problem& pb, const HostTensor& ref_o, const HostTensor& ref_l,
+                           const Problem::Grads& g) {
   const Shape& s = pb.shape;
   auto ref = pb.reference_backward(ref_o, ref_l, Precision::f64);
   auto lp = pb.reference_backward(ref_o, ref_l, Precision::input);
