@@ -188,9 +188,15 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
     kn.gemm(m, kBlockN, d, ws.q.data(), d, kv.kt_tile(tile), kBlockN, ws.s.data(), kBlockN);
 
     const bool needs_mask = band.tile_needs_mask(i0, i0 + m, j0, j0 + n, si.len_k);
+    // The K/V tiles of one head (1 MiB at s = 2k, d = 64) exceed L2 and come from L3 for every
+    // query block: while the rows' softmax runs, V of this key block and Kᵀ of the next are fetched.
+    const bool next = j0 + kBlockN < k_end;
+    const std::int64_t kt_bytes = static_cast<std::int64_t>(d) * kBlockN * 4, v_bytes = kBlockN * dp * 4;
     for (int r = 0; r < m; ++r) {
       float* s = ws.s.data() + r * kBlockN;
       const std::int64_t i = i0 + r;
+      tiles::prefetch_l2(kv.v_tile(tile), v_bytes, r, m);
+      if (next) tiles::prefetch_l2(kv.kt_tile(tile + p.h_k), kt_bytes, r, m);
       transform_row(p, band, slope, needs_mask, i, j0, n, s);
       // The tile's partial state is expressed against m_new = max(running max, tile max), so that
       // merging it is just the rescale of the running state (its own factor is exp(0) = 1).

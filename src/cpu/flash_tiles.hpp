@@ -52,6 +52,15 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Software prefetch into L2 of slice `part` of `parts` of [p, p + bytes): callers spread one tile's
+// prefetch over the iterations of a loop that runs before the tile is read.
+inline void prefetch_l2(const float* p, std::int64_t bytes, int part, int parts) {
+  const char* c = reinterpret_cast<const char*>(p);
+  const std::int64_t lines = (bytes + 63) / 64;
+  for (std::int64_t l = lines * part / parts; l < lines * (part + 1) / parts; ++l)
+    _mm_prefetch(c + l * 64, _MM_HINT_T1);
+}
+
 // dst[c] = mul · src[c] for c < d, src a row of dtype t; fp16 via F16C (exact, like half_to_float).
 inline void load_row(const void* base, DType t, std::int64_t offset, int d, float mul, float* dst) {
   int c = 0;
