@@ -68,6 +68,11 @@ enum class CpuAlgorithm : std::uint8_t { flash, reference };
 // `automatic`, the environment variable FLASHMONOID_CUDA_PATH=sm80|sm90 forces it too.
 enum class CudaPath : std::uint8_t { automatic, sm80, sm90 };
 
+// Which instruction set the CPU flash path may use. best: AVX-512 where the CPU has it, else AVX2
+// (the environment variable FLASHMONOID_CPU_ISA=avx2 lowers it to AVX2 for the whole process).
+// avx2: the AVX2 path even on AVX-512 CPUs (tests and benchmarks compare the two).
+enum class CpuIsa : std::uint8_t { best, avx2 };
+
 // Where and how a call runs. The library never synchronises and never allocates device memory:
 // CUDA work is queued on `stream`, and scratch memory comes from `workspace` (size it with the
 // *_workspace_size functions; 0 bytes is always valid for the forward and for the CPU).
@@ -78,6 +83,7 @@ struct Context {
   int num_splits = 0;                        // forward split-KV: 0 = heuristic, 1 = off, n = force
   CpuAlgorithm cpu_algorithm = CpuAlgorithm::flash;
   CudaPath cuda_path = CudaPath::automatic;
+  CpuIsa cpu_isa = CpuIsa::best;
   int num_threads = 0;                       // CPU threads; 0 = OpenMP default
 };
 

@@ -27,14 +27,14 @@ NotImplementedError and ValueError.
 import numpy as np
 
 from . import _backend, _C
-from ._backend import get_cpu_algorithm, set_cpu_algorithm
+from ._backend import get_cpu_algorithm, get_cpu_isa, set_cpu_algorithm, set_cpu_isa
 
 __version__ = _C.__version__
 NotSupportedError = _C.NotSupportedError
 
 __all__ = [
     "attention", "attention_varlen", "attention_backward", "attention_varlen_backward", "merge", "supports",
-    "cuda_available", "set_cpu_algorithm", "get_cpu_algorithm", "NotSupportedError", "__version__",
+    "cuda_available", "set_cpu_algorithm", "get_cpu_algorithm", "set_cpu_isa", "get_cpu_isa", "NotSupportedError", "__version__",
 ]
 
 

@@ -24,6 +24,19 @@ def get_cpu_algorithm():
     return _cpu_algorithm.name
 
 
+_cpu_isa = _C.CpuIsa.best
+
+
+def set_cpu_isa(name):
+    """"best" (AVX-512 where the CPU has it, unless FLASHMONOID_CPU_ISA=avx2) or "avx2" for CPU calls."""
+    global _cpu_isa
+    _cpu_isa = _C.CpuIsa.__members__[name]
+
+
+def get_cpu_isa():
+    return _cpu_isa.name
+
+
 def family(x):
     """"torch", "numpy" or "cupy": which allocator and stream go with x."""
     module = type(x).__module__
@@ -72,7 +85,7 @@ def _stream(x):
 
 
 def context(x, num_splits=0):
-    return _C.Context(stream=_stream(x), num_splits=num_splits, cpu_algorithm=_cpu_algorithm)
+    return _C.Context(stream=_stream(x), num_splits=num_splits, cpu_algorithm=_cpu_algorithm, cpu_isa=_cpu_isa)
 
 
 def _workspace(like, nbytes):

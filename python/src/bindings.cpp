@@ -124,6 +124,7 @@ NB_MODULE(_C, m) {
   nb::enum_<fm::CpuAlgorithm>(m, "CpuAlgorithm")
       .value("flash", fm::CpuAlgorithm::flash)
       .value("reference", fm::CpuAlgorithm::reference);
+  nb::enum_<fm::CpuIsa>(m, "CpuIsa").value("best", fm::CpuIsa::best).value("avx2", fm::CpuIsa::avx2);
 
   // alibi_slopes is a view and is passed with each call instead, so that its array stays owned
   // by the Python caller for exactly the duration of the call.
@@ -163,18 +164,22 @@ NB_MODULE(_C, m) {
   nb::class_<fm::Context>(m, "Context")
       .def(
           "__init__",
-          [](fm::Context* c, std::uintptr_t stream, int num_splits, fm::CpuAlgorithm cpu_algorithm, int num_threads) {
+          [](fm::Context* c, std::uintptr_t stream, int num_splits, fm::CpuAlgorithm cpu_algorithm, fm::CpuIsa cpu_isa,
+             int num_threads) {
             new (c) fm::Context{};
             c->stream = reinterpret_cast<void*>(stream);
             c->num_splits = num_splits;
             c->cpu_algorithm = cpu_algorithm;
+            c->cpu_isa = cpu_isa;
             c->num_threads = num_threads;
           },
           nb::kw_only(), nb::arg("stream") = 0, nb::arg("num_splits") = 0,
-          nb::arg("cpu_algorithm") = fm::CpuAlgorithm::flash, nb::arg("num_threads") = 0)
+          nb::arg("cpu_algorithm") = fm::CpuAlgorithm::flash, nb::arg("cpu_isa") = fm::CpuIsa::best,
+          nb::arg("num_threads") = 0)
       .def_prop_ro("stream", [](const fm::Context& c) { return reinterpret_cast<std::uintptr_t>(c.stream); })
       .def_rw("num_splits", &fm::Context::num_splits)
       .def_rw("cpu_algorithm", &fm::Context::cpu_algorithm)
+      .def_rw("cpu_isa", &fm::Context::cpu_isa)
       .def_rw("num_threads", &fm::Context::num_threads);
 
   m.def(

@@ -36,7 +36,7 @@ void run_forward(const FwdParams& p, const Context& ctx) {
     if (ctx.cpu_algorithm == CpuAlgorithm::reference)
       cpu::reference_forward(p);
     else
-      cpu::flash_forward(p, ctx.num_threads);
+      cpu::flash_forward(p, ctx.num_threads, cpu::kernels_for(cpu::isa_for(ctx.cpu_isa)));
     return;
   }
 #ifdef FLASHMONOID_WITH_CUDA
@@ -51,7 +51,7 @@ void run_backward(const BwdParams& p, const Context& ctx) {
     if (ctx.cpu_algorithm == CpuAlgorithm::reference)
       cpu::reference_backward(p);
     else
-      cpu::flash_backward(p, ctx.num_threads);
+      cpu::flash_backward(p, ctx.num_threads, cpu::kernels_for(cpu::isa_for(ctx.cpu_isa)));
     return;
   }
 #ifdef FLASHMONOID_WITH_CUDA

@@ -3,6 +3,7 @@
 
 #include "api/kvcache_params.hpp"
 #include "api/params.hpp"
+#include "cpu/kernels.hpp"
 
 namespace flashmonoid::cpu {
 
@@ -15,9 +16,9 @@ void reference_forward(const detail::FwdParams& p, Precision prec = Precision::f
 void reference_backward(const detail::BwdParams& p, Precision prec = Precision::f64);
 
 // Tiled online-softmax forward/backward (src/cpu/flash_fwd.cpp, flash_bwd.cpp).
-// num_threads <= 0 uses the OpenMP default.
-void flash_forward(const detail::FwdParams& p, int num_threads);
-void flash_backward(const detail::BwdParams& p, int num_threads);
+// num_threads <= 0 uses the OpenMP default; kn: the kernels of the ISA to run (kernels_for()).
+void flash_forward(const detail::FwdParams& p, int num_threads, const Kernels& kn);
+void flash_backward(const detail::BwdParams& p, int num_threads, const Kernels& kn);
 
 void merge(const detail::MergeParams& p);
 

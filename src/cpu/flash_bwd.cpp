@@ -19,6 +19,7 @@
 
 #include "cpu/cpu_backend.hpp"
 #include "cpu/flash_tiles.hpp"
+#include "cpu/kernels.hpp"
 #include "flashmonoid/detail/philox.hpp"
 
 namespace flashmonoid::cpu {
@@ -193,8 +194,8 @@ void pack_tile(const BwdParams& p, const BlockGrid& qgrid, PackedQ& pq, std::int
 //   dp[c] = P∘(dP·Z − D) · (1 − tanh²)   (softcap chain rule): the dK / dQ operand (dS).
 // cnt is the number of valid elements; s, dp, th and z have room for round_up(cnt, 8).
 template <class IJ>
-void score_grads(const BwdParams& p, const Band& band, float slope, bool needs_mask, int cnt, IJ ij, const float* lse,
-                 const float* dsum, const float* z, float* s, float* dp, float* th) {
+void score_grads(const BwdParams& p, const Kernels& kn, const Band& band, float slope, bool needs_mask, int cnt, IJ ij,
+                 const float* lse, const float* dsum, const float* z, float* s, float* dp, float* th) {
   const bool softcap = p.softcap > 0.0f;
   if (softcap) {
     const __m256 inv = _mm256_set1_ps(1.0f / p.softcap), cap = _mm256_set1_ps(p.softcap);
@@ -214,25 +215,7 @@ void score_grads(const BwdParams& p, const Band& band, float slope, bool needs_m
       auto [i, j] = ij(c);
       if (!band.visible(i, j)) s[c] = -INFINITY;
     }
-  const __m256 one = _mm256_set1_ps(1.0f);
-  for (int c = 0; c < cnt; c += kLanes) {
-    const __m256 prob = tiles::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), _mm256_loadu_ps(lse + c)));
-    const __m256 dpv = _mm256_loadu_ps(dp + c), dsum_v = _mm256_loadu_ps(dsum + c);
-    __m256 ds;
-    if (z != nullptr) {
-      const __m256 zv = _mm256_loadu_ps(z + c);
-      _mm256_storeu_ps(s + c, _mm256_mul_ps(prob, zv));
-      ds = _mm256_mul_ps(prob, _mm256_fmsub_ps(dpv, zv, dsum_v));
-    } else {
-      _mm256_storeu_ps(s + c, prob);
-      ds = _mm256_mul_ps(prob, _mm256_sub_ps(dpv, dsum_v));
-    }
-    if (softcap) {
-      const __m256 t = _mm256_loadu_ps(th + c);
-      ds = _mm256_mul_ps(ds, _mm256_fnmadd_ps(t, t, one));
-    }
-    _mm256_storeu_ps(dp + c, ds);
-  }
+  kn.softmax_grad(tiles::round_up(cnt, kLanes), lse, dsum, z, softcap ? th : nullptr, s, dp);
 }
 
 // zt (n, kBlockM) <- Zᵀ of the tile of queries i0 .. i0 + m and keys j0 .. j0 + n of head hq:
@@ -280,7 +263,7 @@ struct KeyWorkspace {
 // dq_part: this chunk's partial dQ, (query tile, kBlockM, dp) tiles indexed like PackedQ; the
 // first product into a tile overwrites it and sets touched[tile], so tiles no key of the chunk sees
 // (half of them under a causal mask) are neither cleared nor summed.
-void key_chunk(const BwdParams& p, const PackedKV& kv, const BlockGrid& kgrid, const BlockGrid& qgrid, const PackedQ& pq,
+void key_chunk(const BwdParams& p, const Kernels& kn, const PackedKV& kv, const BlockGrid& kgrid, const BlockGrid& qgrid, const PackedQ& pq,
                int b, int hk, std::int64_t kb_begin, std::int64_t kb_end, float* dq_part, unsigned char* touched,
                KeyWorkspace& ws) {
   const SeqInfo si = seq_info(p, b);
@@ -307,26 +290,26 @@ void key_chunk(const BwdParams& p, const PackedKV& kv, const BlockGrid& kgrid, c
           float* dv = ws.dv.data() + (kb - g0) * kv_acc_size;
 
           // Sᵀ (n, kBlockM) = K (n, d) · (scale·Q)ᵀ (d, kBlockM);  dPᵀ (n, kBlockM) = V (n, d) · dOᵀ (d, kBlockM)
-          tiles::gemm<false>(n, kBlockM, d, kv.k_tile(tile), dp, pq.qt_tile(qtile), kBlockM, ws.st.data(), kBlockM);
-          tiles::gemm<false>(n, kBlockM, d, kv.v_tile(tile), dp, pq.dot_tile(qtile), kBlockM, ws.dpt.data(), kBlockM);
+          kn.gemm(n, kBlockM, d, kv.k_tile(tile), dp, pq.qt_tile(qtile), kBlockM, ws.st.data(), kBlockM);
+          kn.gemm(n, kBlockM, d, kv.v_tile(tile), dp, pq.dot_tile(qtile), kBlockM, ws.dpt.data(), kBlockM);
           const bool needs_mask = band.tile_needs_mask(i0, i0 + m, j0, j0 + n, si.len_k);
           if (p.dropout_p > 0.0f) dropout_tile(p, hq, si, i0, m, j0, n, ws.zt.data());
           for (int r = 0; r < n; ++r) {
             const std::int64_t j = j0 + r;
             auto ij = [i0, j](int c) { return std::pair<std::int64_t, std::int64_t>{i0 + c, j}; };
-            score_grads(p, band, slope, needs_mask, m, ij, pq.lse_tile(qtile), pq.dsum_tile(qtile),
+            score_grads(p, kn, band, slope, needs_mask, m, ij, pq.lse_tile(qtile), pq.dsum_tile(qtile),
                         p.dropout_p > 0.0f ? ws.zt.data() + r * kBlockM : nullptr, ws.st.data() + r * kBlockM,
                         ws.dpt.data() + r * kBlockM, ws.th.data() + r * kBlockM);
           }
           // dV (n, dp) += (P·Z)ᵀ (n, m) · dO (m, dp);  dK (n, dp) += dSᵀ (n, m) · (scale·Q) (m, dp)
-          tiles::gemm<true>(n, dp, m, ws.st.data(), kBlockM, pq.dout_tile(qtile), dp, dv, dp);
-          tiles::gemm<true>(n, dp, m, ws.dpt.data(), kBlockM, pq.q_tile(qtile), dp, dk, dp);
+          kn.gemm_acc(n, dp, m, ws.st.data(), kBlockM, pq.dout_tile(qtile), dp, dv, dp);
+          kn.gemm_acc(n, dp, m, ws.dpt.data(), kBlockM, pq.q_tile(qtile), dp, dk, dp);
           // dQ partial (m, dp) += dS (m, n) · K (n, dp), dS read from the dSᵀ tile; scale applied in pass 2.
           float* dq = dq_part + qtile * q_tile_size;
           if (touched[qtile]) {
-            tiles::gemm<true, true>(m, dp, n, ws.dpt.data(), kBlockM, kv.k_tile(tile), dp, dq, dp);
+            kn.gemm_at_acc(m, dp, n, ws.dpt.data(), kBlockM, kv.k_tile(tile), dp, dq, dp);
           } else {
-            tiles::gemm<false, true>(m, dp, n, ws.dpt.data(), kBlockM, kv.k_tile(tile), dp, dq, dp);
+            kn.gemm_at(m, dp, n, ws.dpt.data(), kBlockM, kv.k_tile(tile), dp, dq, dp);
             touched[qtile] = 1;
           }
         }
@@ -373,7 +356,7 @@ void reduce_dq(const BwdParams& p, const BlockGrid& kgrid, const BlockGrid& qgri
 
 }  // namespace
 
-void flash_backward(const BwdParams& p, int num_threads) {
+void flash_backward(const BwdParams& p, int num_threads, const Kernels& kn) {
   const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
   const BlockGrid qgrid(p, kBlockM, false), kgrid(p, kBlockN, true);
   PackedKV kv;
@@ -409,7 +392,7 @@ void flash_backward(const BwdParams& p, int num_threads) {
       const int used = used_chunks(kgrid, b, chunks);
       if (c >= used) continue;
       auto [kb_begin, kb_end] = chunk_blocks(kgrid, b, used, c);
-      key_chunk(p, kv, kgrid, qgrid, pq, b, hk, kb_begin, kb_end,
+      key_chunk(p, kn, kv, kgrid, qgrid, pq, b, hk, kb_begin, kb_end,
                 dq_parts.data() + static_cast<std::size_t>(c) * n_qtiles * kBlockM * pq.dp, touched.data() + c * n_qtiles,
                 ws);
     }

@@ -5,11 +5,14 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <memory>
 #include <vector>
 
 #include "cpu/cpu_backend.hpp"
 #include "cpu/flash_tiles.hpp"
+#include "cpu/kernels.hpp"
 #include "flashmonoid/detail/monoid.hpp"
 #include "flashmonoid/detail/philox.hpp"
 
@@ -30,21 +33,41 @@ constexpr int kBlockM = 96;
 constexpr int kBlockN = 128;
 static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of the 16-column micro-kernel panel");
 
-// (batch, head, query block) work items; sequences differ in length under varlen, so the items
-// of batch entry b start at first[b].
+// (batch, head, query block) items; sequences differ in length under varlen, so the items of
+// batch entry b start at first[b]. When items are few (b·h small, short sequences) each item's
+// keys are also split into `splits` runs of key blocks, one task each, whose partial states
+// (m, l, o) are folded with the monoid's merge by whichever task of the item finishes last
+// (merge_splits below).
 struct Tasks {
   std::vector<std::int64_t> first;  // (batch + 1)
   std::vector<int> blocks;          // query blocks per head of batch entry b
-  std::int64_t total() const { return first.back(); }
+  int splits = 1;
+  std::int64_t items() const { return first.back(); }
 };
+
+// Key splits depend on the shape alone, never on the thread count, so that the forward's bits are
+// the same for any number of threads (as the backward's chunks). Split when there are fewer than
+// 64 items (4 tasks per thread on 16 cores): b = 1, h = 8 splits up to s = 576. At s = 1k
+// (88 items) a split in 2 measured 10-15% slower with 2 threads (best of 6 alternated runs: 66 vs
+// 47 ms, d = 64): each split's partial (kBlockM, dp) tiles are fresh memory, first touched in the
+// call, and a merge per row.
+constexpr std::int64_t kTargetTasks = 64;
+constexpr int kMaxSplits = 8;
 
 Tasks make_tasks(const FwdParams& p) {
   Tasks t;
   t.first.assign(p.batch + 1, 0);
   t.blocks.assign(p.batch, 0);
+  std::int64_t max_key_blocks = 0;
   for (int b = 0; b < p.batch; ++b) {
-    t.blocks[b] = (seq_info(p, b).len_q + kBlockM - 1) / kBlockM;
+    const SeqInfo si = seq_info(p, b);
+    t.blocks[b] = (si.len_q + kBlockM - 1) / kBlockM;
     t.first[b + 1] = t.first[b] + static_cast<std::int64_t>(t.blocks[b]) * p.h;
+    max_key_blocks = std::max<std::int64_t>(max_key_blocks, (si.len_k + kBlockN - 1) / kBlockN);
+  }
+  if (t.items() > 0) {
+    const std::int64_t want = (kTargetTasks + t.items() - 1) / t.items();
+    t.splits = static_cast<int>(std::clamp<std::int64_t>(std::min(want, max_key_blocks), 1, kMaxSplits));
   }
   return t;
 }
@@ -128,83 +151,168 @@ void apply_dropout(const FwdParams& p, std::uint32_t row_id, std::int64_t j0, in
   }
 }
 
-void query_block(const FwdParams& p, const PackedKV& kv, int b, int hq, int qb, Workspace& ws) {
-  const SeqInfo si = seq_info(p, b);
-  const detail::Band band = band_of(p, si);
-  const int hk = hq / p.group();
-  const int d = ws.d, dp = ws.dp;
-  const std::int64_t i0 = static_cast<std::int64_t>(qb) * kBlockM;
-  const int m = static_cast<int>(std::min<std::int64_t>(kBlockM, si.len_q - i0));
-  const float slope = detail::alibi_slope(p, b, hq);
+// Where an item is: entry b, query head hq, query block qb.
+struct Item {
+  int b, hq, qb;
+};
 
-  tiles::load_tile(p.q, p.dtype, p.q_stride, b, si.q_row0 + i0, hq, m, m, d, d, p.scale, ws.q.data());
+Item item_at(const Tasks& tasks, std::int64_t t) {
+  const int b = static_cast<int>(std::upper_bound(tasks.first.begin(), tasks.first.end(), t) - tasks.first.begin()) - 1;
+  const std::int64_t rest = t - tasks.first[b];
+  return {b, static_cast<int>(rest / tasks.blocks[b]), static_cast<int>(rest % tasks.blocks[b])};
+}
+
+// ws.o, ws.state <- the fold of key blocks [kb_lo, kb_hi) (on the kBlockN grid of entry it.b) into
+// the item's query rows, unnormalised; returns the number of rows m.
+int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it, std::int64_t kb_lo,
+              std::int64_t kb_hi, Workspace& ws) {
+  const SeqInfo si = seq_info(p, it.b);
+  const detail::Band band = band_of(p, si);
+  const int hk = it.hq / p.group();
+  const int d = ws.d, dp = ws.dp;
+  const std::int64_t i0 = static_cast<std::int64_t>(it.qb) * kBlockM;
+  const int m = static_cast<int>(std::min<std::int64_t>(kBlockM, si.len_q - i0));
+  const float slope = detail::alibi_slope(p, it.b, it.hq);
+
+  tiles::load_tile(p.q, p.dtype, p.q_stride, it.b, si.q_row0 + i0, it.hq, m, m, d, d, p.scale, ws.q.data());
   std::fill(ws.o.begin(), ws.o.end(), 0.0f);
   std::fill(ws.state.begin(), ws.state.end(), RowState{});
 
   // Key blocks on the kBlockN grid that hold a visible key for some row of this block.
-  const std::int64_t k_begin = band.key_begin(i0, si.len_k) / kBlockN * kBlockN;
-  const std::int64_t k_end = std::min<std::int64_t>(band.key_end(i0 + m, si.len_k), si.len_k);
+  const std::int64_t k_begin = std::max(band.key_begin(i0, si.len_k) / kBlockN * kBlockN, kb_lo * kBlockN);
+  const std::int64_t k_end = std::min<std::int64_t>({band.key_end(i0 + m, si.len_k), si.len_k, kb_hi * kBlockN});
   for (std::int64_t j0 = k_begin; j0 < k_end; j0 += kBlockN) {
     const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, si.len_k - j0));
-    const std::int64_t tile = kv.tile(b, j0 / kBlockN, hk, p.h_k);
+    const std::int64_t tile = kv.tile(it.b, j0 / kBlockN, hk, p.h_k);
 
     // S (m, kBlockN) = (scale · Q) (m, d) · Kᵀ (d, kBlockN)
-    tiles::gemm<false>(m, kBlockN, d, ws.q.data(), d, kv.kt_tile(tile), kBlockN, ws.s.data(), kBlockN);
+    kn.gemm(m, kBlockN, d, ws.q.data(), d, kv.kt_tile(tile), kBlockN, ws.s.data(), kBlockN);
 
     const bool needs_mask = band.tile_needs_mask(i0, i0 + m, j0, j0 + n, si.len_k);
+    // The K/V tiles of one head (1 MiB at s = 2k, d = 64) exceed L2 and come from L3 for every
+    // query block: while the rows' softmax runs, V of this key block and Kᵀ of the next are fetched.
+    const bool next = j0 + kBlockN < k_end;
+    const std::int64_t kt_bytes = static_cast<std::int64_t>(d) * kBlockN * 4, v_bytes = kBlockN * dp * 4;
     for (int r = 0; r < m; ++r) {
       float* s = ws.s.data() + r * kBlockN;
       const std::int64_t i = i0 + r;
+      tiles::prefetch_l2(kv.v_tile(tile), v_bytes, r, m);
+      if (next) tiles::prefetch_l2(kv.kt_tile(tile + p.h_k), kt_bytes, r, m);
       transform_row(p, band, slope, needs_mask, i, j0, n, s);
       // The tile's partial state is expressed against m_new = max(running max, tile max), so that
       // merging it is just the rescale of the running state (its own factor is exp(0) = 1).
-      const float m_new = std::max(ws.state[r].m, tiles::row_max(s, kBlockN));
+      const float m_new = std::max(ws.state[r].m, kn.row_max(s, kBlockN));
       float sum = 0.0f;
       if (m_new == -INFINITY)
         std::fill(s, s + kBlockN, 0.0f);  // every key so far masked: nothing to add
       else
-        sum = tiles::exp_sub_sum(s, kBlockN, m_new);
+        sum = kn.exp_sub_sum(s, kBlockN, m_new);
       float fa, fb;
       ws.state[r] = detail::merge(ws.state[r], RowState{m_new, sum}, &fa, &fb);
       ws.alpha[r] = fa;
-      if (p.dropout_p > 0.0f) apply_dropout(p, detail::dropout_row_id(p, hq, si, i), j0, n, s);
+      if (p.dropout_p > 0.0f) apply_dropout(p, detail::dropout_row_id(p, it.hq, si, i), j0, n, s);
     }
     for (int r = 0; r < m; ++r)
-      if (ws.alpha[r] != 1.0f) tiles::scale_row(ws.o.data() + r * dp, dp, ws.alpha[r]);
+      if (ws.alpha[r] != 1.0f) kn.scale_row(ws.o.data() + r * dp, dp, ws.alpha[r]);
     // O (m, dp) += P (m, n) · V (n, dp)
-    tiles::gemm<true>(m, dp, n, ws.s.data(), kBlockN, kv.v_tile(tile), dp, ws.o.data(), dp);
+    kn.gemm_acc(m, dp, n, ws.s.data(), kBlockN, kv.v_tile(tile), dp, ws.o.data(), dp);
   }
+  return m;
+}
 
+// out, lse of the item's m rows from finished states: out = o / l, lse = m + log l.
+void store_rows(const FwdParams& p, const Kernels& kn, Item it, int m, float* o, int dp, const RowState* state) {
+  const SeqInfo si = seq_info(p, it.b);
   for (int r = 0; r < m; ++r) {
-    const std::int64_t i = i0 + r;
-    float* o = ws.o.data() + r * dp;
-    tiles::scale_row(o, dp, detail::finish_inv_l(ws.state[r]));
-    tiles::store_row(p.out, p.dtype, detail::offset_of(p.o_stride, b, si.q_row0 + i, hq), d, o);
-    p.lse[detail::lse_index(p, b, hq, si, i)] = detail::finish_lse(ws.state[r]);
+    const std::int64_t i = static_cast<std::int64_t>(it.qb) * kBlockM + r;
+    float* row = o + r * dp;
+    kn.scale_row(row, dp, detail::finish_inv_l(state[r]));
+    tiles::store_row(p.out, p.dtype, detail::offset_of(p.o_stride, it.b, si.q_row0 + i, it.hq), p.d, row);
+    p.lse[detail::lse_index(p, it.b, it.hq, si, i)] = detail::finish_lse(state[r]);
   }
+}
+
+// Partial states of the split tasks: (split, item) slots of kBlockM rows, uninitialised (a slot
+// is read only where its task wrote it), and per item the number of its splits done.
+struct Partials {
+  int dp = 0;
+  std::unique_ptr<float[]> o;          // (splits · items, kBlockM, dp)
+  std::unique_ptr<RowState[]> state;   // (splits · items, kBlockM)
+  std::unique_ptr<std::atomic<int>[]> done;  // (items)
+  float* o_slot(std::int64_t slot) const { return o.get() + slot * kBlockM * dp; }
+  RowState* state_slot(std::int64_t slot) const { return state.get() + slot * kBlockM; }
+};
+
+// Item t's rows: the monoid fold of its splits' partial states, in split order, then stored.
+void merge_splits(const FwdParams& p, const Kernels& kn, const Tasks& tasks, const Partials& parts, std::int64_t t,
+                  Workspace& ws) {
+  const Item it = item_at(tasks, t);
+  const SeqInfo si = seq_info(p, it.b);
+  const std::int64_t i0 = static_cast<std::int64_t>(it.qb) * kBlockM;
+  const int m = static_cast<int>(std::min<std::int64_t>(kBlockM, si.len_q - i0));
+  const int dp = ws.dp;
+  for (int r = 0; r < m; ++r) {
+    RowState acc{};
+    float* o = ws.o.data() + r * dp;
+    std::fill(o, o + dp, 0.0f);
+    for (int c = 0; c < tasks.splits; ++c) {
+      const std::int64_t slot = c * tasks.items() + t;
+      const RowState part = parts.state_slot(slot)[r];
+      if (part.m == -INFINITY) continue;  // the identity: no visible key in this split
+      float fa, fb;
+      acc = detail::merge(acc, part, &fa, &fb);
+      const float* po = parts.o_slot(slot) + r * dp;
+      for (int x = 0; x < dp; ++x) o[x] = fa * o[x] + fb * po[x];
+    }
+    ws.state[r] = acc;
+  }
+  store_rows(p, kn, it, m, ws.o.data(), dp, ws.state.data());
 }
 
 }  // namespace
 
-void flash_forward(const FwdParams& p, int num_threads) {
+void flash_forward(const FwdParams& p, int num_threads, const Kernels& kn) {
   const Tasks tasks = make_tasks(p);
   const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
   PackedKV kv;
   size_packed(p, kv);
   const std::int64_t n_tiles = kv.first.back() * p.h_k;
-  // One parallel region for both loops: on a loaded 2-core machine every fork/join cost ~10 ms
-  // (a descheduled worker holds up the barrier), 3x the whole compute at s = 256.
+  Partials parts;
+  if (tasks.splits > 1) {
+    const std::size_t slots = static_cast<std::size_t>(tasks.splits) * tasks.items();
+    parts.dp = tiles::round_up(p.d, kLanes);
+    parts.o = std::make_unique_for_overwrite<float[]>(slots * kBlockM * parts.dp);
+    parts.state = std::make_unique<RowState[]>(slots * kBlockM);
+    parts.done = std::make_unique<std::atomic<int>[]>(static_cast<std::size_t>(tasks.items()));
+  }
+  // One parallel region, one barrier (after packing): on a loaded 2-core machine every fork/join or
+  // barrier cost ~10 ms (a descheduled worker holds up the others), 3x the whole compute at s = 256.
+  // A barrier before merging the splits cost as much (b = 1, h = 8, s = 1k, d = 64, 2 threads:
+  // 56-80 ms without splits, 72-102 with splits and a barrier), hence the merge by the last task.
 #pragma omp parallel num_threads(threads)
   {
     Workspace ws(p.d);
 #pragma omp for schedule(static)
     for (std::int64_t t = 0; t < n_tiles; ++t) pack_tile(p, kv, t, ws.row.data());
-    // Dynamic: under causal masks a block's work grows with its row index.
+    // Dynamic: under causal masks a block's work grows with its row index. Splits outermost, so
+    // that the first tasks taken cover every item once.
 #pragma omp for schedule(dynamic, 1) nowait
-    for (std::int64_t t = 0; t < tasks.total(); ++t) {
-      const int b = static_cast<int>(std::upper_bound(tasks.first.begin(), tasks.first.end(), t) - tasks.first.begin()) - 1;
-      const std::int64_t rest = t - tasks.first[b];
-      query_block(p, kv, b, static_cast<int>(rest / tasks.blocks[b]), static_cast<int>(rest % tasks.blocks[b]), ws);
+    for (std::int64_t task = 0; task < tasks.splits * tasks.items(); ++task) {
+      const std::int64_t t = task % tasks.items();
+      const int c = static_cast<int>(task / tasks.items());
+      const Item it = item_at(tasks, t);
+      const std::int64_t kblocks = (seq_info(p, it.b).len_k + kBlockN - 1) / kBlockN;
+      const int m = fold_keys(p, kn, kv, it, kblocks * c / tasks.splits, kblocks * (c + 1) / tasks.splits, ws);
+      if (tasks.splits == 1) {
+        store_rows(p, kn, it, m, ws.o.data(), ws.dp, ws.state.data());
+        continue;
+      }
+      std::copy(ws.o.begin(), ws.o.begin() + static_cast<std::ptrdiff_t>(m) * ws.dp, parts.o_slot(task));
+      std::copy(ws.state.begin(), ws.state.begin() + m, parts.state_slot(task));
+      // acq_rel: the last task sees every other split's partial. The fold's order is the split
+      // order whichever task runs it, so the bits do not depend on the schedule.
+      if (parts.done[t].fetch_add(1, std::memory_order_acq_rel) == tasks.splits - 1)
+        merge_splits(p, kn, tasks, parts, t, ws);
     }
   }
 }

@@ -9,6 +9,12 @@
 #include "cpu/cpu_backend.hpp"
 #include "test_util.hpp"
 
+namespace flashmonoid::cpu {
+// src/cpu/kernels_avx512.cpp compiled for AVX2 (tests/cpp/CMakeLists.txt): the 16-lane kernels'
+// source, runnable on any CPU of the build's baseline.
+const Kernels& kernels_avx512_emulated();
+}  // namespace flashmonoid::cpu
+
 namespace fmtest {
 
 struct Shape {
@@ -137,9 +143,25 @@ struct Problem {
     return {std::move(o), std::move(l)};
   }
 
+  // The flash forward with a given kernel table (e.g. the emulated AVX-512 one), bypassing dispatch.
+  std::pair<HostTensor, HostTensor> flash(const flashmonoid::cpu::Kernels& kn, int threads = 0) const {
+    HostTensor o = new_out(), l = new_lse();
+    auto p = flashmonoid::detail::make_fwd_params(q.view, k.view, v.view, o.view, l.view, opt, varlen());
+    flashmonoid::cpu::flash_forward(p, threads, kn);
+    return {std::move(o), std::move(l)};
+  }
+
   struct Grads {
     HostTensor dq, dk, dv;
   };
+  Grads flash_backward(const HostTensor& out, const HostTensor& lse, const flashmonoid::cpu::Kernels& kn,
+                       int threads = 0) const {
+    Grads g{new_out(), new_like_kv(), new_like_kv()};
+    auto p = flashmonoid::detail::make_bwd_params(dout.view, q.view, k.view, v.view, out.view, lse.view, g.dq.view,
+                                                  g.dk.view, g.dv.view, opt, varlen());
+    flashmonoid::cpu::flash_backward(p, threads, kn);
+    return g;
+  }
   Grads backward(const HostTensor& out, const HostTensor& lse, const flashmonoid::Context& ctx) const {
     Grads g{new_out(), new_like_kv(), new_like_kv()};
     if (shape.varlen)

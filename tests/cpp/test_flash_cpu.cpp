@@ -1,6 +1,8 @@
 // CPU flash forward/backward against the float64 reference over a randomized grid of shapes and
 // every option; fp32 within 1e-5 relative, fp16/bf16 within 2x the error of the same math done in
-// that dtype. Outputs are NaN-poisoned before each call so unwritten elements fail.
+// that dtype. Outputs are NaN-poisoned before each call so unwritten elements fail. Each grid runs
+// through the public API (the process's ISA: `make test` runs this suite once as detected and once
+// with FLASHMONOID_CPU_ISA=avx2) and with the 16-lane (AVX-512) kernels' source emulated on AVX2.
 #include "attention_case.hpp"
 
 namespace fmtest {
@@ -66,16 +68,26 @@ std::vector<Shape> forward_grid() {
 
 class FlashForward : public ::testing::TestWithParam<Shape> {};
 
-TEST_P(FlashForward, MatchesFloat64Reference) {
-  const Shape& s = GetParam();
-  Problem pb(s);
-  auto [out, lse] = pb.forward(Context{});
+void expect_forward_close(const Problem& pb, const HostTensor& out, const HostTensor& lse) {
+  const Shape& s = pb.shape;
   auto [ref_o, ref_l] = pb.reference(Precision::f64);
   auto [lp_o, lp_l] = pb.reference(Precision::input);
   expect_close("out", s.dtype, out.values(), ref_o.values(), lp_o.values());
   // lse is fp32 for every dtype: its error comes only from fp32 accumulation of exact products.
   const double lse_err = max_abs_diff(lse.values(), ref_l.values());
   EXPECT_LE(lse_err, 1e-5 * std::max(1.0, max_abs(ref_l.values()))) << "lse";
+}
+
+TEST_P(FlashForward, MatchesFloat64Reference) {
+  Problem pb(GetParam());
+  auto [out, lse] = pb.forward(Context{});
+  expect_forward_close(pb, out, lse);
+}
+
+TEST_P(FlashForward, SixteenLaneKernelsMatchFloat64Reference) {
+  Problem pb(GetParam());
+  auto [out, lse] = pb.flash(flashmonoid::cpu::kernels_avx512_emulated());
+  expect_forward_close(pb, out, lse);
 }
 
 std::string name_of(const ::testing::TestParamInfo<Shape>& info) { return "case" + std::to_string(info.index); }
@@ -128,16 +140,26 @@ std::vector<Shape> backward_grid() {
 
 class FlashBackward : public ::testing::TestWithParam<Shape> {};
 
-TEST_P(FlashBackward, MatchesFloat64ReferenceBackward) {
-  const Shape& s = GetParam();
-  Problem pb(s);
-  auto [ref_o, ref_l] = pb.reference(Precision::f64);
-  auto g = pb.backward(ref_o, ref_l, Context{});
+void expect_backward_close(const Problem& pb, const HostTensor& ref_o, const HostTensor& ref_l,
+                           const Problem::Grads& g) {
+  const Shape& s = pb.shape;
   auto ref = pb.reference_backward(ref_o, ref_l, Precision::f64);
   auto lp = pb.reference_backward(ref_o, ref_l, Precision::input);
   expect_close("dq", s.dtype, g.dq.values(), ref.dq.values(), lp.dq.values());
   expect_close("dk", s.dtype, g.dk.values(), ref.dk.values(), lp.dk.values());
   expect_close("dv", s.dtype, g.dv.values(), ref.dv.values(), lp.dv.values());
+}
+
+TEST_P(FlashBackward, MatchesFloat64ReferenceBackward) {
+  Problem pb(GetParam());
+  auto [ref_o, ref_l] = pb.reference(Precision::f64);
+  expect_backward_close(pb, ref_o, ref_l, pb.backward(ref_o, ref_l, Context{}));
+}
+
+TEST_P(FlashBackward, SixteenLaneKernelsMatchFloat64Reference) {
+  Problem pb(GetParam());
+  auto [ref_o, ref_l] = pb.reference(Precision::f64);
+  expect_backward_close(pb, ref_o, ref_l, pb.flash_backward(ref_o, ref_l, flashmonoid::cpu::kernels_avx512_emulated()));
 }
 
 INSTANTIATE_TEST_SUITE_P(Grid, FlashBackward, ::testing::ValuesIn(backward_grid()), name_of);
@@ -160,6 +182,38 @@ TEST(FlashBackward, DeterministicAcrossRuns) {
     EXPECT_EQ(a.dq.buf, b.dq.buf);
     EXPECT_EQ(a.dk.buf, b.dk.buf);
     EXPECT_EQ(a.dv.buf, b.dv.buf);
+  }
+}
+
+// Both passes' sums run in an order fixed by the shape (the forward's key splits and the
+// backward's key chunks are counted from the shape): the same bits for any thread count, on every
+// kernel table. GQA 3:1, dropout and a window so that several heads per chunk, the mask and the
+// forward's split merge (s_k > 128 with few items) all count.
+TEST(FlashCpu, BitIdenticalForAnyThreadCount) {
+  Shape s;
+  s.b = 1;
+  s.s_q = 150;
+  s.s_k = 261;
+  s.h = 6;
+  s.h_k = 2;
+  s.d = 72;
+  s.dropout_p = 0.1f;
+  s.window_left = 200;
+  Problem pb(s);
+  pb.opt.deterministic = true;
+  using flashmonoid::cpu::Kernels;
+  for (const Kernels* kn : {&flashmonoid::cpu::kernels_avx2(), &flashmonoid::cpu::kernels_avx512_emulated()}) {
+    auto [o, l] = pb.flash(*kn, 1);
+    auto a = pb.flash_backward(o, l, *kn, 1);
+    for (int threads : {2, 3}) {
+      auto [o2, l2] = pb.flash(*kn, threads);
+      EXPECT_EQ(o.buf, o2.buf) << threads << " threads";
+      EXPECT_EQ(l.buf, l2.buf) << threads << " threads";
+      auto b = pb.flash_backward(o, l, *kn, threads);
+      EXPECT_EQ(a.dq.buf, b.dq.buf) << threads << " threads";
+      EXPECT_EQ(a.dk.buf, b.dk.buf) << threads << " threads";
+      EXPECT_EQ(a.dv.buf, b.dv.buf) << threads << " threads";
+    }
   }
 }
 

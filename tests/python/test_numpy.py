@@ -189,3 +189,22 @@ def test_invalid_option_messages():
 def test_not_supported_error_is_both_not_implemented_and_value_error():
     assert issubclass(fm.NotSupportedError, NotImplementedError)
     assert issubclass(fm.NotSupportedError, ValueError)
+
+
+def test_cpu_isa_choice():
+    """set_cpu_isa("avx2") reaches the C++ Context; both ISAs agree with the float64 reference, and an
+    unknown name is refused."""
+    q, k, v = make((1, 300, 4, 40), (1, 333, 2, 40), seed=3)
+    ref_out, _ = ref_attention(q, k, v, causal=True)
+    before = fm.get_cpu_isa()
+    try:
+        outs = {}
+        for isa in ("best", "avx2"):
+            fm.set_cpu_isa(isa)
+            assert fm.get_cpu_isa() == isa
+            outs[isa] = fm.attention(q, k, v, causal=True)
+            assert rel_err(outs[isa], ref_out) <= 1e-5
+        with pytest.raises(KeyError):
+            fm.set_cpu_isa("sse2")
+    finally:
+        fm.set_cpu_isa(before)

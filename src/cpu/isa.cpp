@@ -1,0 +1,51 @@
+#include "cpu/isa.hpp"
+
+#include <cpuid.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "flashmonoid/error.hpp"
+
+namespace flashmonoid::cpu {
+namespace {
+
+bool detect_avx512() {
+  unsigned a, b, c, d;
+  if (__get_cpuid_count(1, 0, &a, &b, &c, &d) == 0 || (c & bit_OSXSAVE) == 0) return false;
+  if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return false;
+  const bool features = (b & bit_AVX512F) && (b & bit_AVX512BW) && (b & bit_AVX512VL) && (b & bit_AVX512DQ);
+  if (!features) return false;
+  // XCR0 bits 1, 2 (SSE, AVX state), 5, 6, 7 (opmask, upper halves of zmm0-15, zmm16-31): the OS
+  // must save all of them or zmm code corrupts other threads' registers.
+  unsigned lo, hi;
+  __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (lo & 0xE6u) == 0xE6u;
+}
+
+Isa read_default() {
+  const Isa best = detect_avx512() ? Isa::avx512 : Isa::avx2;
+  const char* env = std::getenv("FLASHMONOID_CPU_ISA");
+  const std::string want = env ? env : "";
+  if (want.empty() || want == "avx512") return best;
+  if (want == "avx2") return Isa::avx2;
+  throw Error("FLASHMONOID_CPU_ISA", "'" + want + "' is not one of avx2, avx512");
+}
+
+}  // namespace
+
+const char* to_string(Isa isa) { return isa == Isa::avx512 ? "avx512" : "avx2"; }
+
+bool cpu_has(Isa isa) {
+  static const bool avx512 = detect_avx512();
+  return isa == Isa::avx2 || avx512;
+}
+
+Isa default_isa() {
+  static const Isa isa = read_default();
+  return isa;
+}
+
+Isa isa_for(CpuIsa requested) { return requested == CpuIsa::avx2 ? Isa::avx2 : default_isa(); }
+
+}  // namespace flashmonoid::cpu

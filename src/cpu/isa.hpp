@@ -1,0 +1,28 @@
+// Which instruction set the CPU flash path runs: the one place that decides. cpuid (and the OS's
+// xgetbv state) is read once per process, the FLASHMONOID_CPU_ISA environment variable once, and a
+// call's Context::cpu_isa can only lower the choice.
+#pragma once
+
+#include <cstdint>
+
+#include "flashmonoid/options.hpp"
+
+namespace flashmonoid::cpu {
+
+// avx2: AVX2 + FMA + F16C (x86-64-v3), the baseline the library is built for.
+// avx512: AVX-512 F, BW, VL and DQ with the OS saving zmm state.
+enum class Isa : std::uint8_t { avx2, avx512 };
+
+const char* to_string(Isa isa);
+
+// Whether this CPU can run isa (cpuid once).
+bool cpu_has(Isa isa);
+
+// The best ISA this CPU has, unless FLASHMONOID_CPU_ISA=avx2 forces the fallback ("avx512" or
+// unset: the best available). Any other value throws flashmonoid::Error on first use.
+Isa default_isa();
+
+// The ISA a call with this Context::cpu_isa runs.
+Isa isa_for(CpuIsa requested);
+
+}  // namespace flashmonoid::cpu

@@ -1,0 +1,51 @@
+// The ISA-specific kernels of the CPU flash path: the block matrix product and the online-softmax
+// row operations. One generic source (kernels_impl.hpp) compiled once per ISA, each copy in its
+// own translation unit: kernels_avx2.cpp (x86-64-v3, runs on every supported CPU) and
+// kernels_avx512.cpp (AVX-512 F/BW/VL/DQ flags, called only where cpuid says so). flash_fwd.cpp and
+// flash_bwd.cpp stay x86-64-v3 and reach them through this table, chosen once per call by
+// kernels_for(isa) (src/cpu/isa.hpp).
+//
+// Own kernels rather than a BLAS or small-GEMM library, by measurement at the flash tiles' shapes
+// (one thread): OpenBLAS 0.3.21's cblas_sgemm in place of the products changed the forward from
+// 76/86 to 82/79 GFLOP/s (d = 64/128, Zen 4): equal within noise; torch's bmm (MKL) ran 47-57
+// GFLOP/s where these kernels ran 61-63 (Zen 3). A library would also need
+// openblas_set_num_threads(1) process-wide to be called from inside our OpenMP workers.
+#pragma once
+
+#include "cpu/isa.hpp"
+
+namespace flashmonoid::cpu {
+
+// C (M×N) = A (M×K) · B (K×N), row-major with leading dimensions in elements; N a multiple of 8
+// (callers pad B's and C's columns). The _acc forms add into C; the _at forms read A stored
+// transposed, element (r, k) at A[k·lda + r].
+using GemmFn = void (*)(int M, int N, int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc);
+
+struct Kernels {
+  Isa isa;
+  GemmFn gemm, gemm_acc, gemm_at, gemm_at_acc;
+  // max of x[0, n); n a multiple of 8.
+  float (*row_max)(const float* x, int n);
+  // x[c] = exp(x[c] - sub) for c < n (simd::exp, n a multiple of 8); returns their sum.
+  float (*exp_sub_sum)(float* x, int n, float sub);
+  // x[c] *= a for c < n, n a multiple of 8.
+  void (*scale_row)(float* x, int n, float a);
+  // The backward's score gradients over n elements (a multiple of 8), element c:
+  //   P = exp(s[c] - lse[c]);  s[c] <- P·z[c];  dp[c] <- P·(dp[c]·z[c] - dsum[c]) · (1 - th[c]²)
+  // where z = nullptr means z[c] = 1 (no dropout) and th = nullptr drops the softcap factor.
+  void (*softmax_grad)(int n, const float* lse, const float* dsum, const float* z, const float* th, float* s,
+                       float* dp);
+
+  template <bool Acc, bool TransA>
+  GemmFn gemm_for() const {
+    if constexpr (TransA) return Acc ? gemm_at_acc : gemm_at;
+    return Acc ? gemm_acc : gemm;
+  }
+};
+
+const Kernels& kernels_avx2();
+const Kernels& kernels_avx512();  // call only where cpu_has(Isa::avx512)
+
+inline const Kernels& kernels_for(Isa isa) { return isa == Isa::avx512 ? kernels_avx512() : kernels_avx2(); }
+
+}  // namespace flashmonoid::cpu

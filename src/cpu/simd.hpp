@@ -1,0 +1,99 @@
+// Width-generic fp32 vector operations of the CPU flash path, written with GCC vector extensions
+// so that one source serves every ISA: f32x8 compiles to AVX2 ymm code under x86-64-v3 and f32x16
+// to zmm code in the AVX-512 translation unit (src/cpu/kernels_avx512.cpp). __m256 and __m512 are
+// the same GCC vector types, so intrinsics code can call these directly.
+//
+// Everything here has internal linkage (anonymous namespace): a translation unit compiled with
+// AVX-512 flags must never share an inline function with the x86-64-v3 ones, or the linker could
+// keep its AVX-512 copy for everybody and the library would fault on AVX2-only CPUs.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace flashmonoid::cpu::simd {
+namespace {
+
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x16 __attribute__((vector_size(64)));
+
+template <class V>
+constexpr int lanes = static_cast<int>(sizeof(V) / sizeof(float));
+
+// The int32 vector of V's shape: what comparisons return and what bit casts go through.
+template <class V>
+using int_of = decltype(V{} < V{});
+
+template <class V>
+inline V loadu(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+template <class V>
+inline void storeu(float* p, V v) {
+  std::memcpy(p, &v, sizeof(V));
+}
+
+// x - 0 is x for every x (-0 included), so GCC folds this to a plain broadcast.
+template <class V>
+inline V splat(float x) {
+  return x - V{};
+}
+
+template <class V>
+inline V vmax(V a, V b) {
+  return a > b ? a : b;
+}
+
+template <class V>
+inline float reduce_max(V v) {
+  float m = v[0];
+  for (int i = 1; i < lanes<V>; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
+// Pairwise, so that the order of the additions is a fixed tree for each width.
+template <class V>
+inline float reduce_sum(V v) {
+  float t[lanes<V>];
+  storeu(t, v);
+  for (int w = lanes<V> / 2; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) t[i] += t[i + w];
+  return t[0];
+}
+
+// exp(x) per lane, within 1 ulp of the exact value over [-87.3, 88.3] (every 97th float of that
+// range checked against float64 by tests/cpp/test_cpu_kernels.cpp: 0.92 ulp at most); exactly 0 below
+// -87.3 (so exp(-inf) = 0, which masked scores need; the true value there is < 1.2e-38).
+// x = n·ln2 + r with |r| <= ln2/2, exp(r) by its Taylor series to degree 7 (truncation error
+// r^8/8! < 6e-9 relative), 2^n built in the exponent bits. The flash path only calls it on
+// x <= 0 (scores minus their running max, or minus lse).
+template <class V>
+inline V exp(V x) {
+  using I = int_of<V>;
+  const I underflow = x < -87.3f;
+  x = x < -87.3f ? splat<V>(-87.3f) : x;
+  x = x > 88.3f ? splat<V>(88.3f) : x;
+  // Adding 1.5·2^23 rounds x·log2(e) to the nearest integer, which lands in the low mantissa bits.
+  const float shifter = 12582912.0f;
+  const V t = x * 1.44269504088896341f + shifter;
+  const V n = t - shifter;
+  // ln2 split in two floats so that n·ln2 is subtracted without losing r's low bits.
+  V r = x - n * 0.693147182464599609375f;
+  r = r - n * -1.904654323148236e-09f;
+  V p = splat<V>(1.0f / 5040.0f);
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const I two_n = ((I)t - (I)splat<V>(shifter) + 127) << 23;
+  return (V)((I)(p * (V)two_n) & ~underflow);
+}
+
+}  // namespace
+}  // namespace flashmonoid::cpu::simd
