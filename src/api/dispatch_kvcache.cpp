@@ -2,6 +2,7 @@
 // CUDA backend.
 #include "api/kvcache_params.hpp"
 #include "cpu/cpu_backend.hpp"
+#include "cpu/isa.hpp"
 #include "flashmonoid/kvcache.hpp"
 #ifdef FLASHMONOID_WITH_CUDA
 #include "cuda/cuda_backend.hpp"
@@ -14,7 +15,8 @@ void forward_kvcache(const TensorView& q, const KVCache& cache, const TensorView
                      const Context& ctx) {
   const detail::KvCacheCall c = detail::make_kvcache_params(q, cache, k_new, v_new, rotary, out, lse, options);
   if (c.attn.device.kind == DeviceKind::cpu) {
-    cpu::forward_kvcache(c, ctx.cpu_algorithm == CpuAlgorithm::reference, ctx.num_threads);
+    cpu::forward_kvcache(c, ctx.cpu_algorithm == CpuAlgorithm::reference, ctx.num_threads,
+                         cpu::kernels_for(cpu::isa_for(ctx.cpu_isa)));
     return;
   }
 #ifdef FLASHMONOID_WITH_CUDA

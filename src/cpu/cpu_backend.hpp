@@ -23,6 +23,6 @@ void flash_backward(const detail::BwdParams& p, int num_threads, const Kernels& 
 void merge(const detail::MergeParams& p);
 
 // forward_kvcache (src/cpu/kvcache.cpp): the append and rotary, then reference or flash forward.
-void forward_kvcache(const detail::KvCacheCall& c, bool reference, int num_threads);
+void forward_kvcache(const detail::KvCacheCall& c, bool reference, int num_threads, const Kernels& kn);
 
 }  // namespace flashmonoid::cpu

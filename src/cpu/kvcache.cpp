@@ -58,7 +58,7 @@ void append(const KvCacheCall& c) {
 
 }  // namespace
 
-void forward_kvcache(const KvCacheCall& c, bool reference, int num_threads) {
+void forward_kvcache(const KvCacheCall& c, bool reference, int num_threads, const Kernels& kn) {
   append(c);
   detail::FwdParams p = c.attn;
   std::vector<std::uint8_t> q_rotated;
@@ -79,7 +79,7 @@ void forward_kvcache(const KvCacheCall& c, bool reference, int num_threads) {
   if (reference)
     reference_forward(p);
   else
-    flash_forward(p, num_threads);
+    flash_forward(p, num_threads, kn);
 }
 
 }  // namespace flashmonoid::cpu
