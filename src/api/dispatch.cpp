@@ -60,31 +60,20 @@ void run_backward(const BwdParams& p, const Context& ctx) {
 #endif
 }
 
-// A view with no elements lets the size queries reuse full validation without real outputs.
+// A view without data for the outputs of the size and support queries.
 TensorView like(const TensorView& t, DType dtype, std::initializer_list<std::int64_t> dims) {
   return TensorView(nullptr, dtype, t.device, dims);
 }
 
-// Params for the size and support queries: shapes only. Each view gets a distinct, far-apart
-// fake address so validation's null and aliasing checks pass; nothing is ever dereferenced.
+// Params for the size and support queries: the shape rules only (validate.hpp: Check::shapes), so
+// q and k may come without data and no pointer is read. ALiBi slopes change no size or support.
 FwdParams query_params(const TensorView& q, const TensorView& k, const Options& options, const Varlen* varlen) {
-  std::uintptr_t slot = 0;
-  auto fake = [&slot](TensorView t) {
-    t.data = reinterpret_cast<void*>((++slot) << 44);
-    return t;
-  };
   TensorView lse = varlen ? like(q, DType::f32, {q.size(1), q.size(0)}) : like(q, DType::f32, {q.size(0), q.size(2), q.size(1)});
   Options o = options;
   o.alibi_slopes = {};
-  Varlen vl;
-  if (varlen) {
-    vl = *varlen;
-    vl.cu_seqlens_q = fake(vl.cu_seqlens_q);
-    vl.cu_seqlens_k = fake(vl.cu_seqlens_k);
-    // Offsets are not read for sizing: mark them device-resident so validation does not read them.
-    vl.cu_seqlens_q.device = vl.cu_seqlens_k.device = q.device;
-  }
-  return detail::make_fwd_params(fake(q), fake(k), fake(k), fake(q), fake(lse), o, varlen ? &vl : nullptr);
+  TensorView out = q;  // q's shape and strides, no data
+  out.data = nullptr;
+  return detail::make_fwd_params(q, k, k, out, lse, o, varlen, detail::Check::shapes);
 }
 
 }  // namespace

@@ -33,7 +33,7 @@ bool is_float(DType t) { return t == DType::f32 || t == DType::f16 || t == DType
 
 // Structure every tensor argument must have: ndim, non-negative strides, contiguous last dim,
 // a data pointer whenever it has elements.
-void check_view(const TensorView& t, const std::string& name, int ndim) {
+void check_view(const TensorView& t, const std::string& name, int ndim, bool need_data) {
   if (t.ndim < 0) fail(name, "strides must have one entry per dimension");
   if (t.ndim != ndim)
     fail(name, "expected " + std::to_string(ndim) + " dimensions, got " + std::to_string(t.ndim) + " " + shape_str(t));
@@ -43,7 +43,7 @@ void check_view(const TensorView& t, const std::string& name, int ndim) {
   }
   if (t.shape[ndim - 1] > 1 && t.stride[ndim - 1] != 1)
     fail(name, "last dimension must be contiguous (stride 1), got stride " + std::to_string(t.stride[ndim - 1]));
-  if (t.data == nullptr && t.numel() > 0) fail(name, "data pointer is null");
+  if (need_data && t.data == nullptr && t.numel() > 0) fail(name, "data pointer is null");
 }
 
 void check_shape(const TensorView& t, const std::string& name, std::initializer_list<std::int64_t> dims,
@@ -84,7 +84,7 @@ void check_no_alias(const TensorView& written, const std::string& wname, const T
     fail(wname, "overlaps the memory of " + oname + "; outputs must not alias inputs or other outputs");
 }
 
-void check_options(const Options& o, const TensorView& q, int batch, int h, Device dev, bool varlen) {
+void check_options(const Options& o, const TensorView& q, int batch, int h, Device dev, bool varlen, bool need_data) {
   if (o.softmax_scale && !std::isfinite(*o.softmax_scale))
     fail("options.softmax_scale", "must be finite, got " + std::to_string(*o.softmax_scale));
   if (o.window_left < -1) fail("options.window_left", "must be >= -1 (-1 = unbounded), got " + std::to_string(o.window_left));
@@ -98,7 +98,7 @@ void check_options(const Options& o, const TensorView& q, int batch, int h, Devi
   if (a.defined()) {
     if (a.dtype != DType::f32) fail("options.alibi_slopes", "dtype must be fp32, got " + to_string(a.dtype));
     check_same_device(a, "options.alibi_slopes", dev);
-    if (a.data == nullptr) fail("options.alibi_slopes", "data pointer is null");
+    if (need_data && a.data == nullptr) fail("options.alibi_slopes", "data pointer is null");
     bool per_head = a.ndim == 1 && a.shape[0] == h;
     bool per_batch = a.ndim == 2 && a.shape[0] == batch && a.shape[1] == h;
     if (!per_head && !per_batch)
@@ -119,17 +119,17 @@ void check_int_range(std::int64_t v, const std::string& name) {
 // cannot be read without a synchronisation, which launchers never do: on CUDA they are trusted,
 // as in FlashAttention-2 (options.hpp says so).
 int check_cu_seqlens(const TensorView& cu, const std::string& name, std::int64_t total, std::int64_t max_seqlen,
-                     Device dev, const std::string& max_name) {
+                     Device dev, const std::string& max_name, bool need_data) {
   if (!cu.defined()) fail(name, "is required for varlen attention");
-  check_view(cu, name, 1);
+  check_view(cu, name, 1, need_data);
   if (cu.dtype != DType::i32) fail(name, "dtype must be int32, got " + to_string(cu.dtype));
   check_same_device(cu, name, dev);
   if (cu.shape[0] < 1) fail(name, "must have length b + 1 >= 1");
-  if (cu.data == nullptr) fail(name, "data pointer is null");
+  if (need_data && cu.data == nullptr) fail(name, "data pointer is null");
   if (max_seqlen < 0) fail(max_name, "must be >= 0, got " + std::to_string(max_seqlen));
   check_int_range(max_seqlen, max_name);
   int batch = static_cast<int>(cu.shape[0] - 1);
-  if (dev.kind == DeviceKind::cpu) {
+  if (need_data && dev.kind == DeviceKind::cpu) {
     const int* c = cu.ptr<const int>();
     if (c[0] < 0) fail(name, "entries must be >= 0, got " + std::to_string(c[0]) + " at index 0");
     for (int b = 0; b < batch; ++b) {
@@ -156,13 +156,14 @@ void fill_strides(Strides& s, const TensorView& t, bool varlen) {
 }
 
 FwdParams make_fwd_params(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                          const TensorView& lse, const Options& o, const Varlen* varlen) {
+                          const TensorView& lse, const Options& o, const Varlen* varlen, Check check) {
   const bool vl = varlen != nullptr;
   const int nd = vl ? 3 : 4;
-  check_view(q, "q", nd);
-  check_view(k, "k", nd);
-  check_view(v, "v", nd);
-  check_view(out, "out", nd);
+  const bool call = check == Check::call;
+  check_view(q, "q", nd, call);
+  check_view(k, "k", nd, call);
+  check_view(v, "v", nd, call);
+  check_view(out, "out", nd, call);
   const Device dev = q.device;
   check_same_device(k, "k", dev);
   check_same_device(v, "v", dev);
@@ -192,10 +193,10 @@ FwdParams make_fwd_params(const TensorView& q, const TensorView& k, const Tensor
     check_shape(k, "k", {total_k, h_k, d}, "(total_k, h_k, d) with q's head dim");
     check_shape(v, "v", {total_k, h_k, d}, "the shape of k");
     check_shape(out, "out", {total_q, h, d}, "the shape of q");
-    check_view(lse, "lse", 2);
+    check_view(lse, "lse", 2, call);
     check_shape(lse, "lse", {h, total_q}, "(h, total_q) for varlen");
-    int b = check_cu_seqlens(varlen->cu_seqlens_q, "cu_seqlens_q", total_q, varlen->max_seqlen_q, dev, "max_seqlen_q");
-    int bk = check_cu_seqlens(varlen->cu_seqlens_k, "cu_seqlens_k", total_k, varlen->max_seqlen_k, dev, "max_seqlen_k");
+    int b = check_cu_seqlens(varlen->cu_seqlens_q, "cu_seqlens_q", total_q, varlen->max_seqlen_q, dev, "max_seqlen_q", call);
+    int bk = check_cu_seqlens(varlen->cu_seqlens_k, "cu_seqlens_k", total_k, varlen->max_seqlen_k, dev, "max_seqlen_k", call);
     if (b != bk)
       fail("cu_seqlens_k", "length " + std::to_string(bk + 1) + " differs from cu_seqlens_q's " + std::to_string(b + 1));
     check_int_range(total_q, "q");
@@ -212,7 +213,7 @@ FwdParams make_fwd_params(const TensorView& q, const TensorView& k, const Tensor
     check_shape(k, "k", {b, s_k, h_k, d}, "(b, s_k, h_k, d) with q's batch and head dim");
     check_shape(v, "v", {b, s_k, h_k, d}, "the shape of k");
     check_shape(out, "out", {b, s_q, h, d}, "the shape of q");
-    check_view(lse, "lse", 3);
+    check_view(lse, "lse", 3, call);
     check_shape(lse, "lse", {b, h, s_q}, "(b, h, s_q)");
     check_int_range(s_q, "q");
     check_int_range(s_k, "k");
@@ -224,8 +225,8 @@ FwdParams make_fwd_params(const TensorView& q, const TensorView& k, const Tensor
     p.total_k = b * s_k;
   }
   if (!lse.is_contiguous()) fail("lse", "must be contiguous");
-  if (lse.data == nullptr && lse.numel() > 0) fail("lse", "data pointer is null");
-  check_options(o, q, p.batch, static_cast<int>(h), dev, vl);
+  if (call && lse.data == nullptr && lse.numel() > 0) fail("lse", "data pointer is null");
+  check_options(o, q, p.batch, static_cast<int>(h), dev, vl, call);
 
   for (const auto* in : {&q, &k, &v}) {
     const char* nm = in == &q ? "q" : in == &k ? "k" : "v";

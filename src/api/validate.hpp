@@ -11,8 +11,13 @@
 
 namespace flashmonoid::detail {
 
+// What a validation covers: a call (every rule), or the shapes alone, for the size and support
+// queries, which take views without data (no pointer is checked, compared or read).
+enum class Check { call, shapes };
+
 FwdParams make_fwd_params(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                          const TensorView& lse, const Options& options, const Varlen* varlen);
+                          const TensorView& lse, const Options& options, const Varlen* varlen,
+                          Check check = Check::call);
 
 BwdParams make_bwd_params(const TensorView& dout, const TensorView& q, const TensorView& k, const TensorView& v,
                           const TensorView& out, const TensorView& lse, const TensorView& dq, const TensorView& dk,

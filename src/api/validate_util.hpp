@@ -15,8 +15,9 @@ namespace flashmonoid::detail {
 std::string shape_str(const TensorView& t);
 [[noreturn]] void fail(const std::string& arg, const std::string& rule);
 bool is_float(DType t);
-// ndim, non-negative strides, contiguous last dim, a data pointer whenever it has elements.
-void check_view(const TensorView& t, const std::string& name, int ndim);
+// ndim, non-negative strides, contiguous last dim, a data pointer whenever it has elements (unless
+// need_data is false: the size and support queries validate shapes only).
+void check_view(const TensorView& t, const std::string& name, int ndim, bool need_data = true);
 void check_shape(const TensorView& t, const std::string& name, std::initializer_list<std::int64_t> dims,
                  const std::string& why);
 void check_same_device(const TensorView& t, const std::string& name, Device dev);

@@ -118,6 +118,23 @@ TEST(ApiErrors, NullPointers) {
   expect_error([&] { c.run(c.pb.q.view, c.pb.k.view, v, c.out.view, c.lse.view); }, "v", "data pointer is null");
 }
 
+// The size and support queries validate shapes only: views without data pass every shape rule (no
+// invented pointers) and the same shapes with a bad head count still fail.
+TEST(ApiErrors, ShapeOnlyValidationForQueries) {
+  Call c;
+  TensorView q = c.pb.q.view, k = c.pb.k.view, out = c.out.view, lse = c.lse.view;
+  q.data = k.data = out.data = lse.data = nullptr;
+  const auto p = flashmonoid::detail::make_fwd_params(q, k, k, out, lse, c.pb.opt, nullptr, flashmonoid::detail::Check::shapes);
+  EXPECT_EQ(p.h, c.pb.shape.h);
+  EXPECT_EQ(p.seqlen_k, c.pb.shape.s_k);
+  expect_error([&] { flashmonoid::detail::make_fwd_params(q, k, k, out, lse, c.pb.opt, nullptr); }, "q",
+               "data pointer is null");
+  TensorView k3 = k;
+  k3.shape[2] = 3;
+  expect_error([&] { flashmonoid::detail::make_fwd_params(q, k3, k3, out, lse, c.pb.opt, nullptr, flashmonoid::detail::Check::shapes); },
+               "k", "multiple of the number of KV heads");
+}
+
 TEST(ApiErrors, Options) {
   Call c;
   c.pb.opt.dropout_p = 1.0f;
