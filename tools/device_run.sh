@@ -9,7 +9,8 @@
 #   FM_BENCH   0 skips the benchmarks;  FM_PEERS 0 skips the PyTorch peers
 #   FM_ARCH    CUDA architectures to build (default 90: the H100; the library default is 80;90)
 #   FM_PYTHON  0 skips the Python package steps
-#   FM_SANITIZE_FWD / FM_SANITIZE_SYNC / FM_SANITIZE_BWD  gtest filters (FM_SANITIZE_BWD=none skips)
+#   FM_SANITIZE 0 skips compute-sanitizer; FM_SANITIZE_FWD / _SYNC / _BWD / _KV: gtest filters
+#              (FM_SANITIZE_BWD=none, FM_SANITIZE_KV=none skip those binaries)
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}
 LOG=${FM_LOG_DIR:-/tmp/flashmonoid-logs}  # logs travel back as one tarball: $OUT holds few files
@@ -80,6 +81,7 @@ PY
   python3 bench/summarize.py "$OUT/bench.json"
   python3 bench/summarize.py "$OUT/bench.json" --markdown
 fi
+if [ "${FM_SANITIZE:-1}" != 0 ]; then
 step "compute-sanitizer (memcheck, racecheck, synccheck) on small cases"
 # Forward sm80: a few grid cases (case25: 2049 keys, hdim 128's two-tile stages), split-KV, dropout,
 # merge. Forward sm90 (the persistent TMA/wgmma kernels, mbarrier rings, named barriers): hdim 64
@@ -108,6 +110,7 @@ for tool in memcheck racecheck synccheck; do
     [ $rc -eq 0 ] || status=1
   done
 done
+fi
 
 if [ "${FM_PYTHON:-1}" != 0 ]; then
   step "python: pip install, pytest (torch, CUDA), flashmonoid.bench"
