@@ -5,7 +5,7 @@
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}
 mkdir -p "$OUT"
-# FM_BUILD: build directory; FM_CUDA_FLAGS: extra nvcc flags (tile experiments, e.g. -DFM_SM90_...).
+# FM_BUILD: build directory; FM_CUDA_FLAGS: extra nvcc flags (e.g. a -D of an experiment).
 B=${FM_BUILD:-build-dev}
 cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
   -DCMAKE_CUDA_FLAGS="${FM_CUDA_FLAGS:-}" >"$OUT/build_$B.log" 2>&1 &&

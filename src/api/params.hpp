@@ -69,6 +69,8 @@ struct FwdParams {
   Device device{};
   FM_HD bool is_varlen() const { return cu_seqlens_q != nullptr; }
   FM_HD int group() const { return h / h_k; }  // query heads per KV head
+  // Softcap, ALiBi or dropout: the CUDA kernels compile these into a variant of their own.
+  FM_HD bool score_mods() const { return softcap > 0.0f || alibi != nullptr || dropout_p > 0.0f; }
 };
 
 struct BwdParams : FwdParams {

@@ -142,7 +142,7 @@ CudaPath requested_path(CudaPath ctx_path) {
   if (env == nullptr) return CudaPath::automatic;
   if (std::strcmp(env, "sm80") == 0) return CudaPath::sm80;
   if (std::strcmp(env, "sm90") == 0) return CudaPath::sm90;
-  return CudaPath::automatic;
+  throw Error("FLASHMONOID_CUDA_PATH", std::string("must be sm80 or sm90 (or unset), got '") + env + "'");
 }
 
 int compute_major(int device) {

@@ -41,7 +41,7 @@ void run_fwd_sm80(const detail::FwdParams& p, const FwdLaunch& launch) {
   args.kv_slots = plan.tile.kv_slots ? fwd_kv_slots(plan.tile, kHeadDim, launch.smem_optin, launch.smem_per_sm) : 0;
   // Softcap, ALiBi and dropout are compiled into a second variant so the common path carries none
   // of their registers (tanhf and 10-round Philox per element would otherwise crowd out O and S).
-  const bool score_mods = p.softcap > 0.0f || p.alibi != nullptr || p.dropout_p > 0.0f;
+  const bool score_mods = p.score_mods();
   auto launch_kind = [&](auto kind) {
     if (score_mods) launch_fwd_tile_sm80<T, kHeadDim, decltype(kind)::value, true>(args, plan, launch.stream);
     else launch_fwd_tile_sm80<T, kHeadDim, decltype(kind)::value, false>(args, plan, launch.stream);

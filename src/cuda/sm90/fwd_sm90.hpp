@@ -9,11 +9,6 @@
 
 namespace flashmonoid::cuda {
 
-// Softcap, ALiBi or dropout: the sm90 kernels compile them into a second variant.
-inline bool fwd_score_mods(const detail::FwdParams& p) {
-  return p.softcap > 0.0f || p.alibi != nullptr || p.dropout_p > 0.0f;
-}
-
 // Whether the sm90 forward runs p on a device of compute capability 9.x: prefill-shaped calls.
 // Decoding-shaped ones (s_q small enough that GQA packing or split-KV pays) keep the sm80 kernels,
 // which read K/V at copy speed already (bench/NOTES.md). Head dims above 128 with score modifiers
@@ -23,7 +18,7 @@ inline bool fwd_score_mods(const detail::FwdParams& p) {
 inline constexpr int kFwdSm90MinRows = 65;
 inline bool fwd_sm90_eligible(const detail::FwdParams& p) {
   const bool cache = p.kv.active || p.kv.block_table != nullptr;
-  return p.seqlen_q >= kFwdSm90MinRows && !(p.d > 128 && fwd_score_mods(p)) && !cache;
+  return p.seqlen_q >= kFwdSm90MinRows && !(p.d > 128 && p.score_mods()) && !cache;
 }
 
 // Queue the forward on `stream` (never synchronises, never allocates). T is __half or

@@ -22,12 +22,6 @@ inline constexpr int kPanelCols = 64;          // 2-byte elements per 128-byte s
 inline constexpr int kPanelRowBytes = 128;
 inline constexpr int kSwizzleAtomBytes = 1024;  // 8 rows of 128 bytes: the unit the swizzle repeats over
 
-// Element offset of (row, col) in a tile of kHeadDim / 64 panels of `rows` rows each.
-__device__ __forceinline__ int panel_offset(int rows, int row, int col) {
-  const int panel = col / kPanelCols, chunk = (col % kPanelCols) / 8;
-  return panel * rows * kPanelCols + row * kPanelCols + swizzle_chunk(row, chunk) * 8 + col % 8;
-}
-
 // ---- wgmma descriptors -------------------------------------------------------------------------
 // Bits (PTX ISA "Matrix Descriptor Format"): 0-13 start address >> 4, 16-29 leading-dimension byte
 // offset >> 4, 32-45 stride-dimension byte offset >> 4, 62-63 swizzle (1 = 128B). With 128-byte

@@ -84,14 +84,14 @@ struct FwdSmem {
 // derive it the same way, so they walk the same sequence of tiles.
 template <int kBlockM, int kBlockN>
 struct FwdWork {
-  int m_block, head, b, R0, kv_head;
+  int head, b, R0, kv_head;
   detail::SeqInfo si;
   detail::Band band;
   KeyTiles tiles;
   bool empty;  // a varlen sequence shorter than this query block: nothing to do at all
 
   __device__ __forceinline__ FwdWork(const detail::FwdParams& p, WorkTiles::Tile t)
-      : m_block(t.m_block), head(t.head), b(t.batch), R0(t.m_block * kBlockM), kv_head(t.head / p.group()),
+      : head(t.head), b(t.batch), R0(t.m_block * kBlockM), kv_head(t.head / p.group()),
         si(detail::seq_info(p, t.batch)), band(detail::band_of(p, si)) {
     empty = R0 >= si.len_q;
     const int i_end = R0 + kBlockM < si.len_q ? R0 + kBlockM : si.len_q;

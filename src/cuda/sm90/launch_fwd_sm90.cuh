@@ -46,7 +46,7 @@ template <class T, int kHeadDim>
 void run_fwd_sm90(const detail::FwdParams& p, cudaStream_t stream) {
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head-dim buckets are 64, 128, 256");
   if constexpr (kHeadDim <= 128) {
-    if (fwd_score_mods(p)) return launch_fwd_sm90<T, kHeadDim, true>(p, stream);
+    if (p.score_mods()) return launch_fwd_sm90<T, kHeadDim, true>(p, stream);
   }
   launch_fwd_sm90<T, kHeadDim, false>(p, stream);  // hdim 256 with modifiers runs on sm80 (fwd_sm90_eligible)
 }
