@@ -192,6 +192,20 @@ void bench_train(int d, bool causal, int s, bool with_bwd, const std::string& de
     const double bwd =
         median_ms([&] { flashmonoid::backward(dov, qv, kv, vv, ov, lv, dqv, dkv, dvv, opt, ctx); });
     record("bwd", d, causal, b, h, h, s, s, bwd, "tflops", 2.5 * flops / bwd / 1e9, dev);
+    // The sm80 family forced, and the deterministic mode (issue 9's bar: >= 0.85x the default).
+    flashmonoid::Context ctx80 = ctx;
+    ctx80.cuda_path = flashmonoid::CudaPath::sm80;
+    const double bwd80 =
+        median_ms([&] { flashmonoid::backward(dov, qv, kv, vv, ov, lv, dqv, dkv, dvv, opt, ctx80); });
+    record("bwd", d, causal, b, h, h, s, s, bwd80, "tflops", 2.5 * flops / bwd80 / 1e9, dev, "", "flashmonoid_sm80");
+    if (d == 128 && s >= 4096) {
+      flashmonoid::Options det = opt;
+      det.deterministic = true;
+      const double bwd_det =
+          median_ms([&] { flashmonoid::backward(dov, qv, kv, vv, ov, lv, dqv, dkv, dvv, det, ctx); });
+      record("bwd", d, causal, b, h, h, s, s, bwd_det, "tflops", 2.5 * flops / bwd_det / 1e9, dev, "",
+             "flashmonoid_deterministic");
+    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bwd d%d s%d: %s\n", d, s, e.what());
   }

@@ -156,7 +156,7 @@ Support supports(const TensorView& q, const TensorView& k, const Options& option
       const FwdParams p = query_params(q, k, options, nullptr);
       why = unsupported_reason(p);
 #ifdef FLASHMONOID_WITH_CUDA
-      if (why.empty()) path = cuda::forward_path(p, Context{}) == cuda::FwdPath::sm90 ? "cuda-sm90" : "cuda-sm80";
+      if (why.empty()) path = cuda::forward_path(p, Context{}) == cuda::KernelArch::sm90 ? "cuda-sm90" : "cuda-sm80";
 #endif
     }
     return Support{why.empty(), why, why.empty() ? path : ""};

@@ -17,6 +17,7 @@
 #include "sm80/bwd_sm80.hpp"
 #include "sm80/fwd_sm80.hpp"
 #include "sm80/tile_fwd_sm80.hpp"
+#include "sm90/bwd_sm90.hpp"
 #include "sm90/fwd_sm90.hpp"
 
 namespace flashmonoid::cuda {
@@ -156,6 +157,17 @@ void run_bwd(const detail::BwdParams& p, const BwdLaunch& launch) {
   with_head_dim(p.d, [&](auto hd) { run_bwd_sm80<T, decltype(hd)::value>(p, launch); });
 }
 
+template <class T>
+void run_bwd_hopper(const detail::BwdParams& p, const BwdLaunch& launch) {
+#ifdef FLASHMONOID_WITH_SM90
+  with_head_dim(p.d, [&](auto hd) {
+    if constexpr (decltype(hd)::value <= 128) run_bwd_sm90<T, decltype(hd)::value>(p, launch);  // bwd_sm90_eligible
+  });
+#else
+  (void)p, (void)launch;
+#endif
+}
+
 // ---- merge of n partial results (public API) ----------------------------------------------------
 
 // Parts per launch: kernel parameters are limited to 4 KB and a MergePart is 48 bytes. Longer lists
@@ -271,12 +283,36 @@ std::string fwd_path_why_not_sm90(const detail::FwdParams& p, int num_splits) {
   return "";
 }
 
-FwdPath forward_path(const detail::FwdParams& p, const Context& ctx) {
+// ctx's forced family, else sm90 where why_not_sm90() is "" (asked only when it matters).
+template <class WhyNot>
+KernelArch choose_arch(const Context& ctx, WhyNot why_not_sm90) {
   const CudaPath want = requested_path(ctx.cuda_path);
-  if (want == CudaPath::sm80) return FwdPath::sm80;
-  const std::string why = fwd_path_why_not_sm90(p, ctx.num_splits);
+  if (want == CudaPath::sm80) return KernelArch::sm80;
+  const std::string why = why_not_sm90();
   if (want == CudaPath::sm90 && !why.empty()) throw NotSupported("ctx.cuda_path", "sm90 was forced but " + why);
-  return why.empty() ? FwdPath::sm90 : FwdPath::sm80;
+  return why.empty() ? KernelArch::sm90 : KernelArch::sm80;
+}
+
+KernelArch forward_path(const detail::FwdParams& p, const Context& ctx) {
+  return choose_arch(ctx, [&] { return fwd_path_why_not_sm90(p, ctx.num_splits); });
+}
+
+// The same decision for the backward: sm90 on compute capability 9.x for what bwd_sm90_eligible
+// takes, sm80 otherwise.
+std::string bwd_path_why_not_sm90(const detail::BwdParams& p) {
+  if (!kBuiltSm90) return "this build has no sm90 kernels (CMAKE_CUDA_ARCHITECTURES without 90)";
+  if (compute_major(p.device.index) != 9) return "the sm90 kernels need compute capability 9.x (Hopper)";
+  if (!bwd_sm90_eligible(p))
+    return "the sm90 backward runs head dims up to 128 without softcap/ALiBi/dropout, not deterministic";
+  return "";
+}
+
+KernelArch backward_path(const detail::BwdParams& p, const Context& ctx) {
+  return choose_arch(ctx, [&] { return bwd_path_why_not_sm90(p); });
+}
+
+std::size_t bwd_path_workspace_bytes(const detail::BwdParams& p, KernelArch path) {
+  return path == KernelArch::sm90 ? bwd_workspace_layout_sm90(p).total : bwd_workspace_bytes(p);
 }
 
 void check_pointers(const detail::FwdParams& p) { check_fwd_pointers(p); }
@@ -301,16 +337,22 @@ void check_pointers(const detail::BwdParams& p) {
 
 std::size_t forward_workspace_size(const detail::FwdParams& p) {
   DeviceGuard guard(p.device.index);
-  if (forward_path(p, Context{}) == FwdPath::sm90) return 0;
+  if (forward_path(p, Context{}) == KernelArch::sm90) return 0;
   const int dev = p.device.index;
   return fwd_split_workspace_bytes(p, fwd_choose_num_splits(p, num_sms(dev), smem_per_sm(dev)));
 }
 
-std::size_t backward_workspace_size(const detail::BwdParams& p) { return bwd_workspace_bytes(p); }
+// Enough for either path: the size query has no Context, and a call may force either one.
+std::size_t backward_workspace_size(const detail::BwdParams& p) {
+  const std::size_t sm80 = bwd_workspace_bytes(p);
+  if (!kBuiltSm90 || !bwd_sm90_eligible(p)) return sm80;
+  const std::size_t sm90 = bwd_workspace_layout_sm90(p).total;
+  return sm90 > sm80 ? sm90 : sm80;
+}
 
 void forward(const detail::FwdParams& p, const Context& ctx) {
   DeviceGuard guard(p.device.index);
-  if (forward_path(p, ctx) == FwdPath::sm90) {
+  if (forward_path(p, ctx) == KernelArch::sm90) {
     with_dtype(p.dtype, [&](auto t) { run_fwd_hopper<decltype(t)>(p, static_cast<cudaStream_t>(ctx.stream)); });
     return;
   }
@@ -330,7 +372,8 @@ void forward(const detail::FwdParams& p, const Context& ctx) {
 
 void backward(const detail::BwdParams& p, const Context& ctx) {
   DeviceGuard guard(p.device.index);
-  const std::size_t need = bwd_workspace_bytes(p);
+  const KernelArch path = backward_path(p, ctx);
+  const std::size_t need = bwd_path_workspace_bytes(p, path);
   if (need > 0 && (ctx.workspace == nullptr || ctx.workspace_bytes < need))
     throw Error("ctx.workspace", "the CUDA backward needs " + std::to_string(need) +
                                      " bytes of device workspace (backward_workspace_size), got " +
@@ -340,7 +383,10 @@ void backward(const detail::BwdParams& p, const Context& ctx) {
   launch.workspace = ctx.workspace;
   launch.workspace_bytes = ctx.workspace_bytes;
   launch.num_sms = num_sms(p.device.index);
-  with_dtype(p.dtype, [&](auto t) { run_bwd<decltype(t)>(p, launch); });
+  if (path == KernelArch::sm90)
+    with_dtype(p.dtype, [&](auto t) { run_bwd_hopper<decltype(t)>(p, launch); });
+  else
+    with_dtype(p.dtype, [&](auto t) { run_bwd<decltype(t)>(p, launch); });
 }
 
 void merge(const detail::MergeParams& p, const Context& ctx) {

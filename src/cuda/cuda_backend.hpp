@@ -22,10 +22,10 @@ void check_pointers(const detail::BwdParams& p);
 // One pointer: device memory of `device` (or nullptr), aligned to `align` bytes.
 void check_device_pointer(const void* ptr, const char* name, int device, int align);
 
-// Which forward kernel family runs p with ctx (ctx.cuda_path, FLASHMONOID_CUDA_PATH, the device and
+// Which kernel family (architecture) runs p with ctx (ctx.cuda_path, FLASHMONOID_CUDA_PATH, the device and
 // the shape); throws NotSupported when a forced family cannot run p.
-enum class FwdPath { sm80, sm90 };
-FwdPath forward_path(const detail::FwdParams& p, const Context& ctx);
+enum class KernelArch { sm80, sm90 };
+KernelArch forward_path(const detail::FwdParams& p, const Context& ctx);
 
 std::size_t forward_workspace_size(const detail::FwdParams& p);
 std::size_t backward_workspace_size(const detail::BwdParams& p);

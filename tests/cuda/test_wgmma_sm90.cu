@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(384, 1) gemm_sm90(const __grid_constant__ Gemm
 #pragma unroll
     for (int ks = 0; ks < kBK / 16; ++ks) {
       const std::uint64_t db = kTransB ? desc_mn_major(b, kBK, ks) : desc_k_major(b, kBN, ks);
-      wgmma_ss<kTransB>(acc, desc_k_major(a, kBM, ks), db, T{}, 1);
+      wgmma_ss<0, kTransB>(acc, desc_k_major(a, kBM, ks), db, T{}, 1);
     }
     wgmma_commit();
     wgmma_wait<1>();  // the previous stage's products are done: release it

@@ -49,4 +49,18 @@ __device__ __forceinline__ int swizzled(int row, int col) {
   return row * kCols + (phys << 3) + (col & 7);
 }
 
+// Σ a[e]·b[e] over 8 elements that start 16-byte aligned (one vector load each): a row chunk of
+// the backward's D = rowsum(dO∘O).
+template <class T>
+__device__ __forceinline__ float dot8(const T* a, const T* b) {
+  const uint4 av = *reinterpret_cast<const uint4*>(a);
+  const uint4 bv = *reinterpret_cast<const uint4*>(b);
+  const T* ae = reinterpret_cast<const T*>(&av);
+  const T* be = reinterpret_cast<const T*>(&bv);
+  float acc = 0.0f;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) acc += to_float(ae[e]) * to_float(be[e]);
+  return acc;
+}
+
 }  // namespace flashmonoid::cuda

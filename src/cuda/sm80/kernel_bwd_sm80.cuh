@@ -219,14 +219,7 @@ __global__ void __launch_bounds__(kRowKernelWarps * 32)
   if (row_ok) {
     const T* o = static_cast<const T*>(p.out) + detail::offset_of(p.o_stride, b, si.q_row0 + i, head);
     const T* d_o = static_cast<const T*>(p.dout) + detail::offset_of(p.do_stride, b, si.q_row0 + i, head);
-    for (int c = lane * 8; c < p.d; c += kLanes * 8) {  // 16-byte loads, 8 elements
-      const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
-      const uint4 dv = *reinterpret_cast<const uint4*>(d_o + c);
-      const T* oe = reinterpret_cast<const T*>(&ov);
-      const T* de = reinterpret_cast<const T*>(&dv);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc += to_float(oe[e]) * to_float(de[e]);
-    }
+    for (int c = lane * 8; c < p.d; c += kLanes * 8) acc += dot8(o + c, d_o + c);  // 16-byte loads
   }
   // Within the row's kLanes lanes: the same pairings as the former 32-lane tree, whose first
   // levels only added the idle lanes' zeros.

@@ -120,4 +120,24 @@ __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(tensor_map) : "memory");
 }
 
+// ---- fragments ------------------------------------------------------------------------------------
+// A warpgroup accumulator (64, 8·kNTiles) as the A operand of the next wgmma (P of the forward's
+// P·V, Pᵀ and dSᵀ of the backward's dV and dK): k step kk (16 columns) is accumulator tiles 2·kk
+// and 2·kk + 1, the m16n8k16 A layout.
+template <class T, int kNTiles>
+__device__ __forceinline__ void p_fragments(std::uint32_t (&a)[kNTiles / 2][4], const float (&s)[1][kNTiles][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kNTiles / 2; ++kk) {
+    a[kk][0] = pack2<T>(s[0][2 * kk][0], s[0][2 * kk][1]);
+    a[kk][1] = pack2<T>(s[0][2 * kk][2], s[0][2 * kk][3]);
+    a[kk][2] = pack2<T>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+    a[kk][3] = pack2<T>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+  }
+}
+
+template <int kRows, int kCols>
+__device__ __forceinline__ float (&flat(float (&x)[kRows][kCols][4]))[kRows * kCols * 4] {
+  return reinterpret_cast<float (&)[kRows * kCols * 4]>(x);
+}
+
 }  // namespace flashmonoid::cuda::sm90

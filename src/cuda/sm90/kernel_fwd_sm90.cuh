@@ -159,30 +159,12 @@ __device__ __forceinline__ void produce(const FwdKernelArgsSm90& args, const Fwd
   }
 }
 
-// P (64, kBlockN) of this warpgroup as wgmma A fragments: k step kk (16 keys) is accumulator tiles
-// 2·kk and 2·kk + 1, the m16n8k16 A layout.
-template <class T, int kNTiles>
-__device__ __forceinline__ void p_fragments(std::uint32_t (&a)[kNTiles / 2][4], const float (&s)[1][kNTiles][4]) {
-#pragma unroll
-  for (int kk = 0; kk < kNTiles / 2; ++kk) {
-    a[kk][0] = pack2<T>(s[0][2 * kk][0], s[0][2 * kk][1]);
-    a[kk][1] = pack2<T>(s[0][2 * kk][2], s[0][2 * kk][3]);
-    a[kk][2] = pack2<T>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
-    a[kk][3] = pack2<T>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
-  }
-}
-
-template <int kRows, int kCols>
-__device__ __forceinline__ float (&flat(float (&x)[kRows][kCols][4]))[kRows * kCols * 4] {
-  return reinterpret_cast<float (&)[kRows * kCols * 4]>(x);
-}
-
 // S (64, kBlockN) = Q (64, kHeadDim) · K (kBlockN, kHeadDim)ᵀ, issued (not waited for).
 template <class T, int kHeadDim, int kBlockN>
 __device__ __forceinline__ void issue_scores(float (&s)[1][kBlockN / 8][4], std::uint32_t q_addr, std::uint32_t k_addr) {
 #pragma unroll
   for (int ks = 0; ks < kHeadDim / 16; ++ks)
-    wgmma_ss<0>(flat(s), desc_k_major(q_addr, 64, ks), desc_k_major(k_addr, kBlockN, ks), T{}, ks > 0);
+    wgmma_ss<0, 0>(flat(s), desc_k_major(q_addr, 64, ks), desc_k_major(k_addr, kBlockN, ks), T{}, ks > 0);
 }
 
 // O (64, kHeadDim) += P (64, kBlockN) · V (kBlockN, kHeadDim), issued (not waited for).

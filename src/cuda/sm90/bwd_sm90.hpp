@@ -1,0 +1,53 @@
+// Light interface of the sm90 (wgmma + TMA) backward for src/cuda/api.cu: which calls it runs, its
+// workspace, and the launcher (launch_bwd_sm90.cuh, instantiated one (dtype, head-dim bucket) per
+// file under src/cuda/generated/, compiled for sm_90a only).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "api/params.hpp"
+#include "sm80/bwd_sm80.hpp"
+
+namespace flashmonoid::cuda {
+
+// Head dims up to 128, without softcap, ALiBi or dropout, not deterministic, no KV cache: the rest
+// runs the sm80 backward.
+inline bool bwd_sm90_eligible(const detail::BwdParams& p) {
+  const bool cache = p.kv.active || p.kv.block_table != nullptr;
+  return p.d <= 128 && !p.score_mods() && !p.deterministic && !cache;
+}
+
+// The workspace, fp32, each part 256-byte aligned. Query rows are padded per sequence to whole
+// blocks (`rows` per head covers every sequence's padded blocks for both block heights, 64 and 128):
+//   lse    (h, rows)  lse·log2(e) of each query row; +inf on padding rows and rows that saw no key,
+//                     so that their P = exp2(s - lse) is 0
+//   dsum   (h, rows)  D = rowsum(dO∘O), 0 on padding rows
+//   dq_acc (h, rows, bucket)  dQ of each query block in the consumers' fragment order (the
+//                     convert kernel undoes it), added to by the key blocks with bulk reductions
+struct BwdWorkspaceLayoutSm90 {
+  std::int64_t rows = 0;
+  int dq_cols = 0;
+  std::size_t lse = 0, dsum = 0, dq_acc = 0, total = 0;
+};
+
+inline BwdWorkspaceLayoutSm90 bwd_workspace_layout_sm90(const detail::BwdParams& p) {
+  auto align = [](std::size_t x) { return (x + 255) / 256 * 256; };
+  BwdWorkspaceLayoutSm90 w;
+  w.rows = (static_cast<std::int64_t>(p.total_q) + 128 * (p.batch + 1) + 127) / 128 * 128;
+  w.dq_cols = p.d <= 64 ? 64 : 128;
+  const std::size_t n = static_cast<std::size_t>(p.h) * static_cast<std::size_t>(w.rows);
+  w.lse = 0;
+  w.dsum = align(n * sizeof(float));
+  w.dq_acc = w.dsum + align(n * sizeof(float));
+  w.total = w.dq_acc + align(n * static_cast<std::size_t>(w.dq_cols) * sizeof(float));
+  return w;
+}
+
+// Queue the backward on launch.stream (never synchronises, never allocates). kHeadDim is 64 or 128.
+template <class T, int kHeadDim>
+void run_bwd_sm90(const detail::BwdParams& params, const BwdLaunch& launch);
+
+}  // namespace flashmonoid::cuda

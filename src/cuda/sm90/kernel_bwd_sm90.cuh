@@ -1,0 +1,416 @@
+// The sm90 backward: warp-specialised, TMA + wgmma, three kernels:
+//   1. bwd_preprocess_sm90: per query row D = rowsum(dO∘O) and lse·log2(e) into the workspace,
+//      padded per sequence to whole query blocks (bwd_sm90.hpp); clears the dQ accumulator.
+//   2. bwd_kernel_sm90: one block per (key block of 128, KV head, batch). A producer warpgroup (one
+//      thread) loads K and V once, then streams Q, dO, lse and D of every query block of every query
+//      head of the GQA group that sees the keys through a q_stages ring (TMA, mbarriers). Two
+//      consumer warpgroups own 64 keys each:
+//        Sᵀ = K Qᵀ, dPᵀ = V dOᵀ            wgmma, both operands from shared memory
+//        Pᵀ = exp2(Sᵀ·scale·log2 e - lse), dSᵀ = Pᵀ∘(dPᵀ - D)   in registers
+//        dV += Pᵀ dO, dK += dSᵀ Q          wgmma with Pᵀ, dSᵀ from registers; dK, dV stay in fp32
+//                                          registers for the whole block (the GQA sum included)
+//        dQ = dS K                         dSᵀ through shared memory (both warpgroups' keys), each
+//                                          warpgroup a 64 × 64 half of the (kBlockM, head dim) tile
+//      and each dQ half goes to the accumulator with one bulk reduction (cp.reduce.async.bulk .add.f32,
+//      16 KB, in the fragments' own order so that the shared-memory writes are conflict-free).
+//   3. bwd_convert_dq_sm90: dq = scale · accumulator in the input dtype, undoing the fragment order.
+#pragma once
+
+#include <cuda.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "api/params.hpp"
+#include "common/block_range.cuh"
+#include "common/score_mod.cuh"
+#include "common/softmax.cuh"
+#include "common/types.cuh"
+#include "sm90/hopper.cuh"
+#include "sm90/tile_bwd_sm90.hpp"
+
+namespace flashmonoid::cuda {
+
+struct BwdKernelArgsSm90 {
+  CUtensorMap tm_q, tm_do;  // (d, h, rows, batch), box (64, 1, kBlockM, 1)
+  CUtensorMap tm_k, tm_v;   // (d, h_k, rows, batch), box (64, 1, kBlockN, 1)
+  detail::BwdParams p;
+  const float* lse;   // (h, rows) lse·log2(e), workspace (bwd_sm90.hpp)
+  const float* dsum;  // (h, rows)
+  float* dq_acc;      // (h, rows, head-dim bucket) in fragment order per query block
+  std::int64_t rows;  // padded query rows per head
+};
+
+namespace sm90 {
+
+// First padded row of sequence b's query blocks: sequences start on a block boundary and never share
+// a block, so a block's dQ reduction never touches another sequence's rows.
+template <int kBlockM>
+__device__ __forceinline__ std::int64_t padded_row0(const detail::FwdParams& p, int b) {
+  if (p.cu_seqlens_q != nullptr) return (static_cast<std::int64_t>(p.cu_seqlens_q[b]) / kBlockM + b) * kBlockM;
+  return static_cast<std::int64_t>(b) * ((p.seqlen_q + kBlockM - 1) / kBlockM) * kBlockM;
+}
+
+// Where element (row r, column c) of a (kBlockM, kHeadDim) dQ tile sits in its accumulator block:
+// warpgroup w's 64 × 64 half is 8 float4 per thread, float4 j of thread t at (8·w + j)·128 + t
+// (hdim 128: the halves are column halves, hdim 64 with 128 queries: row halves). Within a half the
+// wgmma accumulator layout: warp r/16, lane 4·(r%8) + (c%8)/2, element (c&1) + 2·((r/8)&1) of
+// column tile c/8.
+template <int kBlockM, int kHeadDim>
+__host__ __device__ __forceinline__ int dq_fragment_index(int r, int c) {
+  static_assert(kBlockM * kHeadDim == 2 * 64 * 64, "two 64 × 64 halves, one per consumer warpgroup");
+  constexpr bool kRowHalves = kBlockM == 128;
+  const int w = kRowHalves ? r / 64 : c / 64, lr = r % 64, lc = c % 64;
+  const int t = (lr / 16) * 32 + (lr % 8) * 4 + (lc % 8) / 2;
+  const int e = (lc & 1) + 2 * ((lr / 8) & 1);
+  return ((8 * w + lc / 8) * 128 + t) * 4 + e;
+}
+
+// The row kernels' thread: kHeadDim / 8 lanes (8 columns each) per (query row i, head, batch b),
+// 256 threads per block.
+template <int kHeadDim>
+struct RowThread {
+  static constexpr int kLanes = kHeadDim / 8;
+  static constexpr int kRowsPerBlock = 256 / kLanes;
+  int b, head, lane, i;
+  detail::SeqInfo si;
+  __device__ __forceinline__ explicit RowThread(const detail::FwdParams& p)
+      : b(blockIdx.z), head(blockIdx.y), lane(threadIdx.x % kLanes),
+        i(blockIdx.x * kRowsPerBlock + threadIdx.x / kLanes), si(detail::seq_info(p, b)) {}
+};
+
+}  // namespace sm90
+
+// 1. D and lse·log2(e) per padded query row (+inf lse on padding rows and rows that saw no key, so
+// that their P is exp2(s - inf) = 0), and zeros in the dQ accumulator. kHeadDim / 8 lanes per row.
+template <class T, int kHeadDim>
+__global__ void __launch_bounds__(256)
+    bwd_preprocess_sm90(const detail::BwdParams p, float* __restrict__ lse, float* __restrict__ dsum,
+                        float* __restrict__ dq_acc, std::int64_t rows) {
+  constexpr int kBlockM = bwd_tile_sm90(kHeadDim).block_m;
+  const sm90::RowThread<kHeadDim> t(p);
+  const auto [b, head, lane, i, si] = t;
+  const int padded_len = (si.len_q + kBlockM - 1) / kBlockM * kBlockM;
+  const bool row_ok = i < si.len_q;  // no early return: the reduction below needs every lane
+  float acc = 0.0f;
+  if (row_ok && lane * 8 < p.d)
+    acc = dot8(static_cast<const T*>(p.out) + detail::offset_of(p.o_stride, b, si.q_row0 + i, head) + lane * 8,
+               static_cast<const T*>(p.dout) + detail::offset_of(p.do_stride, b, si.q_row0 + i, head) + lane * 8);
+#pragma unroll
+  for (int off = t.kLanes / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (i >= padded_len) return;
+  const std::int64_t r = static_cast<std::int64_t>(head) * rows + sm90::padded_row0<kBlockM>(p, b) + i;
+  if (lane == 0) {
+    const float l = row_ok ? p.lse[detail::lse_index(p, b, head, si, i)] : -INFINITY;
+    lse[r] = l == -INFINITY ? INFINITY : l * kLog2e;
+    dsum[r] = acc;
+  }
+  // Row i's kHeadDim floats of its block's accumulator (any bijection clears the block).
+  float4* z = reinterpret_cast<float4*>(dq_acc + r * kHeadDim) + 2 * lane;
+  z[0] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  z[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+}
+
+// 3. dq = scale · accumulator. Each thread converts 8 columns of one row.
+template <class T, int kHeadDim>
+__global__ void __launch_bounds__(256)
+    bwd_convert_dq_sm90(const detail::BwdParams p, const float* __restrict__ dq_acc, std::int64_t rows) {
+  constexpr int kBlockM = bwd_tile_sm90(kHeadDim).block_m;
+  const sm90::RowThread<kHeadDim> t(p);
+  const auto [b, head, lane, i, si] = t;
+  if (i >= si.len_q || lane * 8 >= p.d) return;
+  const std::int64_t block_row = static_cast<std::int64_t>(head) * rows + sm90::padded_row0<kBlockM>(p, b) + i / kBlockM * kBlockM;
+  const float* src = dq_acc + block_row * kHeadDim;
+  const int r = i % kBlockM, c = lane * 8;
+  float x[8];
+#pragma unroll
+  for (int k = 0; k < 8; k += 2) {  // columns c + k, c + k + 1 are one thread's element pair
+    const float2 v = *reinterpret_cast<const float2*>(src + sm90::dq_fragment_index<kBlockM, kHeadDim>(r, c + k));
+    x[k] = v.x * p.scale;
+    x[k + 1] = v.y * p.scale;
+  }
+  uint4 out;
+  out.x = pack2<T>(x[0], x[1]);
+  out.y = pack2<T>(x[2], x[3]);
+  out.z = pack2<T>(x[4], x[5]);
+  out.w = pack2<T>(x[6], x[7]);
+  *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + detail::offset_of(p.dq_stride, b, si.q_row0 + i, head) + c) = out;
+}
+
+namespace sm90 {
+
+// Shared memory of one block: 2-byte tiles in 128-byte-swizzled panels (hopper.cuh), then fp32
+// buffers, then the barriers.
+template <class T, int kHeadDim>
+struct BwdSmem {
+  static constexpr BwdTileSm90 kTile = bwd_tile_sm90(kHeadDim);
+  static constexpr int kBlockM = kTile.block_m, kBlockN = kTile.block_n, kStages = kTile.q_stages;
+  static constexpr int kKVElems = kBlockN * kHeadDim;  // (kBlockN, kHeadDim) K or V
+  static constexpr int kQElems = kBlockM * kHeadDim;   // (kBlockM, kHeadDim) Q or dO of one stage
+  static constexpr int kSElems = kBlockN * kBlockM;    // (kBlockN, kBlockM) dSᵀ, panels of 64 queries
+  static constexpr int kDqFloats = kBlockM * kHeadDim;
+  T* base;
+  float* f32;  // dQ buffers (2), then lse (kStages × kBlockM), then D (kStages × kBlockM)
+  Barrier* bars;  // kv_full, q_full (kStages), q_empty (kStages)
+
+  __device__ __forceinline__ explicit BwdSmem(unsigned char* raw)
+      : base(reinterpret_cast<T*>((reinterpret_cast<std::uintptr_t>(raw) + 1023) & ~std::uintptr_t(1023))),
+        f32(reinterpret_cast<float*>(base + 2 * kKVElems + 2 * kStages * kQElems + kSElems)),
+        bars(reinterpret_cast<Barrier*>(f32 + 2 * kDqFloats + 2 * kStages * kBlockM)) {}
+  __device__ __forceinline__ T* k() const { return base; }
+  __device__ __forceinline__ T* v() const { return base + kKVElems; }
+  __device__ __forceinline__ T* q(int stage) const { return base + 2 * kKVElems + stage * kQElems; }
+  __device__ __forceinline__ T* dout(int stage) const { return base + 2 * kKVElems + (kStages + stage) * kQElems; }
+  __device__ __forceinline__ T* ds() const { return base + 2 * kKVElems + 2 * kStages * kQElems; }
+  __device__ __forceinline__ float* dq(int buf) const { return f32 + buf * kDqFloats; }
+  __device__ __forceinline__ float* lse(int stage) const { return f32 + 2 * kDqFloats + stage * kBlockM; }
+  __device__ __forceinline__ float* dsum(int stage) const { return f32 + 2 * kDqFloats + (kStages + stage) * kBlockM; }
+  __device__ __forceinline__ Barrier& kv_full() const { return bars[0]; }
+  __device__ __forceinline__ Barrier& q_full(int stage) const { return bars[1 + stage]; }
+  __device__ __forceinline__ Barrier& q_empty(int stage) const { return bars[1 + kStages + stage]; }
+
+  __device__ __forceinline__ void init_barriers() const {
+    kv_full().init(1);
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      q_full(s).init(1);
+      q_empty(s).init(4 * BwdTileSm90::consumers);  // one arrival per consumer warp
+    }
+    fence_barrier_init();
+  }
+};
+
+// What a block does: its keys, sequence, KV head and the (query head, query block) steps, derived
+// the same way by the producer and the consumers. Steps run head-major, query blocks last to first.
+template <int kBlockM, int kBlockN>
+struct BwdWork {
+  int b, kv_head, group;
+  std::int64_t kb;  // first key of the block in its sequence
+  int keys_valid;
+  detail::SeqInfo si;
+  detail::Band band;
+  QueryBlocks qb;
+
+  __device__ __forceinline__ BwdWork(const detail::FwdParams& p, int batch_head, int n_block)
+      : b(batch_head / p.h_k), kv_head(batch_head % p.h_k), group(p.h / p.h_k),
+        kb(static_cast<std::int64_t>(n_block) * kBlockN), si(detail::seq_info(p, b)), band(detail::band_of(p, si)) {
+    keys_valid = kb < si.len_k ? static_cast<int>(si.len_k - kb < kBlockN ? si.len_k - kb : kBlockN) : 0;
+    qb = query_blocks<kBlockM>(band, kb, keys_valid, si.len_q);
+  }
+  __device__ __forceinline__ bool empty() const { return keys_valid == 0; }
+  __device__ __forceinline__ int steps() const { return qb.count() * group; }
+  __device__ __forceinline__ int head(int step) const { return kv_head * group + step / qb.count(); }
+  __device__ __forceinline__ int m_block(int step) const { return qb.hi - 1 - step % qb.count(); }
+};
+
+// Named barriers (0 is __syncthreads): the dSᵀ tile is free / written (both consumers), and each
+// consumer's dQ staging buffer.
+inline constexpr int kBarDsFree = 1, kBarDsFull = 2, kBarDq = 3;
+
+}  // namespace sm90
+
+template <class T, int kHeadDim>
+__global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
+    bwd_kernel_sm90(const __grid_constant__ BwdKernelArgsSm90 args) {
+  using namespace sm90;
+  using Smem = BwdSmem<T, kHeadDim>;
+  constexpr BwdTileSm90 kTile = Smem::kTile;
+  constexpr int kBlockM = kTile.block_m, kBlockN = kTile.block_n, kStages = kTile.q_stages;
+  constexpr int kSTiles = kBlockM / 8, kDTiles = kHeadDim / 8;
+  constexpr int kPanels = kHeadDim / kPanelCols;
+  static_assert(kHeadDim % kPanelCols == 0 && kBlockM % 64 == 0 && kBlockN == 128, "whole 64-wide panels");
+
+  const detail::BwdParams& p = args.p;
+  const BwdWork<kBlockM, kBlockN> w(p, blockIdx.x, blockIdx.y);
+  if (w.empty()) return;  // a varlen sequence shorter than this key block
+
+  extern __shared__ unsigned char smem_raw[];
+  const Smem sm(smem_raw);
+  if (threadIdx.x == 0) sm.init_barriers();
+  __syncthreads();
+
+  const int warpgroup = threadIdx.x / 128;
+  const int batch_coord = p.is_varlen() ? 0 : w.b;  // varlen tensors are one batch entry of packed rows
+  if (warpgroup == 0) {
+    regs_dealloc<kTile.producer_regs>();
+    if (threadIdx.x != 0) return;
+    prefetch_tensor_map(&args.tm_q);
+    prefetch_tensor_map(&args.tm_do);
+    // K and V once; keys past the sequence belong to the next one (or read as zeros): masked.
+    const int k_row = static_cast<int>(w.si.k_row0 + w.kb);
+    sm.kv_full().arrive_expect_tx(2 * Smem::kKVElems * sizeof(T));
+#pragma unroll
+    for (int pn = 0; pn < kPanels; ++pn) {
+      tma_load(sm.k() + pn * kBlockN * kPanelCols, &args.tm_k, pn * kPanelCols, w.kv_head, k_row, batch_coord, sm.kv_full());
+      tma_load(sm.v() + pn * kBlockN * kPanelCols, &args.tm_v, pn * kPanelCols, w.kv_head, k_row, batch_coord, sm.kv_full());
+    }
+    const std::int64_t prow0 = padded_row0<kBlockM>(p, w.b);
+#pragma unroll 1
+    for (int step = 0; step < w.steps(); ++step) {
+      const int stage = step % kStages;
+      const std::uint32_t phase = (step / kStages) & 1;
+      const int head = w.head(step), m0 = w.m_block(step) * kBlockM;
+      sm.q_empty(stage).wait(phase ^ 1);
+      Barrier& full = sm.q_full(stage);
+      full.arrive_expect_tx(2 * Smem::kQElems * sizeof(T) + 2 * kBlockM * sizeof(float));
+      const int q_row = static_cast<int>(w.si.q_row0 + m0);
+#pragma unroll
+      for (int pn = 0; pn < kPanels; ++pn) {
+        tma_load(sm.q(stage) + pn * kBlockM * kPanelCols, &args.tm_q, pn * kPanelCols, head, q_row, batch_coord, full);
+        tma_load(sm.dout(stage) + pn * kBlockM * kPanelCols, &args.tm_do, pn * kPanelCols, head, q_row, batch_coord, full);
+      }
+      const std::int64_t r = static_cast<std::int64_t>(head) * args.rows + prow0 + m0;
+      ::cuda::ptx::cp_async_bulk(::cuda::ptx::space_cluster, ::cuda::ptx::space_global, sm.lse(stage), args.lse + r,
+                                 kBlockM * sizeof(float), &full.word);
+      ::cuda::ptx::cp_async_bulk(::cuda::ptx::space_cluster, ::cuda::ptx::space_global, sm.dsum(stage), args.dsum + r,
+                                 kBlockM * sizeof(float), &full.word);
+    }
+    return;
+  }
+
+  regs_alloc<kTile.consumer_regs>();
+  const int consumer = warpgroup - 1;
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  // This warpgroup's keys: rows [64·consumer, 64·consumer + 64) of the K and V panels.
+  const std::uint32_t k_addr = smem_addr(sm.k()), v_addr = smem_addr(sm.v()), ds_addr = smem_addr(sm.ds());
+  const std::uint32_t k_own = k_addr + 64 * consumer * kPanelRowBytes, v_own = v_addr + 64 * consumer * kPanelRowBytes;
+  // Its dQ half: rows (hdim 64, 128 queries) or columns (hdim 128) [64·consumer, +64): the dSᵀ
+  // panel of those queries (A, M-major) and the K panel of those columns (B, N-major).
+  constexpr bool kRowHalves = kBlockM == 128;
+  const std::uint32_t dq_a = ds_addr + (kRowHalves ? consumer : 0) * kBlockN * kPanelRowBytes;
+  const std::uint32_t dq_b = k_addr + (kRowHalves ? 0 : consumer) * kBlockN * kPanelRowBytes;
+  // Key of this thread's accumulator rows (half h: +8), relative to the block.
+  const int key_row = 64 * consumer + 16 * warp + lane / 4;
+  const std::int64_t prow0 = padded_row0<kBlockM>(p, w.b);
+
+  float dk[1][kDTiles][4] = {};  // (64 keys, kHeadDim) per warpgroup, unscaled
+  float dv[1][kDTiles][4] = {};
+  sm.kv_full().wait(0);
+
+#pragma unroll 1
+  for (int step = 0; step < w.steps(); ++step) {
+    const int stage = step % kStages;
+    const int head = w.head(step), m0 = w.m_block(step) * kBlockM;
+    sm.q_full(stage).wait((step / kStages) & 1);
+    const std::uint32_t q_addr = smem_addr(sm.q(stage)), do_addr = smem_addr(sm.dout(stage));
+
+    // Sᵀ (64 keys, kBlockM) = K Qᵀ and dPᵀ = V dOᵀ.
+    float s[1][kSTiles][4], dp[1][kSTiles][4];
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks)
+      wgmma_ss<0, 0>(flat(s), desc_k_major(k_own, kBlockN, ks), desc_k_major(q_addr, kBlockM, ks), T{}, ks > 0);
+    wgmma_commit();
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks)
+      wgmma_ss<0, 0>(flat(dp), desc_k_major(v_own, kBlockN, ks), desc_k_major(do_addr, kBlockM, ks), T{}, ks > 0);
+    wgmma_commit();
+
+    // Pᵀ = exp2(Sᵀ·scale·log2 e - lse·log2 e), 0 where masked (padding rows have lse = +inf).
+    const float* lse = sm.lse(stage);
+    const float* dsum = sm.dsum(stage);
+    const bool masked = w.band.tile_needs_mask(m0, m0 + kBlockM, w.kb, w.kb + kBlockN, w.si.len_k);
+    const TileBand tb(w.band, m0, w.kb, w.si.len_k);
+    wgmma_wait<1>();
+    fence_regs(flat(s));
+#pragma unroll
+    for (int nt = 0; nt < kSTiles; ++nt) {
+      const int c = 8 * nt + 2 * (lane & 3);
+      const float2 l = *reinterpret_cast<const float2*>(lse + c);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = fmaf(s[0][nt][e], p.scale_log2, -(e & 1 ? l.y : l.x));
+        if (masked && !tb.visible(c + (e & 1), key_row + 8 * (e / 2))) x = -INFINITY;
+        s[0][nt][e] = fast_exp2(x);
+      }
+    }
+    // dSᵀ = Pᵀ∘(dPᵀ - D).
+    wgmma_wait<0>();
+    fence_regs(flat(dp));
+#pragma unroll
+    for (int nt = 0; nt < kSTiles; ++nt) {
+      const float2 d = *reinterpret_cast<const float2*>(dsum + 8 * nt + 2 * (lane & 3));
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dp[0][nt][e] = s[0][nt][e] * (dp[0][nt][e] - (e & 1 ? d.y : d.x));
+    }
+    std::uint32_t pa[kSTiles / 2][4], dsa[kSTiles / 2][4];
+    p_fragments<T>(pa, s);
+    p_fragments<T>(dsa, dp);
+
+    // dSᵀ to shared memory for dQ, once the other warpgroup's last dQ product has read it.
+    named_sync(kBarDsFree, 256);
+    T* ds = sm.ds();
+#pragma unroll
+    for (int nt = 0; nt < kSTiles; ++nt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = key_row + 8 * h, c = 8 * nt + 2 * (lane & 3);
+        T* panel = ds + (c / kPanelCols) * kBlockN * kPanelCols;
+        *reinterpret_cast<std::uint32_t*>(panel + r * kPanelCols + swizzle_chunk(r, (c % kPanelCols) / 8) * 8 + c % 8) =
+            dsa[nt / 2][2 * (nt % 2) + h];
+      }
+
+    // dV += Pᵀ dO, dK += dSᵀ Q (A from registers, B N-major).
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk)
+      wgmma_rs<1>(flat(dv), pa[kk], desc_mn_major(do_addr, kBlockM, kk), T{}, 1);
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk)
+      wgmma_rs<1>(flat(dk), dsa[kk], desc_mn_major(q_addr, kBlockM, kk), T{}, 1);
+    wgmma_commit();
+
+    // dQ half (64, 64) = dS K over the block's 128 keys.
+    fence_async_shared();
+    named_sync(kBarDsFull, 256);
+    float dq[1][8][4];
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
+      wgmma_ss<1, 1>(flat(dq), desc_mn_major(dq_a, kBlockN, kk), desc_mn_major(dq_b, kBlockN, kk), T{}, kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(flat(dv));
+    fence_regs(flat(dk));
+    fence_regs(flat(dq));
+    if (lane == 0) sm.q_empty(stage).arrive();
+
+    // The dQ half to the accumulator: staged in fragment order (16 KB, buffer step % 2, whose
+    // reduction of two steps ago must have been read), then one bulk reduction.
+    float* dq_s = sm.dq(step & 1) + consumer * 64 * 64;
+    if (tid == 0) ::cuda::ptx::cp_async_bulk_wait_group_read(::cuda::ptx::n32_t<1>{});
+    named_sync(kBarDq + consumer, 128);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      *reinterpret_cast<float4*>(dq_s + (j * 128 + tid) * 4) = make_float4(dq[0][j][0], dq[0][j][1], dq[0][j][2], dq[0][j][3]);
+    fence_async_shared();
+    named_sync(kBarDq + consumer, 128);
+    if (tid == 0) {
+      float* dst = args.dq_acc + (static_cast<std::int64_t>(head) * args.rows + prow0 + m0) * kHeadDim + consumer * 64 * 64;
+      ::cuda::ptx::cp_reduce_async_bulk(::cuda::ptx::space_global, ::cuda::ptx::space_shared, ::cuda::ptx::op_add, dst, dq_s,
+                                        64 * 64 * sizeof(float));
+      ::cuda::ptx::cp_async_bulk_commit_group();
+    }
+  }
+  if (tid == 0) ::cuda::ptx::cp_async_bulk_wait_group(::cuda::ptx::n32_t<0>{});
+
+  // dK = scale · Σ dSᵀ Q and dV, this warpgroup's 64 keys (rows past the sequence are not written).
+  T* dk_g = static_cast<T*>(p.dk);
+  T* dv_g = static_cast<T*>(p.dv);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = key_row + 8 * h;
+    if (r >= w.keys_valid) continue;
+    const std::int64_t row = w.si.k_row0 + w.kb + r;
+    T* dk_row = dk_g + detail::offset_of(p.dk_stride, w.b, row, w.kv_head);
+    T* dv_row = dv_g + detail::offset_of(p.dv_stride, w.b, row, w.kv_head);
+#pragma unroll
+    for (int nt = 0; nt < kDTiles; ++nt) {
+      const int c = 8 * nt + 2 * (lane & 3);
+      if (c >= p.d) continue;
+      *reinterpret_cast<std::uint32_t*>(dk_row + c) = pack2<T>(dk[0][nt][2 * h] * p.scale, dk[0][nt][2 * h + 1] * p.scale);
+      *reinterpret_cast<std::uint32_t*>(dv_row + c) = pack2<T>(dv[0][nt][2 * h], dv[0][nt][2 * h + 1]);
+    }
+  }
+}
+
+}  // namespace flashmonoid::cuda

@@ -1,0 +1,68 @@
+// run_bwd_sm90<T, kHeadDim>: workspace, tensor maps and the three launches of the sm90 backward
+// (kernel_bwd_sm90.cuh). Included only by the generated instantiation files (compiled for sm_90a).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "common/check.cuh"
+#include "flashmonoid/error.hpp"
+#include "sm90/bwd_sm90.hpp"
+#include "sm90/kernel_bwd_sm90.cuh"
+#include "sm90/tensor_map.hpp"
+#include "sm90/tile_bwd_sm90.hpp"
+
+namespace flashmonoid::cuda {
+
+template <class T, int kHeadDim>
+void run_bwd_sm90(const detail::BwdParams& p, const BwdLaunch& launch) {
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "the sm90 backward takes head-dim buckets 64 and 128");
+  constexpr BwdTileSm90 kTile = bwd_tile_sm90(kHeadDim);
+  const BwdWorkspaceLayoutSm90 ws = bwd_workspace_layout_sm90(p);
+  if (launch.workspace_bytes < ws.total || (ws.total > 0 && launch.workspace == nullptr))
+    throw Error("context.workspace", "the CUDA backward needs " + std::to_string(ws.total) +
+                                         " bytes (backward_workspace_size), got " + std::to_string(launch.workspace_bytes));
+  if (p.total_q == 0 || p.batch == 0 || p.h == 0 || p.seqlen_q == 0) return;
+
+  auto* base = static_cast<unsigned char*>(launch.workspace);
+  float* lse = reinterpret_cast<float*>(base + ws.lse);
+  float* dsum = reinterpret_cast<float*>(base + ws.dsum);
+  float* dq_acc = reinterpret_cast<float*>(base + ws.dq_acc);
+
+  constexpr int kRowsPerBlock = sm90::RowThread<kHeadDim>::kRowsPerBlock;
+  const int padded_q = (p.seqlen_q + kTile.block_m - 1) / kTile.block_m * kTile.block_m;
+  const dim3 row_grid((padded_q + kRowsPerBlock - 1) / kRowsPerBlock, p.h, p.batch);
+  bwd_preprocess_sm90<T, kHeadDim><<<row_grid, 256, 0, launch.stream>>>(p, lse, dsum, dq_acc, ws.rows);
+  FM_CUDA_CHECK_LAUNCH();
+
+  if (p.seqlen_k > 0) {
+    BwdKernelArgsSm90 args;
+    args.p = p;
+    args.lse = lse;
+    args.dsum = dsum;
+    args.dq_acc = dq_acc;
+    args.rows = ws.rows;
+    const bool varlen = p.is_varlen();
+    const int batch = varlen ? 1 : p.batch;
+    const std::int64_t q_rows = varlen ? p.total_q : p.seqlen_q;
+    const std::int64_t k_rows = varlen ? p.total_k : p.seqlen_k;
+    args.tm_q = sm90::make_tensor_map(p.q, p.d, p.h, q_rows, batch, p.q_stride, kTile.block_m);
+    args.tm_do = sm90::make_tensor_map(p.dout, p.d, p.h, q_rows, batch, p.do_stride, kTile.block_m);
+    args.tm_k = sm90::make_tensor_map(p.k, p.d, p.h_k, k_rows, batch, p.k_stride, kTile.block_n);
+    args.tm_v = sm90::make_tensor_map(p.v, p.d, p.h_k, k_rows, batch, p.v_stride, kTile.block_n);
+    auto* kernel = bwd_kernel_sm90<T, kHeadDim>;
+    constexpr std::size_t kSmem = kTile.smem_bytes(kHeadDim);
+    FM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
+    // x: (batch, KV head), fastest; y: key block, so that under a causal mask the key blocks with
+    // the most query blocks (the first ones) start first.
+    const dim3 grid(p.batch * p.h_k, (p.seqlen_k + kTile.block_n - 1) / kTile.block_n);
+    kernel<<<grid, kTile.threads(), kSmem, launch.stream>>>(args);
+    FM_CUDA_CHECK_LAUNCH();
+  }
+
+  bwd_convert_dq_sm90<T, kHeadDim><<<row_grid, 256, 0, launch.stream>>>(p, dq_acc, ws.rows);
+  FM_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace flashmonoid::cuda
