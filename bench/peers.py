@@ -7,7 +7,7 @@ JSON list of records {impl, pass, dtype, hdim, causal, batch, nheads, nheads_k, 
 ms, tflops | tbps, device}. Usage: peers.py OUT.json
 Environment (to fit a short device lease): FM_PEERS_NO_BWD=1 times the forward only;
 FM_PEERS_IMPLS=torch_flash,torch_cudnn keeps those backends only; FM_PEERS_DECODE_ONLY=1 skips
-the training shapes; FM_PEERS_KVCACHE=1 adds cuDNN on issue 10's KV-cache decoding shapes.
+the training shapes; cuDNN on issue 10's KV-cache decoding shapes unless FM_PEERS_KVCACHE=0 (main).
 Decoding is timed twice: per call (events) and as CUDA-graph replays (graph)."""
 import json
 import os
@@ -153,27 +153,31 @@ def decode(out):
 
 def kvcache_decode(out):
     """Issue 10's decoding shapes for the cuDNN peer: SDPA over a contiguous cache, no append, no
-    rotary (what it can do), graph-replayed; records as gpu_bench's pass "decode"."""
+    rotary (what it can do), graph-replayed; records as gpu_bench's pass "decode", the same (b, s_k)
+    and the skip rule of bench_kvcache_all, s_q = 1 and 4. s_q = 4 runs non-causal: SDPA's causal
+    mask is top-left aligned (gpu_bench's is bottom-right); the K/V bytes read are the same."""
     h, hk, d = 32, 8, 128
     for b in (1, 8, 32, 64):
         for sk in (4096, 32768, 131072):
             kv_bytes = 2 * b * hk * sk * d * 2
             if kv_bytes > 60 * 2**30:
                 continue
-            q = torch.randn(b, h, 1, d, device="cuda", dtype=torch.bfloat16)
             k = torch.randn(b, hk, sk, d, device="cuda", dtype=torch.bfloat16)
             v = torch.randn_like(k)
-            call = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
-            try:
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    ms = graph_ms(call)
-            except RuntimeError as e:
-                print(f"torch_cudnn kvcache decode b{b} sk{sk}: {str(e).splitlines()[0]}", file=sys.stderr)
-                continue
-            out.append(rec("torch_cudnn", "decode", d, False, b, h, hk, 1, sk, ms, "tbps", kv_bytes / ms / 1e9))
-            out[-1].update(page_size=0, append=False, rotary=False, timing="graph")
-            print(json.dumps(out[-1]), file=sys.stderr)
-            del q, k, v
+            for sq in (1, 4):
+                q = torch.randn(b, h, sq, d, device="cuda", dtype=torch.bfloat16)
+                call = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+                try:
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                        ms = graph_ms(call)
+                except RuntimeError as e:
+                    print(f"torch_cudnn kvcache decode b{b} sk{sk} sq{sq}: {str(e).splitlines()[0]}", file=sys.stderr)
+                    continue
+                out.append(rec("torch_cudnn", "decode", d, False, b, h, hk, sq, sk, ms, "tbps", kv_bytes / ms / 1e9))
+                out[-1].update(page_size=0, append=False, rotary=False, timing="graph")
+                print(json.dumps(out[-1]), file=sys.stderr)
+                del q
+            del k, v
 
 
 def memory(out):
@@ -197,13 +201,18 @@ def memory(out):
 
 
 def main():
+    """FM_PEERS_KVCACHE: 1 (default) adds the KV-cache decoding shapes, 0 leaves them out, "only"
+    runs nothing else (a KV-cache run next to gpu_bench --kvcache-only)."""
     out = []
-    if os.environ.get("FM_PEERS_DECODE_ONLY", "0") == "0":
-        train(out)
-    decode(out)
-    if os.environ.get("FM_PEERS_KVCACHE", "0") != "0":
+    kv = os.environ.get("FM_PEERS_KVCACHE", "1")
+    if kv != "only":
+        if os.environ.get("FM_PEERS_DECODE_ONLY", "0") == "0":
+            train(out)
+        decode(out)
+    if kv != "0":
         kvcache_decode(out)
-    memory(out)
+    if kv != "only":
+        memory(out)
     with open(sys.argv[1], "w") as f:
         json.dump(out, f, indent=1)
 

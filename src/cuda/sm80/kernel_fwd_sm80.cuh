@@ -114,14 +114,21 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
   // Rows [key0, key0 + kRows) of K or V into a ring slot.
   auto load_keys = [&](auto rows, T* dst, bool is_v, int key0) {
     constexpr int kRows = decltype(rows)::value;
-    if constexpr (kCacheAddressing)
-      load_kv_rows_async<kRows, kHeadDim, kThreads>(dst, p, is_v ? v : k, is_v ? v_seq : k_seq,
-                                                     is_v ? p.v_stride : p.k_stride, b, kv_head, si.k_row0, key0,
-                                                     si.len_k - key0);
+    const std::int64_t stride = is_v ? p.v_stride.row : p.k_stride.row;
+    load_rows_async<kRows, kHeadDim, kThreads>(dst, (is_v ? v_seq : k_seq) + key0 * stride, stride, si.len_k - key0,
+                                               p.d);
+  };
+  static_assert(!kCacheAddressing || (!kSlotRing && kSub == 1), "cache addressing is written for the 1-tile pair ring");
+  // The (K, V) pair of key tile n into a ring stage; a paged cache's through the block-table
+  // entries `window` (page_window of the tile, read one step earlier).
+  auto load_pair = [&](T* stage, int n, int window) {
+    if (paged)
+      load_paged_kv_async<kBlockN, kHeadDim, kThreads>(stage, stage + kBlockN * kHeadDim, p, b, kv_head,
+                                                       static_cast<int>(si.k_row0) + n * kBlockN, si.len_k - n * kBlockN,
+                                                       window);
     else {
-      const std::int64_t stride = is_v ? p.v_stride.row : p.k_stride.row;
-      load_rows_async<kRows, kHeadDim, kThreads>(dst, (is_v ? v_seq : k_seq) + key0 * stride, stride, si.len_k - key0,
-                                                 p.d);
+      load_keys(std::integral_constant<int, kBlockN>{}, stage, false, n * kBlockN);
+      load_keys(std::integral_constant<int, kBlockN>{}, stage + kBlockN * kHeadDim, true, n * kBlockN);
     }
   };
   const int num_tiles = tiles.count();
@@ -155,25 +162,29 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
   };
   if constexpr (!kSlotRing && kSub == 1) {
     // Tile t of the visit order (n = s_hi - 1 - t) into ring stage t % kStages: K and V as one group.
-    auto load_kv = [&](int t) {
-      if (t < num_tiles) {
-        const int n = s_hi - 1 - t;
-        T* stage = sK + (t % kStages) * kStageElems;
-        load_keys(std::integral_constant<int, kBlockN>{}, stage, false, n * kBlockN);
-        load_keys(std::integral_constant<int, kBlockN>{}, stage + kBlockN * kHeadDim, true, n * kBlockN);
-      }
+    auto load_kv = [&](int t, int window) {
+      if (t < num_tiles) load_pair(sK + (t % kStages) * kStageElems, s_hi - 1 - t, window);
       cp_async_commit();  // empty past the last tile, so that wait_group counts stay uniform
+    };
+    // Block-table entries of tile t (paged caches): read a whole step before its copies are issued.
+    auto window_of = [&](int t) {
+      const int n = s_hi - 1 - t;
+      return paged && t < num_tiles
+                 ? page_window<kBlockN>(p, b, static_cast<int>(si.k_row0) + n * kBlockN, si.len_k - n * kBlockN)
+                 : 0;
     };
     if (num_tiles > 0) {
       load_tile_async<kBlockM, kHeadDim, kThreads>(sQ, q_row, p.d, q);
 #pragma unroll
-      for (int t = 0; t < kStages - 1; ++t) load_kv(t);
+      for (int t = 0; t < kStages - 1; ++t) load_kv(t, window_of(t));
+      int window = window_of(kStages - 1);
 #pragma unroll 1
       for (int t = 0; t < num_tiles; ++t) {
         const int key0 = (s_hi - 1 - t) * kBlockN;
         cp_async_wait<kStages - 2>();
         __syncthreads();  // tile t (and Q) landed; every warp is done with tile t - 1's stage
-        load_kv(t + kStages - 1);  // into the stage tile t - 1 used
+        load_kv(t + kStages - 1, window);  // into the stage tile t - 1 used
+        window = window_of(t + kStages);
         if (kQInRegisters && t == 0 && warp_active) load_q_fragments(q_frag, q_addr);
         const std::uint32_t stage_bytes = static_cast<unsigned>(t) % kStages * kStageElems * sizeof(T);
 

@@ -1,10 +1,19 @@
 // K/V tile loads of the sm80 forward for caches addressed through FwdParams::kv (forward_kvcache,
 // paged varlen). A contiguous cache (with or without a batch index) keeps load_rows_async's one
-// pointer and stride per thread; a paged cache gathers each row through the block table
-// (detail::kv_offset), still one 16-byte cp.async per (row, chunk), so any page size >= 1 works
-// and a row never straddles pages; a tile that lies inside one page takes one lookup. Rows at or past rows_valid are zero-filled without reading the
-// block table, so an entry past a sequence's last page is never touched; page numbers read from
-// the table are clamped to [0, num_pages) by kv_offset.
+// pointer and stride per thread. A paged cache is gathered one 16-byte cp.async per (row, chunk),
+// so any page size >= 1 works and loads stay 16 bytes wide, with the block table read once per
+// page per tile instead of once per row:
+// - page_window: lane j of every warp reads the entry of the tile's j-th page (one coalesced
+//   4-byte load per warp), issued one mainloop step before the tile's copies, so the copies never
+//   wait on the table;
+// - load_paged_kv_async: each row's page comes from that lane by a shuffle, its row in the page
+//   from shifts and masks (power-of-two pages) or one 32-bit division; K and V share the lookups.
+// Rows of one sequence are ints (capacity is an int), so the row arithmetic is 32-bit; only
+// page · batch stride is 64-bit. Windows wider than a warp (pages of 1 or 2 rows at 64 keys per
+// tile) read the table per row instead.
+// Out-of-range safety, as detail::kv_offset: entries past the last page that holds a row below
+// rows_valid are never read (their lanes hold 0 and their rows are zero-filled copies, which read
+// nothing), and every page number read is clamped to [0, num_pages).
 #pragma once
 
 #include <cstdint>
@@ -15,23 +24,72 @@
 
 namespace flashmonoid::cuda {
 
-// Rows [key0, key0 + kRows) of sequence b's keys (or values: base, st) of KV head hk into a
-// swizzled (kRows, kCols) tile. seq is the sequence's row 0 when the cache is not paged.
-template <int kRows, int kCols, int kThreads, class T>
-__device__ __forceinline__ void load_kv_rows_async(T* smem, const detail::FwdParams& p, const T* base, const T* seq,
-                                                   const detail::Strides& st, int b, int hk, std::int64_t row0,
-                                                   int key0, int rows_valid) {
-  if (p.kv.block_table == nullptr) {
-    load_rows_async<kRows, kCols, kThreads>(smem, seq + static_cast<std::int64_t>(key0) * st.row, st.row, rows_valid,
-                                            p.d);
-    return;
+// Row -> (page slot, row in page) for the cache's page size, in 32-bit unsigned arithmetic.
+struct PageDiv {
+  unsigned size;
+  int shift;  // size == 2^shift, or -1: divide
+  template <bool kPow2>
+  __device__ __forceinline__ int page(int row) const {
+    return static_cast<int>(kPow2 ? static_cast<unsigned>(row) >> shift : static_cast<unsigned>(row) / size);
   }
-  // A tile inside one page (pages of at least kRows rows, aligned or not) is one strided copy after
-  // one lookup. rows_valid > 0 keeps the lookup within the sequence's pages.
-  const std::int64_t first = row0 + key0;
-  if (rows_valid > 0 && first % p.kv.page_size + kRows <= p.kv.page_size) {
-    load_rows_async<kRows, kCols, kThreads>(smem, base + detail::kv_offset(p, st, b, first, hk), st.row, rows_valid,
-                                            p.d);
+  template <bool kPow2>
+  __device__ __forceinline__ int in_page(int row) const {
+    return static_cast<int>(kPow2 ? static_cast<unsigned>(row) & (size - 1) : static_cast<unsigned>(row) % size);
+  }
+};
+
+__device__ __forceinline__ PageDiv page_div(int page_size) {
+  return {static_cast<unsigned>(page_size), (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1};
+}
+
+// Pages a window of kRows rows starting at `first` can touch: one more than kRows / page_size when
+// unaligned (leftpad), so a lane per page fits a warp for pages of at least 3 rows at kRows = 64.
+__device__ __forceinline__ bool page_window_fits_warp(int first_in_page, int rows, int page_size) {
+  return (first_in_page + rows - 1) / page_size < 32;
+}
+
+// This lane's block-table entry for the tile of sequence b's rows [first, first + kRows): the entry
+// of the tile's (lane)-th page, unclamped (load_paged_kv_async clamps it where it is used, so that
+// the value of this load is not waited for until then); 0 for pages holding no row below
+// rows_valid, which are not read. Every lane of the warp calls it; not for unpaged caches.
+template <int kRows>
+__device__ __forceinline__ int page_window(const detail::FwdParams& p, int b, int first, int rows_valid) {
+  const detail::KvCacheParams& kv = p.kv;
+  const int last = first + (rows_valid < kRows ? rows_valid : kRows) - 1;  // last row read
+  const PageDiv pd = page_div(kv.page_size);
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int slot0 = pd.shift >= 0 ? pd.page<true>(first) : pd.page<false>(first);
+  const int slot_last = pd.shift >= 0 ? pd.page<true>(last) : pd.page<false>(last);
+  const bool read = rows_valid > 0 && slot0 + lane <= slot_last;
+  const int* entry = kv.block_table + b * kv.block_table_stride + slot0 + lane;
+  // A predicated load with no use in this step: the compiler keeps it in flight across the step.
+  int page;
+  asm("{\n .reg .pred r;\n setp.ne.b32 r, %2, 0;\n mov.b32 %0, 0;\n @r ld.global.nc.b32 %0, [%1];\n}\n"
+      : "=r"(page)
+      : "l"(entry), "r"(static_cast<int>(read)));
+  return page;
+}
+
+// Rows [first, first + kRows) of sequence b's keys and values, KV head hk, from the pages into the
+// swizzled (kRows, kCols) tiles sk and sv; rows at or past rows_valid zero-filled. window is this
+// lane's page_window(p, b, first, rows_valid), read by every lane of each warp.
+template <int kRows, int kCols, int kThreads, class T>
+__device__ __forceinline__ void load_paged_kv_async(T* sk, T* sv, const detail::FwdParams& p, int b, int hk,
+                                                    int first, int rows_valid, int window) {
+  const T* k = static_cast<const T*>(p.k);
+  const T* v = static_cast<const T*>(p.v);
+  const detail::KvCacheParams& kv = p.kv;
+  const PageDiv pd = page_div(kv.page_size);
+  const int first_in_page = pd.shift >= 0 ? pd.in_page<true>(first) : pd.in_page<false>(first);
+  // A tile inside one page (pages of at least kRows rows, aligned or not): one strided copy each.
+  if (first_in_page + kRows <= kv.page_size) {
+    const std::int64_t page = detail::clamp_int(__shfl_sync(0xffffffffu, window, 0), 0, kv.num_pages - 1);
+    load_rows_async<kRows, kCols, kThreads>(
+        sk, k + page * p.k_stride.batch + first_in_page * p.k_stride.row + hk * p.k_stride.head, p.k_stride.row,
+        rows_valid, p.d);
+    load_rows_async<kRows, kCols, kThreads>(
+        sv, v + page * p.v_stride.batch + first_in_page * p.v_stride.row + hk * p.v_stride.head, p.v_stride.row,
+        rows_valid, p.d);
     return;
   }
   constexpr int kChunks = kCols / 8;
@@ -40,13 +98,41 @@ __device__ __forceinline__ void load_kv_rows_async(T* smem, const detail::FwdPar
   constexpr int kRowStep = kThreads / kChunks;
   const int c = static_cast<int>(threadIdx.x) % kChunks, r0 = static_cast<int>(threadIdx.x) / kChunks;
   const bool col_ok = c * 8 < p.d;
+  const T* k_head = k + hk * p.k_stride.head + c * 8;
+  const T* v_head = v + hk * p.v_stride.head + c * 8;
+  // page and row are >= 0: as unsigned 64-bit operands their products with the strides are one
+  // wide 32 x 64 multiply each, with the same low 64 bits as the signed products.
+  auto wide = [](int x) { return static_cast<std::uint64_t>(static_cast<unsigned>(x)); };
+  // Row r of the tile: row (first_in_page + r) % page_size of the tile's page
+  // (first_in_page + r) / page_size, whose entry lane holds (kWindow) or is read here.
+  auto gather = [&](auto pow2, auto from_window) {
+    constexpr bool kPow2 = decltype(pow2)::value, kWindow = decltype(from_window)::value;
 #pragma unroll
-  for (int it = 0; it < kRows / kRowStep; ++it) {
-    const int r = r0 + it * kRowStep;
-    const bool ok = col_ok && r < rows_valid;
-    const T* g = ok ? base + detail::kv_offset(p, st, b, row0 + key0 + r, hk) + c * 8 : base;
-    cp_async_16(smem + swizzled<kCols>(r, c * 8), g, ok);
-  }
+    for (int it = 0; it < kRows / kRowStep; ++it) {
+      const int r = r0 + it * kRowStep;
+      const bool ok = col_ok && r < rows_valid;
+      const int slot = pd.page<kPow2>(first_in_page + r);
+      int page;
+      if constexpr (kWindow)
+        page = __shfl_sync(0xffffffffu, window, slot & 31);
+      else
+        page = ok ? kv.block_table[b * kv.block_table_stride + pd.page<kPow2>(first + r)] : 0;
+      page = detail::clamp_int(page, 0, kv.num_pages - 1);
+      const int row = pd.in_page<kPow2>(first_in_page + r);
+      const std::uint64_t k_off = wide(page) * p.k_stride.batch + wide(row) * p.k_stride.row;
+      const std::uint64_t v_off = wide(page) * p.v_stride.batch + wide(row) * p.v_stride.row;
+      const int s = swizzled<kCols>(r, c * 8);
+      // A zero-fill copy reads nothing, so the address of a row past rows_valid is never used.
+      cp_async_16(sk + s, ok ? k_head + k_off : k, ok);
+      cp_async_16(sv + s, ok ? v_head + v_off : v, ok);
+    }
+  };
+  if (!page_window_fits_warp(first_in_page, kRows, kv.page_size))
+    gather(std::false_type{}, std::false_type{});  // pages of 1 or 2 rows: one lookup per row
+  else if (pd.shift >= 0)
+    gather(std::true_type{}, std::true_type{});
+  else
+    gather(std::false_type{}, std::true_type{});
 }
 
 }  // namespace flashmonoid::cuda

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Issue 10 on one GPU (a short lease): build (sm_90) into build-device, the KV-cache GPU tests
+# (ctest -R KvCache) and memcheck on the out-of-range and layout cases, gpu_bench --kvcache-only,
+# the cuDNN peer on the same shapes, the Python host time of flash_attn_with_kvcache; JSON and
+# logs under $OUT (default ./device_out), the bars' table printed last. Run from the repo root.
+#   FM_PYTHON=0 skips the pip install and the host-time benchmark.
+set -uo pipefail
+OUT=${OUT:-$PWD/device_out}
+mkdir -p "$OUT"
+status=0
+step() { echo "== $* ($(date +%T))"; }
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader || true
+
+step build
+cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 >"$OUT/build.log" 2>&1 &&
+  ninja -C build-device -k 0 >>"$OUT/build.log" 2>&1 || { status=1; grep -E "error|FAILED" "$OUT/build.log" | head; }
+python3 tools/check_spills.py "$OUT/build.log" 2>&1 | tail -2 || status=1
+
+step "tests (KvCache)"
+(cd build-device && timeout 240 ctest -R KvCache -j 1 --output-on-failure) >"$OUT/tests.log" 2>&1 || status=1
+grep -E "tests passed|tests failed|\*\*\*Failed|Not Run" "$OUT/tests.log" | tail -8
+timeout 120 compute-sanitizer --tool memcheck --error-exitcode 3 build-device/tests/cpp/test_kvcache_cuda \
+  --gtest_filter='KvCacheCuda.DeviceOnlyValuesOutOfRangeAreClamped:KvCacheCuda.Layouts' >"$OUT/memcheck.log" 2>&1 ||
+  status=1
+echo "memcheck: $(grep 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)"
+
+step "gpu_bench --kvcache-only, cuDNN peer"
+timeout 150 build-device/bench/gpu/flashmonoid-gpu-bench "$OUT/kv.json" --kvcache-only 2>"$OUT/kv_bench.log" || status=1
+FM_PEERS_KVCACHE=only PYTHONUNBUFFERED=1 timeout 150 python3 bench/peers.py "$OUT/peers_kv.json" 2>"$OUT/peers.log" ||
+  status=1
+
+if [ "${FM_PYTHON:-1}" != 0 ]; then
+  step "python host time"
+  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install --no-build-isolation --no-deps \
+    -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90 -C build-dir=/tmp/fm-pybuild . >"$OUT/pip.log" 2>&1 || status=1
+  repo=$PWD
+  (cd /tmp && timeout 120 python3 "$repo/bench/kvcache_host.py" "$OUT/kvcache_host.json") 2>"$OUT/kvcache_host.log" ||
+    status=1
+fi
+
+step table
+python3 - "$OUT" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+def load(name):
+    p = os.path.join(out, name)
+    return json.load(open(p)) if os.path.exists(p) else []
+kv, peers, host = load("kv.json"), load("peers_kv.json"), load("kvcache_host.json")
+copy = next((r["copy_tbps"] for r in kv if "copy_tbps" in r), None)
+fm = {(r["batch"], r["seqlen_k"], r.get("page_size", 0), r["seqlen_q"], r.get("append")): r["tbps"]
+      for r in kv if r.get("pass") == "decode"}
+cu = {(r["batch"], r["seqlen_k"], r["seqlen_q"]): r["tbps"] for r in peers if r.get("pass") == "decode"}
+print(f"device copy {copy} TB/s; TB/s of K/V (graph); bars: paged >= 0.95x contiguous, >= 64 MB at "
+      f">= 0.90 copy, s_q 4 >= 0.85 copy")
+print("| b | s_k | MB | plain | contiguous | p16 | p64 | p256 | s_q=4 | cudnn | cudnn s_q=4 | contig/copy | min paged/contig |")
+print("|---" * 13 + "|")
+for (b, sk) in sorted({(k[0], k[1]) for k in fm}):
+    g = lambda page, sq, app=True: fm.get((b, sk, page, sq, app))
+    c = g(0, 1)
+    paged = [g(p, 1) for p in (16, 64, 256)]
+    f = lambda x: "-" if x is None else f"{x:.3f}"
+    ratio = min(p / c for p in paged if p) if c and all(paged) else None
+    mb = 2 * b * sk * 8 * 128 * 2 / 1e6
+    print(f"| {b} | {sk // 1024}k | {mb:.0f} | {f(g(0, 1, False))} | {f(c)} | " + " | ".join(f(p) for p in paged) +
+          f" | {f(g(0, 4))} | {f(cu.get((b, sk, 1)))} | {f(cu.get((b, sk, 4)))} | "
+          f"{f(c / copy if c and copy else None)} | {f(ratio)} |")
+for r in host:
+    print(f"python host: b {r['batch']} page {r['page_size']}: {r['host_us']} us/call (runs {r['host_us_runs']})")
+PY
+echo "status $status"
+exit $status
