@@ -86,23 +86,26 @@ step "compute-sanitizer (memcheck, racecheck, synccheck) on small cases"
 # Forward sm80: a few grid cases (case25: 2049 keys, hdim 128's two-tile stages), split-KV, dropout,
 # merge. Forward sm90 (the persistent TMA/wgmma kernels, mbarrier rings, named barriers): hdim 64
 # (3 consumers) and 128 causal, 257 and 1031 rows (several work tiles per block), GQA, windows,
-# score modifiers, varlen (case21). Backward: odd seqlens and varlen, the boundary paths.
+# score modifiers, varlen (case21). Backward (both families): odd seqlens and varlen, the boundary paths.
 SAN_FWD=${FM_SANITIZE_FWD:-'Grid/CudaForward.*/sm80_case0:Grid/CudaForward.*/sm80_case1:Grid/CudaForward.*/sm80_case3:Grid/CudaForward.*/sm80_case25:Decode/CudaSplitKV.*/case0:CudaDropout.*:CudaMerge.*:Hopper/CudaForward.*/sm90_case0:Hopper/CudaForward.*/sm90_case1:Hopper/CudaForward.*/sm90_case8:Hopper/CudaForward.*/sm90_case9:Hopper/CudaForward.*/sm90_case13:Grid/CudaForward.*/sm90_case21'}
 SAN_SYNC=${FM_SANITIZE_SYNC:-'Hopper/CudaForward.*/sm90_case0:Hopper/CudaForward.*/sm90_case7:Grid/CudaForward.*/sm90_case21'}
-SAN_BWD=${FM_SANITIZE_BWD:-'CudaBackward.SeqlensBothWays:CudaBackward.Varlen'}
+SAN_BWD=${FM_SANITIZE_BWD:-'Path/CudaBackward.SeqlensBothWays/*:Path/CudaBackward.Varlen/*'}
+# synccheck of the backward: the sm90 kernel's named barriers and mbarriers.
+SAN_BWD_SYNC=${FM_SANITIZE_BWD_SYNC:-'Path/CudaBackward.SeqlensBothWays/sm90:Path/CudaBackward.CausalAndWindows/sm90'}
 # KV cache: out-of-range seqlens / pages / batch indices (clamped, never dereferenced) and pages.
 SAN_KV=${FM_SANITIZE_KV:-'KvCacheCuda.DeviceOnlyValuesOutOfRangeAreClamped:KvCacheCuda.Layouts'}
 for tool in memcheck racecheck synccheck; do
   for t in fwd bwd kvcache; do
     bin="$BUILD/tests/cpp/test_${t}_cuda"
     [ -x "$bin" ] || continue
-    [ $tool = synccheck ] && [ $t != fwd ] && continue
+    [ $tool = synccheck ] && [ $t = kvcache ] && continue
     [ $t = bwd ] && [ "$SAN_BWD" = none ] && continue
     [ $t = kvcache ] && [ "$SAN_KV" = none ] && continue
     filter=$SAN_FWD
     [ $t = bwd ] && filter=$SAN_BWD
     [ $t = kvcache ] && filter=$SAN_KV
     [ $tool = synccheck ] && filter=$SAN_SYNC
+    [ $tool = synccheck ] && [ $t = bwd ] && filter=$SAN_BWD_SYNC
     timeout ${FM_SANITIZER_TIMEOUT:-120} compute-sanitizer --tool $tool --error-exitcode 3 "$bin" \
       --gtest_filter="$filter" >"$LOG/sanitizer_${tool}_$t.log" 2>&1
     rc=$?
