@@ -282,9 +282,6 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
   // Key of this thread's accumulator rows (half h: +8), relative to the block.
   const int key_row = 64 * consumer + 16 * warp + lane / 4;
   const std::int64_t prow0 = padded_row0<kBlockM>(p, w.b);
-  // dV and dK of a step stay in flight into the next one's Sᵀ, dPᵀ products where registers allow
-  // (hdim 128: 224 live; hdim 64 with 128 queries would need 256, and ptxas serialised and spilled).
-  constexpr bool kCarryDkv = kBlockM == 64;
 
   float dk[1][kDTiles][4] = {};  // (64 keys, kHeadDim) per warpgroup, unscaled
   float dv[1][kDTiles][4] = {};
@@ -314,11 +311,8 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
     const float* dsum = sm.dsum(stage);
     const bool masked = w.band.tile_needs_mask(m0, m0 + kBlockM, w.kb, w.kb + kBlockN, w.si.len_k);
     const TileBand tb(w.band, m0, w.kb, w.si.len_k);
-    wgmma_wait<1>();  // the last step's dV, dK and this step's Sᵀ
+    wgmma_wait<1>();
     fence_regs(flat(s));
-    fence_regs(flat(dv));
-    fence_regs(flat(dk));
-    if (kCarryDkv && step > 0 && lane == 0) sm.q_empty((step - 1) % kStages).arrive();
 #pragma unroll
     for (int nt = 0; nt < kSTiles; ++nt) {
       const int c = 8 * nt + 2 * (lane & 3);
@@ -356,42 +350,32 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
             dsa[nt / 2][2 * (nt % 2) + h];
       }
 
-    // dQ half (64, 64) = dS K over the block's 128 keys; dV += Pᵀ dO and dK += dSᵀ Q (A from
-    // registers, B N-major). With kCarryDkv dQ goes first and only it is waited for: its store and
-    // reduction run while the tensor cores work on dV and dK, which the next step's first wait
-    // covers (with the Q/dO release).
+    // dV += Pᵀ dO, dK += dSᵀ Q (A from registers, B N-major), then the dQ half (64, 64) = dS K over
+    // the block's 128 keys. (Issuing dQ first and carrying dV, dK into the next step's Sᵀ, dPᵀ
+    // measured 8% slower at hdim 128, 16k: bench/NOTES.md.)
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk)
+      wgmma_rs<1>(flat(dv), pa[kk], desc_mn_major(do_addr, kBlockM, kk), T{}, 1);
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk)
+      wgmma_rs<1>(flat(dk), dsa[kk], desc_mn_major(q_addr, kBlockM, kk), T{}, 1);
+    wgmma_commit();
     fence_async_shared();
     named_sync(kBarDsFull, 256);
     float dq[1][8][4];
-    auto issue_dq = [&] {
 #pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk)
-        wgmma_ss<1, 1>(flat(dq), desc_mn_major(dq_a, kBlockN, kk), desc_mn_major(dq_b, kBlockN, kk), T{}, kk > 0);
-      wgmma_commit();
-    };
-    auto issue_dkv = [&] {
-#pragma unroll
-      for (int kk = 0; kk < kBlockM / 16; ++kk)
-        wgmma_rs<1>(flat(dv), pa[kk], desc_mn_major(do_addr, kBlockM, kk), T{}, 1);
-#pragma unroll
-      for (int kk = 0; kk < kBlockM / 16; ++kk)
-        wgmma_rs<1>(flat(dk), dsa[kk], desc_mn_major(q_addr, kBlockM, kk), T{}, 1);
-      wgmma_commit();
-    };
-    wgmma_fence();
-    if constexpr (kCarryDkv) {
-      issue_dq();
-      issue_dkv();
-      wgmma_wait<1>();
-    } else {
-      issue_dkv();
-      issue_dq();
-      wgmma_wait<0>();
-      fence_regs(flat(dv));
-      fence_regs(flat(dk));
-      if (lane == 0) sm.q_empty(stage).arrive();
-    }
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
+      wgmma_ss<1, 1>(flat(dq), desc_mn_major(dq_a, kBlockN, kk), desc_mn_major(dq_b, kBlockN, kk), T{}, kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(flat(dv));
+    fence_regs(flat(dk));
     fence_regs(flat(dq));
+    // Q, dO, lse and D back to the producer; the fence orders this step's generic reads of lse
+    // and D before the copy engine's next writes (racecheck flagged them without it).
+    fence_async_shared();
+    if (lane == 0) sm.q_empty(stage).arrive();
 
     // The dQ half to the accumulator: staged in fragment order (16 KB, buffer step % 2, whose
     // reduction of two steps ago must have been read), then one bulk reduction.
@@ -410,9 +394,6 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
       ::cuda::ptx::cp_async_bulk_commit_group();
     }
   }
-  wgmma_wait<0>();
-  fence_regs(flat(dv));
-  fence_regs(flat(dk));
   if (tid == 0) ::cuda::ptx::cp_async_bulk_wait_group(::cuda::ptx::n32_t<0>{});
 
   // dK = scale · Σ dSᵀ Q and dV, this warpgroup's 64 keys (rows past the sequence are not written).
