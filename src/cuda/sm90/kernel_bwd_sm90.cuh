@@ -52,20 +52,18 @@ __device__ __forceinline__ std::int64_t padded_row0(const detail::FwdParams& p, 
 }
 
 // Where element (row r, column c) of a (kBlockM, kHeadDim) dQ tile sits in its accumulator block:
-// the consumers' fragment order, so that their shared-memory staging is conflict-free float4
-// stores. Per 64 × N part (N = kHeadDim when each consumer reduces the whole tile over its own keys,
-// N = 64 for 64 × 64 halves, one per consumer: column halves at hdim 128, row halves at 64), float4
-// j of thread t at (part·N/8 + j)·128 + t; within a part the wgmma accumulator layout: warp r/16,
-// lane 4·(r%8) + (c%8)/2, element (c&1) + 2·((r/8)&1) of column tile c/8.
-template <int kBlockM, int kHeadDim, bool kOwnKeys>
+// warpgroup w's 64 × 64 half is 8 float4 per thread, float4 j of thread t at (8·w + j)·128 + t
+// (hdim 128: the halves are column halves, hdim 64 with 128 queries: row halves). Within a half the
+// wgmma accumulator layout: warp r/16, lane 4·(r%8) + (c%8)/2, element (c&1) + 2·((r/8)&1) of
+// column tile c/8.
+template <int kBlockM, int kHeadDim>
 __host__ __device__ __forceinline__ int dq_fragment_index(int r, int c) {
-  static_assert(kBlockM * kHeadDim == 2 * 64 * 64, "two 64 × 64 halves, or one 64-row part per 64 queries");
-  constexpr int kN = kOwnKeys ? kHeadDim : 64;
-  constexpr bool kRowParts = kOwnKeys || kBlockM == 128;
-  const int part = kRowParts ? r / 64 : c / 64, lr = r % 64, lc = c % kN;
+  static_assert(kBlockM * kHeadDim == 2 * 64 * 64, "two 64 × 64 halves, one per consumer warpgroup");
+  constexpr bool kRowHalves = kBlockM == 128;
+  const int w = kRowHalves ? r / 64 : c / 64, lr = r % 64, lc = c % 64;
   const int t = (lr / 16) * 32 + (lr % 8) * 4 + (lc % 8) / 2;
   const int e = (lc & 1) + 2 * ((lr / 8) & 1);
-  return ((part * (kN / 8) + lc / 8) * 128 + t) * 4 + e;
+  return ((8 * w + lc / 8) * 128 + t) * 4 + e;
 }
 
 // The row kernels' thread: kHeadDim / 8 lanes (8 columns each) per (query row i, head, batch b),
@@ -127,7 +125,7 @@ __global__ void __launch_bounds__(256)
   float x[8];
 #pragma unroll
   for (int k = 0; k < 8; k += 2) {  // columns c + k, c + k + 1 are one thread's element pair
-    const float2 v = *reinterpret_cast<const float2*>(src + sm90::dq_fragment_index<kBlockM, kHeadDim, bwd_tile_sm90(kHeadDim).dq_own_keys>(r, c + k));
+    const float2 v = *reinterpret_cast<const float2*>(src + sm90::dq_fragment_index<kBlockM, kHeadDim>(r, c + k));
     x[k] = v.x * p.scale;
     x[k + 1] = v.y * p.scale;
   }
@@ -276,19 +274,11 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
   // This warpgroup's keys: rows [64·consumer, 64·consumer + 64) of the K and V panels.
   const std::uint32_t k_addr = smem_addr(sm.k()), v_addr = smem_addr(sm.v()), ds_addr = smem_addr(sm.ds());
   const std::uint32_t k_own = k_addr + 64 * consumer * kPanelRowBytes, v_own = v_addr + 64 * consumer * kPanelRowBytes;
-  // Its dQ share. Own keys: dS (kBlockM, its 64 keys) K (its 64 keys, kHeadDim), A from its dSᵀ rows
-  // of each 64-query panel (M-major), B its K rows (N-major). Halves: rows (hdim 64, 128 queries) or
-  // columns (hdim 128) [64·consumer, +64) over all keys: the dSᵀ panel of those queries and the K
-  // panel of those columns.
-  constexpr bool kOwnKeys = kTile.dq_own_keys;
+  // Its dQ half: rows (hdim 64, 128 queries) or columns (hdim 128) [64·consumer, +64): the dSᵀ
+  // panel of those queries (A, M-major) and the K panel of those columns (B, N-major).
   constexpr bool kRowHalves = kBlockM == 128;
-  constexpr int kDqParts = kOwnKeys ? kBlockM / 64 : 1;   // 64-query wgmma M tiles
-  constexpr int kDqN = kOwnKeys ? kHeadDim : 64;          // wgmma N
-  constexpr int kDqK = kOwnKeys ? 64 : kBlockN;           // keys summed
-  constexpr int kDqFloats = kDqParts * 64 * kDqN;         // this consumer's staged share
-  const std::uint32_t dq_a = kOwnKeys ? ds_addr + 64 * consumer * kPanelRowBytes
-                                      : ds_addr + (kRowHalves ? consumer : 0) * kBlockN * kPanelRowBytes;
-  const std::uint32_t dq_b = kOwnKeys ? k_own : k_addr + (kRowHalves ? 0 : consumer) * kBlockN * kPanelRowBytes;
+  const std::uint32_t dq_a = ds_addr + (kRowHalves ? consumer : 0) * kBlockN * kPanelRowBytes;
+  const std::uint32_t dq_b = k_addr + (kRowHalves ? 0 : consumer) * kBlockN * kPanelRowBytes;
   // Key of this thread's accumulator rows (half h: +8), relative to the block.
   const int key_row = 64 * consumer + 16 * warp + lane / 4;
   const std::int64_t prow0 = padded_row0<kBlockM>(p, w.b);
@@ -347,11 +337,8 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
     p_fragments<T>(pa, s);
     p_fragments<T>(dsa, dp);
 
-    // dSᵀ to shared memory for dQ, once the last dQ product has read it (and, own keys, the last
-    // dQ reduction has read the staging buffer).
-    if (kOwnKeys && tid == 0) ::cuda::ptx::cp_async_bulk_wait_group_read(::cuda::ptx::n32_t<0>{});
-    if (kOwnKeys) named_sync(kBarDq + consumer, 128);
-    else named_sync(kBarDsFree, 256);
+    // dSᵀ to shared memory for dQ, once the other warpgroup's last dQ product has read it.
+    named_sync(kBarDsFree, 256);
     T* ds = sm.ds();
 #pragma unroll
     for (int nt = 0; nt < kSTiles; ++nt)
@@ -375,47 +362,35 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
       wgmma_rs<1>(flat(dk), dsa[kk], desc_mn_major(q_addr, kBlockM, kk), T{}, 1);
     wgmma_commit();
     fence_async_shared();
-    if (kOwnKeys) named_sync(kBarDq + consumer, 128);
-    else named_sync(kBarDsFull, 256);
-    float dq[kDqParts][1][kDqN / 8][4];
+    named_sync(kBarDsFull, 256);
+    float dq[1][8][4];
 #pragma unroll
-    for (int part = 0; part < kDqParts; ++part)
-#pragma unroll
-      for (int kk = 0; kk < kDqK / 16; ++kk)
-        wgmma_ss<1, 1>(flat(dq[part]), desc_mn_major(dq_a + part * kBlockN * kPanelRowBytes, kBlockN, kk),
-                       desc_mn_major(dq_b, kBlockN, kk), T{}, kk > 0);
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
+      wgmma_ss<1, 1>(flat(dq), desc_mn_major(dq_a, kBlockN, kk), desc_mn_major(dq_b, kBlockN, kk), T{}, kk > 0);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(flat(dv));
     fence_regs(flat(dk));
-#pragma unroll
-    for (int part = 0; part < kDqParts; ++part) fence_regs(flat(dq[part]));
+    fence_regs(flat(dq));
     // Q, dO, lse and D back to the producer; the fence orders this step's generic reads of lse
     // and D before the copy engine's next writes (racecheck flagged them without it).
     fence_async_shared();
     if (lane == 0) sm.q_empty(stage).arrive();
 
-    // The dQ share to the accumulator: staged in fragment order, then one bulk reduction. Halves:
-    // 16 KB, buffer step % 2, whose reduction of two steps ago must have been read; own keys: the
-    // consumer's buffer, whose last reduction was waited for before the dSᵀ barrier.
-    float* dq_s = kOwnKeys ? sm.dq(consumer) : sm.dq(step & 1) + consumer * 64 * 64;
-    if constexpr (!kOwnKeys) {
-      if (tid == 0) ::cuda::ptx::cp_async_bulk_wait_group_read(::cuda::ptx::n32_t<1>{});
-      named_sync(kBarDq + consumer, 128);
-    }
+    // The dQ half to the accumulator: staged in fragment order (16 KB, buffer step % 2, whose
+    // reduction of two steps ago must have been read), then one bulk reduction.
+    float* dq_s = sm.dq(step & 1) + consumer * 64 * 64;
+    if (tid == 0) ::cuda::ptx::cp_async_bulk_wait_group_read(::cuda::ptx::n32_t<1>{});
+    named_sync(kBarDq + consumer, 128);
 #pragma unroll
-    for (int part = 0; part < kDqParts; ++part)
-#pragma unroll
-      for (int j = 0; j < kDqN / 8; ++j)
-        *reinterpret_cast<float4*>(dq_s + ((part * (kDqN / 8) + j) * 128 + tid) * 4) =
-            make_float4(dq[part][0][j][0], dq[part][0][j][1], dq[part][0][j][2], dq[part][0][j][3]);
+    for (int j = 0; j < 8; ++j)
+      *reinterpret_cast<float4*>(dq_s + (j * 128 + tid) * 4) = make_float4(dq[0][j][0], dq[0][j][1], dq[0][j][2], dq[0][j][3]);
     fence_async_shared();
     named_sync(kBarDq + consumer, 128);
     if (tid == 0) {
-      float* dst = args.dq_acc + (static_cast<std::int64_t>(head) * args.rows + prow0 + m0) * kHeadDim +
-                   (kOwnKeys ? 0 : consumer * 64 * 64);
+      float* dst = args.dq_acc + (static_cast<std::int64_t>(head) * args.rows + prow0 + m0) * kHeadDim + consumer * 64 * 64;
       ::cuda::ptx::cp_reduce_async_bulk(::cuda::ptx::space_global, ::cuda::ptx::space_shared, ::cuda::ptx::op_add, dst, dq_s,
-                                        kDqFloats * sizeof(float));
+                                        64 * 64 * sizeof(float));
       ::cuda::ptx::cp_async_bulk_commit_group();
     }
   }

@@ -14,10 +14,6 @@ struct BwdTileSm90 {
   int block_n;    // keys per block: 64 per consumer warpgroup
   int q_stages;   // Q / dO / lse / D ring depth
   int consumer_regs, producer_regs;
-  // dQ per consumer warpgroup: the whole (block_m, head dim) tile over its own 64 keys, reduced by
-  // each warpgroup on its own (no barrier between the consumers), or one 64 × 64 half over all
-  // block_n keys (dSᵀ of both consumers through shared memory, two barriers between them per step).
-  bool dq_own_keys;
 
   static constexpr int consumers = 2;
   constexpr int threads() const { return 128 * (consumers + 1); }
@@ -29,14 +25,8 @@ struct BwdTileSm90 {
   }
 };
 
-#ifndef FM_BWD_DQ_SPLIT
-inline constexpr bool kBwdDqOwnKeys = true;
-#else
-inline constexpr bool kBwdDqOwnKeys = false;
-#endif
 constexpr BwdTileSm90 bwd_tile_sm90(int head_dim_bucket) {
-  return head_dim_bucket <= 64 ? BwdTileSm90{128, 128, 2, 240, 24, kBwdDqOwnKeys}
-                               : BwdTileSm90{64, 128, 2, 240, 24, kBwdDqOwnKeys};
+  return head_dim_bucket <= 64 ? BwdTileSm90{128, 128, 2, 240, 24} : BwdTileSm90{64, 128, 2, 240, 24};
 }
 
 }  // namespace flashmonoid::cuda
