@@ -352,7 +352,8 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
 
     // dV += Pᵀ dO, dK += dSᵀ Q (A from registers, B N-major), then the dQ half (64, 64) = dS K over
     // the block's 128 keys. (Issuing dQ first and carrying dV, dK into the next step's Sᵀ, dPᵀ
-    // measured 8% slower at hdim 128, 16k: bench/NOTES.md.)
+    // measured 8% slower at hdim 128, 16k; each consumer reducing the whole dQ tile over its own
+    // keys, with no barrier between the consumers, 5-24% slower: bench/NOTES.md.)
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk)
@@ -372,9 +373,11 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
     fence_regs(flat(dv));
     fence_regs(flat(dk));
     fence_regs(flat(dq));
-    // Q, dO, lse and D back to the producer; the fence orders this step's generic reads of lse
-    // and D before the copy engine's next writes (racecheck flagged them without it).
+    // Q, dO, lse and D back to the producer: lane 0 arrives for its warp, so the warp first
+    // converges (every lane's lse and D reads before the arrival; racecheck flagged the next bulk
+    // copy against them without it) and fences its generic reads against that async-proxy write.
     fence_async_shared();
+    __syncwarp();
     if (lane == 0) sm.q_empty(stage).arrive();
 
     // The dQ half to the accumulator: staged in fragment order (16 KB, buffer step % 2, whose
