@@ -25,6 +25,6 @@ if [ -n "${FM_SANITIZE:-}" ]; then
 fi
 IFS=';' read -ra cases <<<"${FM_CASES:-64 0 16384;128 0 16384;128 1 16384;256 0 16384;128 0 1024}"
 for c in "${cases[@]}"; do
-  timeout 60 $B/bench/gpu/flashmonoid-gpu-bench ${FM_BENCH_ARGS---no-bwd} --case $c 2>&1 | grep -o '"impl": "[a-z_0-9]*".*"tflops": [0-9.]*' |
+  timeout 60 $B/bench/gpu/flashmonoid-gpu-bench --with-sm80 ${FM_BENCH_ARGS---no-bwd} --case $c 2>&1 | grep -o '"impl": "[a-z_0-9]*".*"tflops": [0-9.]*' |
     sed 's/"pass.*"hdim"/hdim/; s/"batch.*"ms"/ms/; s/"impl": //; s/"causal": //; s/"tflops": //' | grep -v "${FM_HIDE:-@}"
 done

@@ -162,6 +162,8 @@ void record(const char* pass, int d, bool causal, int b, int h, int hk, int sq, 
 
 TensorView view4(void* p, DType t, int b, int s, int h, int d) { return TensorView(p, t, Device::cuda(0), {b, s, h, d}); }
 
+bool g_with_sm80 = false;  // --with-sm80: also time the sm80 family forced
+
 void bench_train(int d, bool causal, int s, bool with_bwd, const std::string& dev) {
   const int b = 16384 / s, h = 2048 / d;
   const std::size_t elems = static_cast<std::size_t>(b) * s * h * d;
@@ -172,13 +174,15 @@ void bench_train(int d, bool causal, int s, bool with_bwd, const std::string& de
   flashmonoid::Options opt;
   opt.causal = causal;
   const double flops = 4.0 * b * h * static_cast<double>(s) * s * d / (causal ? 2 : 1);
-  // The default kernels (sm90 on Hopper), then the sm80 family forced, for the comparison.
+  // The default kernels (sm90 on Hopper), then (--with-sm80) the sm80 family forced, for the comparison.
   const double fwd = median_ms([&] { flashmonoid::forward(qv, kv, vv, ov, lv, opt); });
   record("fwd", d, causal, b, h, h, s, s, fwd, "tflops", flops / fwd / 1e9, dev);
   flashmonoid::Context sm80;
   sm80.cuda_path = flashmonoid::CudaPath::sm80;
-  const double fwd80 = median_ms([&] { flashmonoid::forward(qv, kv, vv, ov, lv, opt, sm80); });
-  record("fwd", d, causal, b, h, h, s, s, fwd80, "tflops", flops / fwd80 / 1e9, dev, "", "flashmonoid_sm80");
+  if (g_with_sm80) {
+    const double fwd80 = median_ms([&] { flashmonoid::forward(qv, kv, vv, ov, lv, opt, sm80); });
+    record("fwd", d, causal, b, h, h, s, s, fwd80, "tflops", flops / fwd80 / 1e9, dev, "", "flashmonoid_sm80");
+  }
   if (!with_bwd) return;
   try {
     Buf dout(elems * 2, true), dq(elems * 2), dk(elems * 2), dv(elems * 2);
@@ -192,12 +196,15 @@ void bench_train(int d, bool causal, int s, bool with_bwd, const std::string& de
     const double bwd =
         median_ms([&] { flashmonoid::backward(dov, qv, kv, vv, ov, lv, dqv, dkv, dvv, opt, ctx); });
     record("bwd", d, causal, b, h, h, s, s, bwd, "tflops", 2.5 * flops / bwd / 1e9, dev);
-    // The sm80 family forced, and the deterministic mode (issue 9's bar: >= 0.85x the default).
-    flashmonoid::Context ctx80 = ctx;
-    ctx80.cuda_path = flashmonoid::CudaPath::sm80;
-    const double bwd80 =
-        median_ms([&] { flashmonoid::backward(dov, qv, kv, vv, ov, lv, dqv, dkv, dvv, opt, ctx80); });
-    record("bwd", d, causal, b, h, h, s, s, bwd80, "tflops", 2.5 * flops / bwd80 / 1e9, dev, "", "flashmonoid_sm80");
+    // The sm80 family forced (--with-sm80), and the deterministic mode (issue 9's bar: >= 0.85x the
+    // default).
+    if (g_with_sm80) {
+      flashmonoid::Context ctx80 = ctx;
+      ctx80.cuda_path = flashmonoid::CudaPath::sm80;
+      const double bwd80 =
+          median_ms([&] { flashmonoid::backward(dov, qv, kv, vv, ov, lv, dqv, dkv, dvv, opt, ctx80); });
+      record("bwd", d, causal, b, h, h, s, s, bwd80, "tflops", 2.5 * flops / bwd80 / 1e9, dev, "", "flashmonoid_sm80");
+    }
     if (d == 128 && s >= 4096) {
       flashmonoid::Options det = opt;
       det.deterministic = true;
@@ -438,7 +445,7 @@ void memory_64k(const std::string& dev) {
 
 }  // namespace
 
-// Usage: flashmonoid-gpu-bench [OUT.json] [--no-bwd] [--case HDIM CAUSAL SEQLEN] [--decode-only] [--sweep]
+// Usage: flashmonoid-gpu-bench [OUT.json] [--no-bwd] [--with-sm80] [--case HDIM CAUSAL SEQLEN] [--decode-only] [--sweep]
 //        [--kvcache-only | --no-kvcache]
 // --case runs one training shape (for a profiler), --decode-only the decoding shapes, --sweep the
 // host cost of single CUDA calls and the decoding shapes over forced split counts, --kvcache-only
@@ -450,6 +457,7 @@ int main(int argc, char** argv) {
   int case_d = 0, case_causal = 0, case_s = 0;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--no-bwd")) with_bwd = false;
+    else if (!std::strcmp(argv[i], "--with-sm80")) g_with_sm80 = true;
     else if (!std::strcmp(argv[i], "--decode-only")) decode_only = true;
     else if (!std::strcmp(argv[i], "--kvcache-only")) kvcache_only = true;
     else if (!std::strcmp(argv[i], "--no-kvcache")) with_kvcache = false;
