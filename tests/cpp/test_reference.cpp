@@ -4,6 +4,7 @@
 #include <functional>
 
 #include "attention_case.hpp"
+#include "flashmonoid/detail/mask.hpp"
 #include "flashmonoid/detail/philox.hpp"
 
 namespace fmtest {
@@ -21,6 +22,40 @@ double loss(const Problem& pb) {
   double s = 0.0;
   for (std::size_t i = 0; i < ov.size(); ++i) s += ov[i] * dv[i];
   return s;
+}
+
+// The block ranges the kernels derive from detail::Band (the forward's key_begin/key_end, the
+// backward's transpose query_begin/query_end) against Band::visible element by element.
+TEST(Band, BlockRangesMatchVisibility) {
+  for (int s_q : {1, 5, 17})
+    for (int s_k : {1, 7, 17})
+      for (int left : {-1, 0, 3})
+        for (int right : {-1, 0, 2}) {
+          const flashmonoid::detail::Band band{static_cast<std::int64_t>(s_k) - s_q, left, right};
+          for (int i = 0; i < s_q; ++i) {
+            int first = s_k, end = 0;
+            for (int j = 0; j < s_k; ++j)
+              if (band.visible(i, j)) first = std::min(first, j), end = j + 1;
+            if (end > 0) {
+              EXPECT_EQ(band.key_begin(i, s_k), first);
+              EXPECT_EQ(band.key_end(i + 1, s_k), end);
+            }
+          }
+          for (int kb = 0; kb < s_k; ++kb)
+            for (int ke = kb + 1; ke <= s_k; ++ke) {
+              int first = s_q, end = 0;
+              for (int i = 0; i < s_q; ++i)
+                for (int j = kb; j < ke; ++j)
+                  if (band.visible(i, j)) first = std::min(first, i), end = i + 1;
+              const std::int64_t qb = band.query_begin(kb), qe = band.query_end(ke, s_q);
+              if (end == 0) {
+                EXPECT_LE(qe, qb) << "keys [" << kb << ", " << ke << ")";
+              } else {
+                EXPECT_EQ(qb, first) << "keys [" << kb << ", " << ke << ")";
+                EXPECT_EQ(qe, end) << "keys [" << kb << ", " << ke << ")";
+              }
+            }
+        }
 }
 
 TEST(ReferenceBackward, MatchesFiniteDifferences) {

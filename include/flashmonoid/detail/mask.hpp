@@ -35,6 +35,18 @@ struct Band {
     std::int64_t e = row_end - 1 + diag + right + 1;
     return e < 0 ? 0 : (e > s_k ? s_k : e);
   }
+  // The transpose: first and one-past-last query row that sees a key of [key_begin, key_end)
+  // (key j is seen by rows [j - diag - right, j - diag + left]), clipped to [0, s_q).
+  FM_HD std::int64_t query_begin(std::int64_t key_begin) const {
+    if (right < 0) return 0;
+    std::int64_t b = key_begin - diag - right;
+    return b < 0 ? 0 : b;
+  }
+  FM_HD std::int64_t query_end(std::int64_t key_end, std::int64_t s_q) const {
+    if (left < 0) return s_q;
+    std::int64_t e = key_end - 1 - diag + left + 1;
+    return e < 0 ? 0 : (e > s_q ? s_q : e);
+  }
   // Whether the key tile [kb, ke) x row tile [rb, re) needs per-element masking.
   FM_HD bool tile_needs_mask(std::int64_t rb, std::int64_t re, std::int64_t kb, std::int64_t ke,
                              std::int64_t s_k) const {
@@ -44,9 +56,15 @@ struct Band {
   }
 };
 
-FM_HD float alibi_bias(float slope, std::int64_t i, std::int64_t j, std::int64_t diag) {
-  std::int64_t d = i + diag - j;
+// ALiBi's bias from the signed distance d = i + diag - j (kernels that hold d in 32 bits per tile
+// pass an int; the bias is the same function of it).
+template <class Int>
+FM_HD float alibi_bias_at(float slope, Int d) {
   return -slope * static_cast<float>(d < 0 ? -d : d);
+}
+
+FM_HD float alibi_bias(float slope, std::int64_t i, std::int64_t j, std::int64_t diag) {
+  return alibi_bias_at(slope, i + diag - j);
 }
 
 }  // namespace flashmonoid::detail

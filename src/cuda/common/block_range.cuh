@@ -1,5 +1,6 @@
 // Which key tiles a block of query rows visits, and which of them need per-element masking: the one
-// piece of block-to-work bookkeeping every forward mainloop (sm80, sm90, split-KV) shares. Rows
+// piece of block-to-work bookkeeping every forward mainloop (sm80, sm90, split-KV) shares; and its
+// transpose for the backward (query_tiles: which query tiles a block of keys visits). Rows
 // [i_first, i_end) of a sequence see keys [band.key_begin(i_first), band.key_end(i_end)); those
 // tiles are cut into num_splits contiguous runs and the block takes run `split`.
 #pragma once
@@ -38,6 +39,23 @@ __device__ __forceinline__ KeyTiles key_tiles(const detail::Band& band, int i_fi
   const std::int64_t lo = band.left >= 0 ? i_end - 1 + band.diag - band.left : -kFar;
   t.unmasked_lo = static_cast<int>(std::max<std::int64_t>(lo, -kFar));
   t.unmasked_hi = static_cast<int>(std::max<std::int64_t>(std::min<std::int64_t>(hi, kFar), -kFar));
+  return t;
+}
+
+// The backward's transpose of key_tiles: the query tiles [lo, hi) of kBlockM rows that a block of
+// keys [key0, key_end) visits, those holding a row that sees one of its keys.
+struct QueryTiles {
+  int lo = 0, hi = 0;
+  __device__ __forceinline__ int count() const { return hi - lo; }
+};
+
+template <int kBlockM>
+__device__ __forceinline__ QueryTiles query_tiles(const detail::Band& band, std::int64_t key0, std::int64_t key_end,
+                                                  int len_q) {
+  const std::int64_t row_lo = band.query_begin(key0), row_hi = band.query_end(key_end, len_q);
+  QueryTiles t;
+  t.lo = static_cast<int>(row_lo / kBlockM);
+  t.hi = row_hi > row_lo ? static_cast<int>((row_hi + kBlockM - 1) / kBlockM) : t.lo;
   return t;
 }
 

@@ -1,7 +1,27 @@
-// Score modifications, masks and dropout on register fragments (layout as in warp_gemm_sm80.cuh),
+// Score modifications, masks and dropout on register fragments, for the forward and the backward,
 // each a direct use of the shared definitions in flashmonoid/detail/ (mask.hpp, philox.hpp), so
-// that the GPU keeps and drops exactly the elements the CPU does. Column of accumulator entry e of
-// n tile ni: key n0 + 8·ni + 2·(lane%4) + (e & 1); row: the thread's row r = 2·mi + e/2.
+// that the GPU keeps and drops exactly the elements the CPU does, in both directions.
+//
+// Interface. A kernel names each accumulator element by tile-local (query qi, key kj) through a
+// small coordinate functor, so that one helper serves every fragment layout:
+//   FragCoords<kRowsAreKeys>   m16n8 accumulators (mma.sync, and wgmma's per-warp 16 rows):
+//       element e of n tile ni, m tile mi sits at row row0 + 16·mi + 8·(e/2), column
+//       col0 + 8·ni + (e & 1), with row0 = (the warp's first row) + lane/4, col0 = 2·(lane%4).
+//       Rows are queries in the forward (S), keys in the backward (Sᵀ, dPᵀ): the sm80 backward's
+//       warp tiles and the sm90 backward's Sᵀ (row 16·warp + lane/4 + 8·(e/2), column 8·j + ...)
+//       are both FragCoords<true>.
+//   TileBand      detail::Band for one (query block i0.., key block j0..) tile in 32-bit offsets:
+//       visible(qi, kj) = key_visible(qi, kj) && query_valid(qi) (band and both sequence ends),
+//       alibi_distance(qi, kj) = i + diag - j.
+//   ScoreMod      raw q·k -> score in log2 units (scale, softcap), and for the backward the
+//       softcap derivative d(cap·tanh(x/cap))/dx = 1 - tanh²(x/cap) by which dS is multiplied.
+//   alibi_log2    ALiBi's bias in log2 units from the distance (detail::alibi_bias_at).
+//   dropout_keep_bits / dropout_pair_words   the Philox keep rule (detail::dropout_words) for 32
+//       consecutive keys of a row (the backward's per-tile bit table) or an even/odd key pair
+//       (the forward's fragments); apply_dropout zeroes the forward's dropped P.
+//   apply_mask    the forward's per-row form of the band (two compares per element).
+// Forward fragment helpers (ScoreMod::apply, apply_mask, apply_dropout) index query rows through
+// RowCoords (GQA packing) and columns with fragment_col.
 #pragma once
 
 #include <climits>
@@ -38,6 +58,53 @@ struct RowCoords {
 
 __device__ __forceinline__ int fragment_col(int ni, int e, int lane) { return 8 * ni + 2 * (lane & 3) + (e & 1); }
 
+// Tile-local (query, key) of the elements of m16n8 accumulator fragments (see the top of the file).
+template <bool kRowsAreKeys>
+struct FragCoords {
+  int row0, col0, lane;
+  __device__ __forceinline__ FragCoords(int warp_row0, int warp_col0, int lane_)
+      : row0(warp_row0), col0(warp_col0 + 2 * (lane_ % 4)), lane(lane_) {}
+  __device__ __forceinline__ int row(int mi, int e) const { return row0 + 16 * mi + lane / 4 + 8 * (e / 2); }
+  __device__ __forceinline__ int col(int ni, int e) const { return col0 + 8 * ni + (e & 1); }
+  __device__ __forceinline__ int query(int mi, int ni, int e) const { return kRowsAreKeys ? col(ni, e) : row(mi, e); }
+  __device__ __forceinline__ int key(int mi, int ni, int e) const { return kRowsAreKeys ? row(mi, e) : col(ni, e); }
+};
+
+// detail::Band on the tile of queries i0 + qi (qi < queries) and keys j0 + kj (kj < keys): for
+// key kj and query qi, i + diag - j = qi - kj + diag_ij. 32-bit per-tile forms of the 64-bit
+// per-element indices, which cost ptxas 64 bytes of spills in the backward at hdim 128.
+struct TileBand {
+  int diag_ij;       // i0 + diag - j0
+  int dk_lo, dk_hi;  // visible band: dk_lo <= kj - qi <= dk_hi
+  int keys, queries;
+
+  __device__ __forceinline__ TileBand(const detail::Band& band, std::int64_t i0, std::int64_t j0, int queries_,
+                                      int keys_)
+      : keys(keys_), queries(queries_) {
+    const std::int64_t d = i0 + band.diag - j0;
+    diag_ij = clamp32(d);
+    dk_hi = band.right < 0 ? INT32_MAX : clamp32(d + band.right);
+    dk_lo = band.left < 0 ? INT32_MIN : clamp32(d - band.left);
+  }
+  // Key kj exists and query qi sees it; whether query qi exists is query_valid(qi).
+  __device__ __forceinline__ bool key_visible(int qi, int kj) const {
+    return kj < keys && kj - qi <= dk_hi && kj - qi >= dk_lo;
+  }
+  __device__ __forceinline__ bool query_valid(int qi) const { return qi < queries; }
+  __device__ __forceinline__ bool visible(int qi, int kj) const { return key_visible(qi, kj) && query_valid(qi); }
+  __device__ __forceinline__ int alibi_distance(int qi, int kj) const { return qi - kj + diag_ij; }
+
+ private:
+  __device__ static __forceinline__ int clamp32(std::int64_t x) {
+    return static_cast<int>(x > INT32_MAX ? INT32_MAX : x < INT32_MIN ? INT32_MIN : x);
+  }
+};
+
+// ALiBi's bias in log2 units (slope_log2 = slope·log2 e) at distance i + diag - j.
+__device__ __forceinline__ float alibi_log2(float slope_log2, int distance) {
+  return detail::alibi_bias_at(slope_log2, distance);
+}
+
 // Softcap and ALiBi. Turns raw q·k into scores in log2 units (the softmax multiplier becomes 1):
 // s = scale·qk, s = softcap·tanh(s/softcap), s -= slope·|i + diag - j|, all times log2(e).
 // tanhf rather than tanh.approx: the latter's 2^-11 relative error, times a softcap of ~30, moves
@@ -56,6 +123,22 @@ struct ScoreMod {
         softcap(p.softcap > 0.0f),
         alibi(p.alibi != nullptr) {}
   __device__ __forceinline__ bool active() const { return softcap || alibi; }
+  // Raw q·k -> scale·q·k (or its softcapped form) in log2 units.
+  __device__ __forceinline__ float log2_score(float qk) const {
+    return softcap ? cap_log2 * tanhf(qk * scale_over_cap) : qk * scale_log2;
+  }
+  // The same, and d(score)/d(scale·q·k) for the backward's dS: 1 - tanh² under softcap, else 1.
+  // The uncapped form is computed unconditionally: as an else branch it cost a jump per element.
+  __device__ __forceinline__ float log2_score(float qk, float& dscore) const {
+    float x = qk * scale_log2;
+    dscore = 1.0f;
+    if (softcap) {
+      const float th = tanhf(qk * scale_over_cap);
+      dscore = 1.0f - th * th;
+      x = th * cap_log2;
+    }
+    return x;
+  }
   // Multiplier from the mainloop's score units to log2 units, for OnlineSoftmax.
   __device__ __forceinline__ float softmax_mul() const { return active() ? 1.0f : scale_log2; }
 
@@ -69,7 +152,7 @@ struct ScoreMod {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = 2 * mi + e / 2;
-          float x = softcap ? cap_log2 * tanhf(s[mi][ni][e] * scale_over_cap) : s[mi][ni][e] * scale_log2;
+          float x = log2_score(s[mi][ni][e]);
           if (alibi) x += detail::alibi_bias(slope_log2[r], rows.i(r), n0 + fragment_col(ni, e, lane), diag);
           s[mi][ni][e] = x;
         }
@@ -98,6 +181,31 @@ __device__ __forceinline__ void apply_mask(float (&s)[kMTiles][kNTiles][4], cons
   }
 }
 
+// Dropout's keep bits of keys [key0, key0 + 32) of the row row_id (key0 a multiple of 4): bit c
+// keeps key key0 + c. One Philox call per 4 keys (its 4 words), detail::dropout_keep's rule.
+__device__ __forceinline__ std::uint32_t dropout_keep_bits(const detail::FwdParams& p, std::uint32_t row_id,
+                                                           std::uint32_t key0) {
+  std::uint32_t bits = 0;
+#pragma unroll 1
+  for (int g = 0; g < 8; ++g) {
+    const detail::Philox4 r = detail::dropout_words(p.seed, p.offset, row_id, key0 / 4 + g);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) bits |= static_cast<std::uint32_t>(r.x[c] >= p.dropout_threshold) << (4 * g + c);
+  }
+  return bits;
+}
+
+// The random words of keys j and j + 1 (j even) of row row_id: words j%4 and j%4 + 1 of one
+// Philox group, picked by selects (a run-time array index would go to local memory). A key is
+// kept iff its word >= p.dropout_threshold.
+__device__ __forceinline__ void dropout_pair_words(const detail::FwdParams& p, std::uint32_t row_id, int j,
+                                                   std::uint32_t& w0, std::uint32_t& w1) {
+  const detail::Philox4 w = detail::dropout_words(p.seed, p.offset, row_id, static_cast<std::uint32_t>(j) / 4);
+  const bool low_pair = (j & 3) == 0;
+  w0 = low_pair ? w.x[0] : w.x[2];
+  w1 = low_pair ? w.x[1] : w.x[3];
+}
+
 // Zero the dropped probabilities (after the softmax has summed them into l, which normalises over
 // every key); the 1/(1-p) rescale is folded into the epilogue's 1/l. Entries 2c and 2c+1 share one
 // Philox call (same column group of 4).
@@ -110,13 +218,8 @@ __device__ __forceinline__ void apply_dropout(float (&s)[kMTiles][kNTiles][4], c
     for (int ni = 0; ni < kNTiles; ++ni)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int j = n0 + fragment_col(ni, 0, lane);
-        const detail::Philox4 w =
-            detail::dropout_words(p.seed, p.offset, row_id[2 * mi + half], static_cast<std::uint32_t>(j) / 4);
-        // j is even, so j and j + 1 are words j%4 and j%4 + 1 of one group: dropout_keep's rule,
-        // with the word picked by selects (a run-time array index would go to local memory).
-        const bool low_pair = (j & 3) == 0;
-        const std::uint32_t r0 = low_pair ? w.x[0] : w.x[2], r1 = low_pair ? w.x[1] : w.x[3];
+        std::uint32_t r0, r1;
+        dropout_pair_words(p, row_id[2 * mi + half], n0 + fragment_col(ni, 0, lane), r0, r1);
         if (r0 < p.dropout_threshold) s[mi][ni][2 * half] = 0.0f;
         if (r1 < p.dropout_threshold) s[mi][ni][2 * half + 1] = 0.0f;
       }

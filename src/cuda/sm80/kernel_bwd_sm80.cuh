@@ -17,14 +17,16 @@
 #include <type_traits>
 
 #include "api/params.hpp"
-#include "sm80/mma_sm80.cuh"
+#include "common/block_range.cuh"
+#include "common/score_mod.cuh"
+#include "common/softmax.cuh"
 #include "flashmonoid/detail/mask.hpp"
-#include "flashmonoid/detail/philox.hpp"
 #include "sm80/bwd_sm80.hpp"
+#include "sm80/mma_sm80.cuh"
+#include "sm80/smem_tile.cuh"
+#include "sm80/warp_gemm_sm80.cuh"
 
 namespace flashmonoid::cuda::bwd {
-
-inline constexpr float kLog2e = 1.4426950408889634f;
 
 // Tile shapes. 8 warps; kBlockM query rows per step (a multiple of kBwdBlockM, which sizes the
 // workspace's semaphores).
@@ -109,92 +111,6 @@ struct BwdTraits {
   static_assert(kSmemBytes <= 166912, "shared memory beyond the 163 KB an sm80 block may use");
 };
 
-// Element offset of (row, col) in a row-major (rows, kCols) b16 tile whose 16-byte chunks are
-// XOR-swizzled by row (mma_sm80.cuh), so that ldmatrix's 8 row addresses hit 8 bank groups.
-template <int kCols>
-__device__ __forceinline__ int tile_off(int row, int col) {
-  return row * kCols + swizzle_chunk(row, col >> 3) * 8 + (col & 7);
-}
-
-// Async copy of a (kRows, kCols) tile whose row r starts at gmem + r·row_stride; rows >= rows_valid
-// and columns >= cols_valid (a multiple of 8) are zero-filled. Each thread copies the same chunk
-// column of rows tid / kChunks + k · kRowStep, so its swizzle is the same for all of them and only
-// one shared and one global address are live per tile (per-chunk addresses cost ~50 registers
-// at hdim 256 when the compiler hoisted them out of the mainloop). The global address advances
-// by one 64-bit add per copy and the shared one by an immediate: the per-copy products and
-// separate row and column tests took ~16 SASS instructions per cp.async (hdim 256: 262 for the 16
-// Q/dO copies of a step, now 203).
-template <int kRows, int kCols, int kNThreads, class T>
-__device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, std::int64_t row_stride, int rows_valid,
-                                                int cols_valid, int tid) {
-  constexpr int kChunks = kCols / 8;
-  constexpr int kRowStep = kNThreads / kChunks;
-  static_assert(kNThreads % kChunks == 0 && kRowStep % 8 == 0 && kRows % kRowStep == 0,
-                "tile must split evenly over the threads, 8-row aligned for the swizzle");
-  const int r = tid / kChunks, c = (tid % kChunks) * 8;
-  const std::uint32_t dst = smem_addr(smem + tile_off<kCols>(r, c));
-  const T* src = gmem + r * row_stride + c;
-  const std::int64_t step = kRowStep * row_stride;
-  const int rows_left = c < cols_valid ? rows_valid - r : 0;  // copy k is in the tile iff k·kRowStep < rows_left
-#pragma unroll
-  for (int k = 0; k < kRows / kRowStep; ++k) {
-    const bool pred = k * kRowStep < rows_left;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + k * kRowStep * kCols * 2),
-                 "l"(pred ? src : gmem), "r"(pred ? 16 : 0));
-    src += step;
-  }
-}
-
-// Shared-memory addressing of a swizzled (rows, kCols) b16 tile in bytes of the shared window.
-// A lane's ldmatrix row address is computed once per operand (lane_offset); the per-step offset
-// of a fragment (dr rows, dc chunks further) is then an XOR and an add of constants, instead of a
-// fresh swizzle per address: with the whole mainloop unrolled, per-address swizzles kept ~100
-// addresses live and spilled at hdim 128 (ptxas, 255 registers, 160 bytes of stack).
-template <int kCols>
-struct Swizzled {
-  static constexpr int kRowBytes = kCols * 2;  // a multiple of 128, so bits 4-6 are the chunk
-  __device__ static __forceinline__ std::uint32_t lane_offset(int row, int chunk) {
-    return row * kRowBytes + (chunk & ~7) * 16 + (((chunk ^ row) & 7) << 4);
-  }
-  // Offset of (row + dr, chunk + dc) from lane_offset(row, chunk): dr a multiple of 8 and the low
-  // three bits of dc disjoint from those of chunk, so adding dc to the chunk is an XOR.
-  __device__ static __forceinline__ std::uint32_t step(std::uint32_t off, int dr, int dc) {
-    return (off ^ ((dc & 7) << 4)) + dr * kRowBytes + (dc & ~7) * 16;
-  }
-};
-
-// Lane row/chunk of the four 8x8 matrices of one ldmatrix.x4, per operand shape:
-//   A (16x16 rows x k) from a (row, k) tile:         (rows 0-7, k 0-7) (8-15, 0-7) (0-7, 8-15) (8-15, 8-15)
-//   B (two n8 tiles x k16) from an (n, k) tile:      regs {0,1} n 0-7, {2,3} n 8-15
-//   B via .trans from a (k, n) tile, and A via .trans from a (k, m) tile.
-__device__ __forceinline__ int a_row(int lane) { return (lane & 7) + 8 * ((lane >> 3) & 1); }
-__device__ __forceinline__ int a_chunk(int lane) { return lane >> 4; }
-__device__ __forceinline__ int b_row(int lane) { return (lane & 7) + 8 * (lane >> 4); }
-__device__ __forceinline__ int b_chunk(int lane) { return (lane >> 3) & 1; }
-__device__ __forceinline__ int bt_row(int lane) { return a_row(lane); }
-__device__ __forceinline__ int bt_chunk(int lane) { return a_chunk(lane); }
-__device__ __forceinline__ int at_row(int lane) { return b_row(lane); }
-__device__ __forceinline__ int at_chunk(int lane) { return b_chunk(lane); }
-
-__device__ __forceinline__ void ldsm_x4(std::uint32_t (&r)[4], std::uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(std::uint32_t (&r)[4], std::uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-// 4-byte global -> shared copy, zero-filled when !pred (cp.async.cg only takes 16 bytes).
-__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool pred) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
-               "r"(pred ? 4 : 0));
-}
-__device__ __forceinline__ void sts_b32(std::uint32_t addr, std::uint32_t v) {
-  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v));
-}
-
 // ---------------------------------------------------------------------------------------------
 // 1. D = rowsum(dO∘O) and a cleared dQ accumulator. kRowLanes lanes per (query row, head), 8
 // elements (16 bytes) each, so every lane of a warp loads: one warp per row left 24 (hdim 64) and
@@ -256,7 +172,16 @@ __global__ void __launch_bounds__(kRowKernelWarps * 32)
 }
 
 // ---------------------------------------------------------------------------------------------
-// 2. The main kernel.
+// 2. The main kernel, as its stages: the block's work (BwdKeyBlock) and shared memory (BwdSmem),
+// loads, the Sᵀ and dPᵀ products, the score gradient (P, dS), dV and dK (DkDv, which is also the
+// epilogue), and the dQ accumulation policy (DqAccumulator). bwd_main composes them.
+
+// %laneid, read where it is used (volatile, so that the compiler does not reuse an earlier read).
+__device__ __forceinline__ int lane_id() {
+  int lane;
+  asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(lane));
+  return lane;
+}
 
 // Deterministic dQ: the key blocks that see query tile m form a contiguous range [n_first, ..)
 // (a band mask's visible keys per row are an interval that moves right by one per row), and each
@@ -299,243 +224,664 @@ __device__ __forceinline__ void add_dq_pair(float* r, float x, float y) {
 #endif
 }
 
-// 2^x on the MUFU unit (ex2.approx.ftz: 2 ulp, exp2(-inf) = +0), without exp2f's range handling.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
+
+// Shared memory (BwdTraits::kSmemBytes): K, V, dSᵀ, Pᵀ, lse and D per stage, the dropout keep
+// bits, then the Q/dO stages.
+template <class T, class Tr>
+struct BwdSmem {
+  T* k;                 // (kBlockN, kHeadDim)
+  T* v;                 // (kBlockN, kHeadDim)
+  T* ds;                // (kBlockN, kBlockM) dSᵀ
+  T* p;                 // (kBlockN, kBlockM) P_dropᵀ
+  float* lse;           // kStages × (kBlockM)
+  float* d;             // kStages × (kBlockM)
+  std::uint32_t* keep;  // (kBlockM, kBlockN / 32) dropout keep bits, 32 keys a word
+  T* q;                 // stage s: q + s · 2 kQElems, (kBlockM, kHeadDim)
+  T* dout;              // stage s: dout + s · 2 kQElems, (kBlockM, kHeadDim)
+
+  __device__ __forceinline__ explicit BwdSmem(unsigned char* raw)
+      : k(reinterpret_cast<T*>(raw)),
+        v(k + Tr::kKVElems),
+        ds(v + Tr::kKVElems),
+        p(ds + Tr::kSElems),
+        lse(reinterpret_cast<float*>(p + Tr::kSElems)),
+        d(lse + Tr::kStages * Tr::kBlockM),
+        keep(reinterpret_cast<std::uint32_t*>(d + Tr::kStages * Tr::kBlockM)),
+        q(reinterpret_cast<T*>(raw + Tr::kFixedSmemBytes)),
+        dout(q + Tr::kQElems) {}
+};
+
+// The work of one thread block: key block n_block of (batch b, KV head hk), and the query tiles of
+// every query head of the GQA group that see one of its keys, as steps it = 0 .. n_iter - 1.
+template <class Tr>
+struct BwdKeyBlock {
+  int n_block, b, hk, group;  // group: query heads per KV head (FwdParams::group() is host-only)
+  detail::SeqInfo si;
+  std::int64_t kb;  // first key
+  detail::Band band;
+  int keys_valid;
+  QueryTiles tiles;
+  int n_iter;  // (query head of the group, query tile) pairs, head-major
+
+  __device__ __forceinline__ explicit BwdKeyBlock(const detail::BwdParams& p)
+      : n_block(blockIdx.x),
+        b(blockIdx.y / p.h_k),
+        hk(blockIdx.y % p.h_k),
+        group(p.h / p.h_k),
+        si(detail::seq_info(p, b)),
+        kb(static_cast<std::int64_t>(n_block) * Tr::kBlockN),
+        band(detail::band_of(p, si)),
+        keys_valid(static_cast<int>(si.len_k - kb < Tr::kBlockN ? si.len_k - kb : Tr::kBlockN)),
+        tiles(query_tiles<Tr::kBlockM>(band, kb, kb + keys_valid, si.len_q)),
+        n_iter(tiles.count() * group) {}
+  __device__ __forceinline__ bool empty() const { return kb >= si.len_k; }
+  // Query tiles are visited last to first. Under a causal mask every key block sees the last
+  // query tile, so in deterministic mode all key blocks start on the same tile and pass it on in
+  // key-block order one dQ addition apart; visited first to last, key block n would wait for n
+  // steps of its predecessors before its first addition (measured 24 TFLOP/s causal vs 48
+  // non-causal at hdim 128, 16k).
+  __device__ __forceinline__ int m_block(int it) const { return tiles.hi - 1 - it % tiles.count(); }
+  __device__ __forceinline__ int head(int it) const { return hk * group + it / tiles.count(); }
+};
+
+// Load stage: K and V of the key block, once.
+template <class T, class Tr>
+__device__ __forceinline__ void load_key_block(const detail::BwdParams& p, const BwdKeyBlock<Tr>& blk,
+                                               const BwdSmem<T, Tr>& sm) {
+  const T* k_g = static_cast<const T*>(p.k) + detail::offset_of(p.k_stride, blk.b, blk.si.k_row0 + blk.kb, blk.hk);
+  const T* v_g = static_cast<const T*>(p.v) + detail::offset_of(p.v_stride, blk.b, blk.si.k_row0 + blk.kb, blk.hk);
+  load_rows_async_folded<Tr::kBlockN, Tr::kHeadDim, Tr::kNThreads>(sm.k, k_g, p.k_stride.row, blk.keys_valid, p.d);
+  load_rows_async_folded<Tr::kBlockN, Tr::kHeadDim, Tr::kNThreads>(sm.v, v_g, p.v_stride.row, blk.keys_valid, p.d);
+}
+
+// Load stage: Q, dO, lse and D of step it into Q/dO stage `stage`, all asynchronously (plain loads
+// of lse and D stalled warps 0-1 for a global round trip every step), as one commit group.
+template <class T, class Tr>
+__device__ __forceinline__ void load_query_tile(const detail::BwdParams& p, const BwdKeyBlock<Tr>& blk,
+                                                const BwdSmem<T, Tr>& sm, const float* dsum, int it, int stage,
+                                                int tid) {
+  constexpr int kBlockM = Tr::kBlockM;
+  const int head = blk.head(it);
+  const std::int64_t r0 = static_cast<std::int64_t>(blk.m_block(it)) * kBlockM;
+  const int rows_valid = static_cast<int>(blk.si.len_q - r0 < kBlockM ? blk.si.len_q - r0 : kBlockM);
+  const T* q_g = static_cast<const T*>(p.q) + detail::offset_of(p.q_stride, blk.b, blk.si.q_row0 + r0, head);
+  const T* do_g = static_cast<const T*>(p.dout) + detail::offset_of(p.do_stride, blk.b, blk.si.q_row0 + r0, head);
+  load_rows_async_folded<kBlockM, Tr::kHeadDim, Tr::kNThreads>(sm.q + stage * 2 * Tr::kQElems, q_g, p.q_stride.row,
+                                                         rows_valid, p.d);
+  load_rows_async_folded<kBlockM, Tr::kHeadDim, Tr::kNThreads>(sm.dout + stage * 2 * Tr::kQElems, do_g, p.do_stride.row,
+                                                         rows_valid, p.d);
+  if (tid < kBlockM) {
+    const bool ok = tid < rows_valid;
+    const std::int64_t idx = ok ? detail::lse_index(p, blk.b, head, blk.si, r0 + tid) : 0;
+    cp_async_4(sm.lse + stage * kBlockM + tid, p.lse + idx, ok);
+    cp_async_4(sm.d + stage * kBlockM + tid, dsum + idx, ok);
+  }
+  cp_async_commit();
+}
+
+// Step it of the key block: query tile m_block (rows r0..) of query head `head`, its Q, dO
+// (shared-window addresses), lse and D in Q/dO stage `stage`.
+template <class T, class Tr>
+struct BwdStep {
+  int head, m_block;
+  std::int64_t r0;
+  std::uint32_t q, dout;
+  const float *lse, *d;
+  __device__ __forceinline__ BwdStep(const BwdKeyBlock<Tr>& blk, const BwdSmem<T, Tr>& sm, int it, int stage)
+      : head(blk.head(it)),
+        m_block(blk.m_block(it)),
+        r0(static_cast<std::int64_t>(m_block) * Tr::kBlockM),
+        q(smem_addr(sm.q) + stage * 2 * Tr::kQElems * 2),
+        dout(smem_addr(sm.dout) + stage * 2 * Tr::kQElems * 2),
+        lse(sm.lse + stage * Tr::kBlockM),
+        d(sm.d + stage * Tr::kBlockM) {}
+};
+
+// Warp tiles of the three grids (see BwdTraits) and each lane's offsets into the swizzled tiles
+// (SwizzledOffset): one offset per operand shape, shared by the tiles of that shape.
+template <class Tr>
+struct BwdWarpTiles {
+  using SwD = SwizzledOffset<Tr::kHeadDim>;  // K, V, Q, dO
+  using SwM = SwizzledOffset<Tr::kBlockM>;   // dSᵀ, Pᵀ
+  int key0, q0;      // Sᵀ, dPᵀ tile (kSWarpN, kSWarpM): keys key0.., queries q0..
+  int kv0, d0;       // dK, dV tile (kKVWarpN, kKVWarpD): keys kv0.., dims d0..
+  int dq_m0, dq_d0;  // dQ tile (kDqWarpM, kDqWarpD): queries dq_m0.., dims dq_d0..
+  std::uint32_t kv_a;   // K, V as A
+  std::uint32_t q_b;    // Q, dO as B
+  std::uint32_t q_bt;   // Q, dO as B via .trans
+  std::uint32_t s_a;    // Pᵀ, dSᵀ as A
+  std::uint32_t s_st;   // Sᵀ fragment stores
+  std::uint32_t ds_at;  // dSᵀ as A via .trans
+  std::uint32_t k_bt;   // K as B via .trans
+
+  __device__ __forceinline__ BwdWarpTiles(int warp, int lane)
+      : key0((warp % Tr::kSWarpsN) * Tr::kSWarpN),
+        q0((warp / Tr::kSWarpsN) * Tr::kSWarpM),
+        kv0((warp % Tr::kKVWarpsN) * Tr::kKVWarpN),
+        d0((warp / Tr::kKVWarpsN) * Tr::kKVWarpD),
+        dq_m0((warp % Tr::kDqWarpsM) * Tr::kDqWarpM),
+        dq_d0((warp / Tr::kDqWarpsM) * Tr::kDqWarpD),
+        kv_a(SwD::lane_offset(key0 + ldsm_a_row(lane), ldsm_a_chunk(lane))),
+        q_b(SwD::lane_offset(q0 + ldsm_b_row(lane), ldsm_b_chunk(lane))),
+        q_bt(SwD::lane_offset(ldsm_a_row(lane), d0 / 8 + ldsm_a_chunk(lane))),
+        s_a(SwM::lane_offset(kv0 + ldsm_a_row(lane), ldsm_a_chunk(lane))),
+        s_st(SwM::lane_offset(key0 + lane / 4, q0 / 8) + 4 * (lane % 4)),
+        ds_at(SwM::lane_offset(ldsm_b_row(lane), dq_m0 / 8 + ldsm_b_chunk(lane))),
+        k_bt(SwD::lane_offset(ldsm_a_row(lane), dq_d0 / 8 + ldsm_a_chunk(lane))) {}
+};
+
+// Products stage. acc (kSWarpN keys, 8·kNT queries) += A (kSWarpN, kHeadDim) · Bᵀ for query
+// columns 8·t0..: Sᵀ = K Qᵀ (a_tile K, b_tile Q) or dPᵀ = V dOᵀ (V, dO). per_kk(kk) runs before k
+// step kk's loads (the carried dQ reductions, see DqAccumulator).
+template <class T, class Tr, int kSMT, int kNT, class PerKk>
+__device__ __forceinline__ void gemm_st(float (&acc)[kSMT][kNT][4], std::uint32_t a_tile, std::uint32_t b_tile,
+                                        const BwdWarpTiles<Tr>& w, int t0, PerKk&& per_kk) {
+  using SwD = SwizzledOffset<Tr::kHeadDim>;
+#pragma unroll
+  for (int kk = 0; kk < Tr::kHeadDim / 16; ++kk) {
+    per_kk(kk);
+    std::uint32_t a[kSMT][4];
+#pragma unroll
+    for (int mt = 0; mt < kSMT; ++mt) ldmatrix_x4_at(a[mt], a_tile + SwD::step(w.kv_a, 16 * mt, 2 * kk));
+#pragma unroll
+    for (int nj = 0; nj < kNT / 2; ++nj) {
+      std::uint32_t bb[4];
+      ldmatrix_x4_at(bb, b_tile + SwD::step(w.q_b, 8 * t0 + 16 * nj, 2 * kk));
+      const std::uint32_t b0[2] = {bb[0], bb[1]}, b1[2] = {bb[2], bb[3]};
+#pragma unroll
+      for (int mt = 0; mt < kSMT; ++mt) {
+        mma_16816<T>(acc[mt][2 * nj], a[mt], b0);
+        mma_16816<T>(acc[mt][2 * nj + 1], a[mt], b1);
+      }
+    }
+  }
+}
+
+// Fused form (kFuseSdP): Sᵀ columns 8·t0.. (kNT n8 tiles, into s[.][t0..]) and dPᵀ (dp[.][0..]) in
+// one k loop over K, Qᵀ, V, dOᵀ fragments.
+template <class T, class Tr, int kSMT, int kSNT, int kNT>
+__device__ __forceinline__ void gemm_st_dpt(float (&s)[kSMT][kSNT][4], float (&dp)[kSMT][kNT][4],
+                                            const BwdSmem<T, Tr>& sm, const BwdStep<T, Tr>& st,
+                                            const BwdWarpTiles<Tr>& w, int t0) {
+  using SwD = SwizzledOffset<Tr::kHeadDim>;
+  const std::uint32_t k_tile = smem_addr(sm.k), v_tile = smem_addr(sm.v);
+#pragma unroll
+  for (int kk = 0; kk < Tr::kHeadDim / 16; ++kk) {
+    std::uint32_t ak[kSMT][4], av[kSMT][4];
+#pragma unroll
+    for (int mt = 0; mt < kSMT; ++mt) {
+      ldmatrix_x4_at(ak[mt], k_tile + SwD::step(w.kv_a, 16 * mt, 2 * kk));
+      ldmatrix_x4_at(av[mt], v_tile + SwD::step(w.kv_a, 16 * mt, 2 * kk));
+    }
+#pragma unroll
+    for (int nj = 0; nj < kNT / 2; ++nj) {
+      std::uint32_t bq[4], bd[4];
+      ldmatrix_x4_at(bq, st.q + SwD::step(w.q_b, 8 * t0 + 16 * nj, 2 * kk));
+      ldmatrix_x4_at(bd, st.dout + SwD::step(w.q_b, 8 * t0 + 16 * nj, 2 * kk));
+      const std::uint32_t bq0[2] = {bq[0], bq[1]}, bq1[2] = {bq[2], bq[3]};
+      const std::uint32_t bd0[2] = {bd[0], bd[1]}, bd1[2] = {bd[2], bd[3]};
+#pragma unroll
+      for (int mt = 0; mt < kSMT; ++mt) {
+        mma_16816<T>(s[mt][t0 + 2 * nj], ak[mt], bq0);
+        mma_16816<T>(dp[mt][2 * nj], av[mt], bd0);
+        mma_16816<T>(s[mt][t0 + 2 * nj + 1], ak[mt], bq1);
+        mma_16816<T>(dp[mt][2 * nj + 1], av[mt], bd1);
+      }
+    }
+  }
+}
+
+// Score-gradient stage on (key, query) fragments (FragCoords<true>): P = exp2(score − lse·log2 e)
+// from the forward's lse, dropout, dS = P ∘ (dP_drop − D) (∘ (1 − tanh²) under softcap). After it s
+// holds P_drop and dp holds dS. The plain form (no mask, softcap, ALiBi or dropout, every query row
+// in the sequence: every tile but the diagonal and the edges at 16k) costs one FFMA and one MUFU
+// per P. The general form evaluates every score modifier of common/score_mod.cuh.
+template <class Tr>
+struct ScoreGrad {
+  FragCoords<true> at;  // (key, query) of the warp's Sᵀ fragments, tile-local
+  int q0, lane;
+  const float *lse, *d;
+  float scale_log2;
+  // General form only:
+  TileBand band;
+  ScoreMod mod;
+  float slope_log2;
+  bool dropout;
+  float dropout_rescale;
+  const std::uint32_t* keep;
+
+  template <class T>
+  __device__ __forceinline__ ScoreGrad(const detail::BwdParams& p, const BwdKeyBlock<Tr>& blk,
+                                       const BwdStep<T, Tr>& st, const BwdWarpTiles<Tr>& w, const std::uint32_t* keep_,
+                                       int lane)
+      : at(w.key0, w.q0, lane),
+        q0(w.q0),
+        lane(lane),
+        lse(st.lse),
+        d(st.d),
+        scale_log2(p.scale_log2),
+        band(blk.band, st.r0, blk.kb,
+             static_cast<int>(blk.si.len_q - st.r0 < Tr::kBlockM ? blk.si.len_q - st.r0 : Tr::kBlockM),
+             blk.keys_valid),
+        mod(p),
+        slope_log2(detail::alibi_slope(p, blk.b, st.head) * kLog2e),
+        dropout(p.dropout_p > 0.0f),
+        dropout_rescale(p.dropout_rescale),
+        keep(keep_) {}
+
+  // at.query(mt, n, e), summed in the order that fits each target's registers: as FragCoords
+  // holds it (q0 + 2·(lane%4) in one register) on sm90; from q0 and the lane on sm80, where the
+  // held sum spilled 8 bytes at hdim 64 (and this order spilled 12 on sm90; ptxas, 255 registers).
+  __device__ __forceinline__ int query(int mt, int n, int e) const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    return at.query(mt, n, e);
+#else
+    return q0 + n * 8 + 2 * (lane % 4) + (e % 2);
+#endif
+  }
+
+  // Query columns 8·t0.. of s and the kDpNT n8 tiles of dp (one dPᵀ pass).
+  template <bool kPlain, int kSMT, int kSNT, int kDpNT>
+  __device__ __forceinline__ void operator()(float (&s)[kSMT][kSNT][4], float (&dp)[kSMT][kDpNT][4], int t0) const {
+    constexpr int kKeepWords = Tr::kBlockN / 32;
+#pragma unroll
+    for (int mt = 0; mt < kSMT; ++mt)
+#pragma unroll
+      for (int t = 0; t < kDpNT; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float& sv = s[mt][t0 + t][e];
+          if constexpr (kPlain) {
+            const int qc = query(mt, t0 + t, e);
+            const float pr = fast_exp2(fmaf(sv, scale_log2, -lse[qc] * kLog2e));
+            sv = pr;
+            dp[mt][t][e] = pr * (dp[mt][t][e] - d[qc]);
+          } else {
+            const int qc = query(mt, t0 + t, e);
+            const int key = at.key(mt, t0 + t, e);
+            float dscore;  // d(score)/d(scale·q·k)
+            float s2 = mod.log2_score(sv, dscore);
+            // Unconditional (slope_log2 = 0 without ALiBi): under `if` ptxas kept the flag in a
+            // uniform predicate and copied it before each of the 4 predicated instructions.
+            s2 += alibi_log2(slope_log2, band.alibi_distance(qc, key));
+            // Rows past the end or with no visible key (lse = -inf) get P = 0 exactly. One && chain:
+            // as band.visible(qc, key) && (lse test) the hdim-64 loop took 5930 SASS instructions
+            // instead of 5591 (sm_90).
+            const float lse_q = lse[qc];
+            const bool live = band.key_visible(qc, key) && band.query_valid(qc) && lse_q != -INFINITY;
+            const float pr = live ? fast_exp2(s2 - lse_q * kLog2e) : 0.0f;
+            float dpv = dp[mt][t][e], pdrop = pr;
+            if (dropout) {
+              const bool kept = (keep[qc * kKeepWords + key / 32] >> (key % 32)) & 1u;
+              pdrop = kept ? pr * dropout_rescale : 0.0f;
+              dpv = kept ? dpv * dropout_rescale : 0.0f;
+            }
+            sv = pdrop;
+            dp[mt][t][e] = pr * (dpv - d[qc]) * dscore;
+          }
+        }
+  }
+};
+
+// Dropout keep bits of the step's (kBlockM, kBlockN) tile into shared memory, one Philox call per
+// 4 keys (its 4 words) rather than one per element as a per-fragment evaluation would need (a
+// lane's fragment holds keys 8 apart).
+template <class T, class Tr>
+__device__ __forceinline__ void dropout_keep_tile(const detail::BwdParams& p, const BwdKeyBlock<Tr>& blk,
+                                                  const BwdStep<T, Tr>& st, std::uint32_t* keep, int tid) {
+  constexpr int kKeepWords = Tr::kBlockN / 32;
+#pragma unroll 1
+  for (int word = tid; word < Tr::kBlockM * kKeepWords; word += Tr::kNThreads) {  // 512 words at hdim 64
+    const int qr = word / kKeepWords, w = word % kKeepWords;
+    std::uint32_t bits = 0;
+    if (st.r0 + qr < blk.si.len_q)
+      bits = dropout_keep_bits(p, detail::dropout_row_id(p, st.head, blk.si, st.r0 + qr),
+                               static_cast<std::uint32_t>(blk.kb + 32 * w));
+    keep[qr * kKeepWords + w] = bits;
+  }
+}
+
+// dK and dV of the warp's (kKVWarpN keys, kKVWarpD dims) tile, in fp32 registers for the whole
+// kernel: the key block's sums over every query tile and every query head of the GQA group (so the
+// GQA reduction needs no workspace and no second pass).
+template <class T, class Tr>
+struct DkDv {
+  static constexpr int kKVMT = Tr::kKVWarpN / 16, kKVNT = Tr::kKVWarpD / 8;  // m16 (keys) × n8 (dims)
+  float dk[kKVMT][kKVNT][4], dv[kKVMT][kKVNT][4];
+
+  __device__ __forceinline__ DkDv() {
+#pragma unroll
+    for (int mt = 0; mt < kKVMT; ++mt)
+#pragma unroll
+      for (int t = 0; t < kKVNT; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk[mt][t][e] = dv[mt][t][e] = 0.0f;
+  }
+
+  // acc += Aᵀ (kKVWarpN keys, 16 queries of step kk) · B (16 queries, kKVWarpD dims), B read by
+  // ldmatrix.trans from b_tile (dO for dV, Q for dK).
+  __device__ static __forceinline__ void mma_step(float (&acc)[kKVMT][kKVNT][4], int kk,
+                                                  const std::uint32_t (&a)[kKVMT][4], std::uint32_t b_tile,
+                                                  const BwdWarpTiles<Tr>& w) {
+#pragma unroll
+    for (int nj = 0; nj < kKVNT / 2; ++nj) {
+      std::uint32_t bb[4];
+      ldmatrix_x4_trans_at(bb, b_tile + SwizzledOffset<Tr::kHeadDim>::step(w.q_bt, 16 * kk, 2 * nj));
+      const std::uint32_t b0[2] = {bb[0], bb[1]}, b1[2] = {bb[2], bb[3]};
+#pragma unroll
+      for (int mt = 0; mt < kKVMT; ++mt) {
+        mma_16816<T>(acc[mt][2 * nj], a[mt], b0);
+        mma_16816<T>(acc[mt][2 * nj + 1], a[mt], b1);
+      }
+    }
+  }
+  // acc += (Pᵀ or dSᵀ from a_tile) · (dO or Q from b_tile) over the step's kBlockM queries.
+  __device__ static __forceinline__ void add(float (&acc)[kKVMT][kKVNT][4], std::uint32_t a_tile,
+                                             std::uint32_t b_tile, const BwdWarpTiles<Tr>& w) {
+#pragma unroll
+    for (int kk = 0; kk < Tr::kBlockM / 16; ++kk) {
+      std::uint32_t a[kKVMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kKVMT; ++mt)
+        ldmatrix_x4_at(a[mt], a_tile + SwizzledOffset<Tr::kBlockM>::step(w.s_a, 16 * mt, 2 * kk));
+      mma_step(acc, kk, a, b_tile, w);
+    }
+  }
+  __device__ __forceinline__ void add_dv(const BwdSmem<T, Tr>& sm, const BwdStep<T, Tr>& st, const BwdWarpTiles<Tr>& w) {
+    add(dv, smem_addr(sm.p), st.dout, w);  // dV += P_dropᵀ dO
+  }
+  __device__ __forceinline__ void add_dk(const BwdSmem<T, Tr>& sm, const BwdStep<T, Tr>& st, const BwdWarpTiles<Tr>& w) {
+    add(dk, smem_addr(sm.ds), st.q, w);  // dK += dSᵀ Q
+  }
+
+  // Epilogue: dK = scale · Σ dS q (dS was taken w.r.t. the score scale·q·k), dV as accumulated.
+  // Rows past the end of the sequence and padded head-dim columns are not written. The sequence's
+  // first key row is read again rather than kept from the start: held across the mainloop it was
+  // the one register ptxas spilled (4 bytes) at hdim 256.
+  __device__ __forceinline__ void store(const detail::BwdParams& p, const BwdKeyBlock<Tr>& blk,
+                                        const BwdWarpTiles<Tr>& w, int lane) const {
+    const std::int64_t k_row = detail::seq_info(p, blk.b).k_row0 + blk.kb;
+    T* dk_g = static_cast<T*>(p.dk) + detail::offset_of(p.dk_stride, blk.b, k_row, blk.hk);
+    T* dv_g = static_cast<T*>(p.dv) + detail::offset_of(p.dv_stride, blk.b, k_row, blk.hk);
+#pragma unroll
+    for (int mt = 0; mt < kKVMT; ++mt)
+#pragma unroll
+      for (int t = 0; t < kKVNT; ++t) {
+        const int col = w.d0 + t * 8 + 2 * (lane % 4);
+        if (col >= p.d) continue;
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const int key = w.kv0 + 16 * mt + lane / 4 + 8 * h2;
+          if (key >= blk.keys_valid) continue;
+          *reinterpret_cast<std::uint32_t*>(dk_g + key * p.dk_stride.row + col) =
+              pack2<T>(dk[mt][t][2 * h2] * p.scale, dk[mt][t][2 * h2 + 1] * p.scale);
+          *reinterpret_cast<std::uint32_t*>(dv_g + key * p.dv_stride.row + col) =
+              pack2<T>(dv[mt][t][2 * h2], dv[mt][t][2 * h2 + 1]);
+        }
+      }
+  }
+};
+
+// The dQ stage: dQ partial = dS K, (kBlockM, kHeadDim) over the dQ warp grid in passes of kDqPass
+// columns, added into the fp32 accumulator of the query tile by one of three policies:
+// - reduction (whole tiles, default mode: every row in the sequence, p.d == kHeadDim): a short
+//   form compiled apart, red_dq_pair at constant offsets from one address per lane, no bounds
+//   tests. The general form wraps each 8-byte reduction in a branch region with 64-bit bounds
+//   compares and the deterministic test (SASS: ~10-25 instructions and 2-4 branches each, 16 per
+//   warp and step at hdim 64 and 128, 32 at 256). Only with one dQ pass (every head dim now): with
+//   two passes at hdim 256 the short form spilled 16-20 bytes on sm_90. Under kDeferDq (hdim 256,
+//   sm90) the whole tile is carried in registers and reduced during the next step's Sᵀ products,
+//   kDeferRedsPerKk pairs per k step, so that the reductions drain while the tensor pipe works
+//   instead of in one burst before the step's closing barrier.
+// - atomic (edge tiles): bounds-checked add_dq_pair.
+// - deterministic: in key-block order behind the query tile's semaphore (sem_wait above), plain
+//   loads and stores.
+template <class T, class Tr, bool kDeferDq>
+struct DqAccumulator {
+  static constexpr int kDqMT = Tr::kDqWarpM / 16, kDqNT = Tr::kDqPass / 8;  // pass: m16 (queries) × n8 (dims)
+  static constexpr bool kShortAdds = Tr::kDqWarpD == Tr::kDqPass;
+  static constexpr int kCarryMT = kDeferDq ? kDqMT : 1, kCarryNT = kDeferDq ? kDqNT : 1;
+  // The carried tile, left uninitialised (carry_red runs only while carry_row != 0, which is set
+  // together with it). carry_row: this lane's address in it, 0 when none is pending (one register
+  // fewer than a separate flag: with the flag ptxas spilled 4 bytes).
+  float carry[kCarryMT][kCarryNT][4];
+  std::uintptr_t carry_row = 0;
+
+  __device__ __forceinline__ bool pending() const { return kDeferDq && carry_row != 0; }
+  // Reduction pair j (of kDqMT·kDqNT·2) of the carried tile.
+  __device__ __forceinline__ void carry_red(int j) const {
+    const int mt = j / (2 * kCarryNT), t = j / 2 % kCarryNT, h2 = j % 2;
+    float* r = reinterpret_cast<float*>(carry_row + 4 * ((16 * mt + 8 * h2) * Tr::kHeadDim + t * 8));
+    red_dq_pair(r, carry[mt][t][2 * h2], carry[mt][t][2 * h2 + 1]);
+  }
+  // The carried reductions of k step kk of the Sᵀ products.
+  __device__ __forceinline__ void carry_step(int kk) const {
+#pragma unroll
+    for (int j = kk * Tr::kDeferRedsPerKk; j < (kk + 1) * Tr::kDeferRedsPerKk; ++j)
+      if (j < kDqMT * kDqNT * 2) carry_red(j);
+  }
+  __device__ __forceinline__ void flush() const {
+    if (pending()) {
+#pragma unroll
+      for (int j = 0; j < kDqMT * kDqNT * 2; ++j) carry_red(j);
+    }
+  }
+
+  // acc_dq (kDqWarpM, kDqPass) of pass `pass` into the accumulator rows from acc_row.
+  template <bool kWhole>
+  __device__ __forceinline__ static void add(const float (&acc_dq)[kDqMT][kDqNT][4], float* acc_row, int pass,
+                                             const detail::BwdParams& p, const BwdKeyBlock<Tr>& blk,
+                                             const BwdStep<T, Tr>& st, int row, const BwdWarpTiles<Tr>& w,
+                                             int lane) {
+#pragma unroll
+    for (int mt = 0; mt < kDqMT; ++mt)
+#pragma unroll
+      for (int t = 0; t < kDqNT; ++t) {
+        if constexpr (kWhole) {
+#pragma unroll
+          for (int h2 = 0; h2 < 2; ++h2)
+            red_dq_pair(acc_row + w.dq_d0 + 2 * (lane % 4) + (16 * mt + 8 * h2) * Tr::kHeadDim + pass * Tr::kDqPass +
+                            t * 8,
+                        acc_dq[mt][t][2 * h2], acc_dq[mt][t][2 * h2 + 1]);
+        } else {
+          const int col = w.dq_d0 + pass * Tr::kDqPass + t * 8 + 2 * (lane % 4);
+          if (col >= p.d) continue;
+#pragma unroll
+          for (int h2 = 0; h2 < 2; ++h2) {
+            if (st.r0 + row + 16 * mt + 8 * h2 >= blk.si.len_q) continue;
+            float* r = acc_row + (16 * mt + 8 * h2) * p.d + col;
+            const float x = acc_dq[mt][t][2 * h2], y = acc_dq[mt][t][2 * h2 + 1];
+            if (p.deterministic) {
+              __stcg(r, __ldcg(r) + x);
+              __stcg(r + 1, __ldcg(r + 1) + y);
+            } else {
+              add_dq_pair(r, x, y);
+            }
+          }
+        }
+      }
+  }
+
+  // The step's dQ partial dS K into the accumulator (dSᵀ of the step in shared memory).
+  __device__ __forceinline__ void accumulate(const detail::BwdParams& p, const BwdKeyBlock<Tr>& blk,
+                                             const BwdStep<T, Tr>& st, const BwdSmem<T, Tr>& sm,
+                                             const BwdWarpTiles<Tr>& w, float* dq_acc, int* sem, int tid,
+                                             int kernel_lane) {
+    constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
+    // Under kDeferDq the lane id is read again (S2R) instead of taken from the kernel: the lane's dQ
+    // column, held across the step next to the carried tile, was the one register ptxas spilled
+    // (4 bytes, hdim 256, sm_90). Elsewhere the re-read costs the spill (sm_80, hdim 256).
+    const int lane = kDeferDq ? lane_id() : kernel_lane;
+    int* tile_sem = nullptr;
+    int turn = 0;  // how many key blocks added to this query tile before this one
+    if (p.deterministic) {
+      const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+      tile_sem = sem + (static_cast<std::int64_t>(blk.b) * p.h + st.head) * m_blocks + st.m_block;
+      turn = blk.n_block - static_cast<int>(blk.band.key_begin(st.r0, blk.si.len_k) / kBlockN);
+      if (tid == 0) sem_wait(tile_sem, turn);
+      __syncthreads();
+    }
+    const bool whole = !p.deterministic && p.d == Tr::kHeadDim && st.r0 + kBlockM <= blk.si.len_q;
+    const std::uint32_t ds_tile = smem_addr(sm.ds), k_tile = smem_addr(sm.k);
+#pragma unroll
+    for (int pass = 0; pass < Tr::kDqWarpD / Tr::kDqPass; ++pass) {
+      float acc_dq[kDqMT][kDqNT][4];  // (kDqWarpM, kDqPass) per warp
+#pragma unroll
+      for (int mt = 0; mt < kDqMT; ++mt)
+#pragma unroll
+        for (int t = 0; t < kDqNT; ++t)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_dq[mt][t][e] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        std::uint32_t a[kDqMT][4];
+#pragma unroll
+        for (int mt = 0; mt < kDqMT; ++mt)
+          ldmatrix_x4_trans_at(a[mt], ds_tile + SwizzledOffset<kBlockM>::step(w.ds_at, 16 * kk, 2 * mt));
+#pragma unroll
+        for (int nj = 0; nj < kDqNT / 2; ++nj) {
+          std::uint32_t bk[4];
+          ldmatrix_x4_trans_at(
+              bk, k_tile + SwizzledOffset<Tr::kHeadDim>::step(w.k_bt, 16 * kk, pass * Tr::kDqPass / 8 + 2 * nj));
+          const std::uint32_t bk0[2] = {bk[0], bk[1]}, bk1[2] = {bk[2], bk[3]};
+#pragma unroll
+          for (int mt = 0; mt < kDqMT; ++mt) {
+            mma_16816<T>(acc_dq[mt][2 * nj], a[mt], bk0);
+            mma_16816<T>(acc_dq[mt][2 * nj + 1], a[mt], bk1);
+          }
+        }
+      }
+      // The accumulator rows of this lane, after the products: computed before them, the 64-bit
+      // address stayed live through them and spilled 4 bytes at hdim 256.
+      const int row = w.dq_m0 + lane / 4;  // of m tile 0 half 0; + 16·mt + 8·half
+      float* acc_row =
+          dq_acc + (static_cast<std::int64_t>(st.head) * p.total_q + blk.si.global_q_row0 + st.r0 + row) * p.d;
+      if constexpr (kDeferDq) {
+        static_assert(kShortAdds, "the carried tile is one whole dQ pass");
+        carry_row = whole ? reinterpret_cast<std::uintptr_t>(acc_row + w.dq_d0 + 2 * (lane % 4)) : 0;
+        if (whole) {
+#pragma unroll
+          for (int mt = 0; mt < kDqMT; ++mt)
+#pragma unroll
+            for (int t = 0; t < kDqNT; ++t)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) carry[mt][t][e] = acc_dq[mt][t][e];
+        } else {
+          add<false>(acc_dq, acc_row, pass, p, blk, st, row, w, lane);
+          // Defined on every path, so that the carried registers are dead from the reductions in
+          // the Sᵀ products to here (left as they were, they stayed live through the whole step
+          // on this path: 236 bytes of spills).
+#pragma unroll
+          for (int mt = 0; mt < kDqMT; ++mt)
+#pragma unroll
+            for (int t = 0; t < kDqNT; ++t)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) carry[mt][t][e] = 0.0f;
+        }
+      } else if constexpr (kShortAdds) {
+        if (whole) add<true>(acc_dq, acc_row, pass, p, blk, st, row, w, lane);
+        else add<false>(acc_dq, acc_row, pass, p, blk, st, row, w, lane);
+      } else {
+        add<false>(acc_dq, acc_row, pass, p, blk, st, row, w, lane);
+      }
+    }
+    if (p.deterministic) {
+      __threadfence();
+      __syncthreads();
+      if (tid == 0) sem_release(tile_sem, turn + 1);
+    }
+  }
+};
+
+// Sᵀ, then per dPᵀ pass its products, score gradient and the stores of P_dropᵀ and dSᵀ for the
+// warps of the other two grids. kPlain: see ScoreGrad. Compiled twice, short and full form, and
+// picked per tile before the dPᵀ products: a branch between a pass's products and its elementwise
+// code splits them into basic blocks that ptxas schedules apart (in the forward that cost 7-10 %,
+// NOTES v3), so one pass's exp2 could not overlap the last MMAs of its dPᵀ or the next pass's.
+// One product at a time keeps only its fragments live next to the accumulators and dK, dV (whole
+// 32 × 32 dPᵀ at hdim 128: 32 bytes of spills).
+template <bool kPlain, class T, class Tr, int kSMT, int kSNT>
+__device__ __forceinline__ void score_passes(float (&s)[kSMT][kSNT][4], const detail::BwdParams& p,
+                                             const BwdKeyBlock<Tr>& blk, const BwdStep<T, Tr>& st,
+                                             const BwdSmem<T, Tr>& sm, const BwdWarpTiles<Tr>& w, int lane) {
+  using SwM = SwizzledOffset<Tr::kBlockM>;
+  const ScoreGrad<Tr> grad(p, blk, st, w, sm.keep, lane);
+  const std::uint32_t ds_tile = smem_addr(sm.ds), p_tile = smem_addr(sm.p);
+  constexpr int kDpNT = kSNT / Tr::kDpPasses;  // n8 tiles of dPᵀ per pass
+#pragma unroll
+  for (int pass = 0; pass < Tr::kDpPasses; ++pass) {
+    const int t0 = pass * kDpNT;
+    float dp[kSMT][kDpNT][4];
+#pragma unroll
+    for (int mt = 0; mt < kSMT; ++mt)
+#pragma unroll
+      for (int t = 0; t < kDpNT; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          dp[mt][t][e] = 0.0f;
+          if constexpr (Tr::kFuseSdP) s[mt][t0 + t][e] = 0.0f;
+        }
+    if constexpr (Tr::kFuseSdP) gemm_st_dpt(s, dp, sm, st, w, t0);
+    else gemm_st<T, Tr>(dp, smem_addr(sm.v), st.dout, w, t0, [](int) {});
+
+    grad.template operator()<kPlain>(s, dp, t0);
+
+#pragma unroll
+    for (int mt = 0; mt < kSMT; ++mt)
+#pragma unroll
+      for (int t = 0; t < kDpNT; ++t)
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const std::uint32_t off = SwM::step(w.s_st, 16 * mt + 8 * h2, t0 + t);
+          st_shared_b32(ds_tile + off, pack2<T>(dp[mt][t][2 * h2], dp[mt][t][2 * h2 + 1]));
+          st_shared_b32(p_tile + off, pack2<T>(s[mt][t0 + t][2 * h2], s[mt][t0 + t][2 * h2 + 1]));
+        }
+  }
 }
 
 template <class T, class Tr>
 __global__ void __launch_bounds__(Tr::kNThreads, 1)
     bwd_main(const detail::BwdParams p, const float* __restrict__ dsum, float* __restrict__ dq_acc, int* __restrict__ sem) {
-  constexpr int kHeadDim = Tr::kHeadDim, kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
-  constexpr int kSMT = Tr::kSWarpN / 16, kSNT = Tr::kSWarpM / 8;     // Sᵀ: m16 (keys) × n8 (queries) tiles
-  constexpr int kKVMT = Tr::kKVWarpN / 16, kKVNT = Tr::kKVWarpD / 8;  // dK, dV: m16 (keys) × n8 (dims)
-  constexpr int kDqMT = Tr::kDqWarpM / 16, kDqNT = Tr::kDqPass / 8;   // dQ pass: m16 (queries) × n8 (dims)
-  constexpr int kKeepWords = kBlockN / 32;  // dropout keep bits per query row, 32 keys a word
-  using SwD = Swizzled<kHeadDim>;  // K, V, Q, dO tiles
-  using SwM = Swizzled<kBlockM>;   // dSᵀ, Pᵀ tiles
-
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* sK = reinterpret_cast<T*>(smem_raw);   // (kBlockN, kHeadDim)
-  T* sV = sK + Tr::kKVElems;                 // (kBlockN, kHeadDim)
-  T* sdS = sV + Tr::kKVElems;                // (kBlockN, kBlockM) dSᵀ
-  T* sP = sdS + Tr::kSElems;                 // (kBlockN, kBlockM) P_dropᵀ
-  float* sLse = reinterpret_cast<float*>(sP + Tr::kSElems);                              // kStages × (kBlockM)
-  float* sD = sLse + Tr::kStages * kBlockM;                                              // kStages × (kBlockM)
-  std::uint32_t* sKeep = reinterpret_cast<std::uint32_t*>(sD + Tr::kStages * kBlockM);  // (kBlockM, kKeepWords)
-  T* sQ = reinterpret_cast<T*>(smem_raw + Tr::kFixedSmemBytes);  // stage s: sQ + s · 2 kQElems, (kBlockM, kHeadDim)
-  T* sdO = sQ + Tr::kQElems;                                      // stage s: sdO + s · 2 kQElems, (kBlockM, kHeadDim)
+  constexpr int kSMT = Tr::kSWarpN / 16, kSNT = Tr::kSWarpM / 8;  // Sᵀ: m16 (keys) × n8 (queries) tiles
   constexpr int stages = Tr::kStages;
-
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int n_block = blockIdx.x;
-  const int b = blockIdx.y / p.h_k, hk = blockIdx.y % p.h_k;
-  const int group = p.h / p.h_k;  // query heads per KV head (FwdParams::group() is host-only)
-  const detail::SeqInfo si = detail::seq_info(p, b);
-  const std::int64_t kb = static_cast<std::int64_t>(n_block) * kBlockN;
-  if (kb >= si.len_k) return;
-  const detail::Band band = detail::band_of(p, si);
-  const int keys_valid = static_cast<int>(si.len_k - kb < kBlockN ? si.len_k - kb : kBlockN);
-
-  // Query rows that see at least one key of [kb, kb + keys_valid): row i sees
-  // [i + diag - left, i + diag + right].
-  std::int64_t row_lo = band.right < 0 ? 0 : kb - band.diag - band.right;
-  std::int64_t row_hi = band.left < 0 ? si.len_q : kb + keys_valid - band.diag + band.left;
-  row_lo = row_lo < 0 ? 0 : row_lo;
-  row_hi = row_hi > si.len_q ? si.len_q : row_hi;
-  const int m_lo = static_cast<int>(row_lo / kBlockM);
-  const int m_hi = row_hi > row_lo ? static_cast<int>((row_hi + kBlockM - 1) / kBlockM) : m_lo;
-  const int n_m = m_hi - m_lo;
-  const int n_iter = n_m * group;  // (query head of the group, query block) pairs, head-major
-
-  const T* k_g = static_cast<const T*>(p.k) + detail::offset_of(p.k_stride, b, si.k_row0 + kb, hk);
-  const T* v_g = static_cast<const T*>(p.v) + detail::offset_of(p.v_stride, b, si.k_row0 + kb, hk);
-  load_tile_async<kBlockN, kHeadDim, Tr::kNThreads>(sK, k_g, p.k_stride.row, keys_valid, p.d, tid);
-  load_tile_async<kBlockN, kHeadDim, Tr::kNThreads>(sV, v_g, p.v_stride.row, keys_valid, p.d, tid);
-
-  // Issue the loads of iteration it into stage `stage`: Q, dO, lse and D, all asynchronously (plain
-  // loads of lse and D stalled warps 0-1 for a global round trip every iteration).
-  // Query blocks are visited last to first. Under a causal mask every key block sees the last
-  // query block, so in deterministic mode all key blocks start on the same tile and pass it on
-  // in key-block order one dQ addition apart; visited first to last, key block n would wait for
-  // n iterations of its predecessors before its first addition (measured 24 TFLOP/s causal vs
-  // 48 non-causal at hdim 128, 16k).
-  auto m_of = [&](int it) { return m_hi - 1 - it % n_m; };
-  auto load_q_block = [&](int it, int stage) {
-    const int head = hk * group + it / n_m;
-    const std::int64_t r0 = static_cast<std::int64_t>(m_of(it)) * kBlockM;
-    const int rows_valid = static_cast<int>(si.len_q - r0 < kBlockM ? si.len_q - r0 : kBlockM);
-    const T* q_g = static_cast<const T*>(p.q) + detail::offset_of(p.q_stride, b, si.q_row0 + r0, head);
-    const T* do_g = static_cast<const T*>(p.dout) + detail::offset_of(p.do_stride, b, si.q_row0 + r0, head);
-    load_tile_async<kBlockM, kHeadDim, Tr::kNThreads>(sQ + stage * 2 * Tr::kQElems, q_g, p.q_stride.row, rows_valid, p.d, tid);
-    load_tile_async<kBlockM, kHeadDim, Tr::kNThreads>(sdO + stage * 2 * Tr::kQElems, do_g, p.do_stride.row, rows_valid, p.d, tid);
-    if (tid < kBlockM) {
-      const bool ok = tid < rows_valid;
-      const std::int64_t idx = ok ? detail::lse_index(p, b, head, si, r0 + tid) : 0;
-      cp_async_4(sLse + stage * kBlockM + tid, p.lse + idx, ok);
-      cp_async_4(sD + stage * kBlockM + tid, dsum + idx, ok);
-    }
-    cp_async_commit();
-  };
-
-  // Warp tiles of the three grids (see BwdTraits) and per-lane shared-memory offsets of every
-  // operand (see Swizzled).
-  const int key0 = (warp % Tr::kSWarpsN) * Tr::kSWarpN;  // Sᵀ tile: keys key0.., queries q0..
-  const int q0 = (warp / Tr::kSWarpsN) * Tr::kSWarpM;
-  const int kv0 = (warp % Tr::kKVWarpsN) * Tr::kKVWarpN;  // dK, dV tile: keys kv0.., dims d0..
-  const int d0 = (warp / Tr::kKVWarpsN) * Tr::kKVWarpD;
-  const int dq_m0 = (warp % Tr::kDqWarpsM) * Tr::kDqWarpM;  // dQ tile: queries dq_m0.., dims dq_d0..
-  const int dq_d0 = (warp / Tr::kDqWarpsM) * Tr::kDqWarpD;
-  const std::uint32_t sK_a = smem_addr(sK), sV_a = smem_addr(sV), sQ_a = smem_addr(sQ), sdO_a = smem_addr(sdO);
-  const std::uint32_t sdS_a = smem_addr(sdS), sP_a = smem_addr(sP);
-  const std::uint32_t off_kv_a = SwD::lane_offset(key0 + a_row(lane), a_chunk(lane));           // K, V as A
-  const std::uint32_t off_q_b = SwD::lane_offset(q0 + b_row(lane), b_chunk(lane));              // Q, dO as B
-  const std::uint32_t off_q_bt = SwD::lane_offset(bt_row(lane), d0 / 8 + bt_chunk(lane));       // Q, dO as Bᵀ
-  const std::uint32_t off_s_a = SwM::lane_offset(kv0 + a_row(lane), a_chunk(lane));             // Pᵀ, dSᵀ as A
-  const std::uint32_t off_s_st = SwM::lane_offset(key0 + lane / 4, q0 / 8) + 4 * (lane % 4);    // Sᵀ fragment stores
-  const std::uint32_t off_ds_at = SwM::lane_offset(at_row(lane), dq_m0 / 8 + at_chunk(lane));   // dSᵀ as Aᵀ
-  const std::uint32_t off_k_bt = SwD::lane_offset(bt_row(lane), dq_d0 / 8 + bt_chunk(lane));    // K as Bᵀ
-
-  float acc_dk[kKVMT][kKVNT][4], acc_dv[kKVMT][kKVNT][4];  // (kKVWarpN, kKVWarpD) per warp
-#pragma unroll
-  for (int mt = 0; mt < kKVMT; ++mt)
-#pragma unroll
-    for (int t = 0; t < kKVNT; ++t)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_dk[mt][t][e] = acc_dv[mt][t][e] = 0.0f;
-
-  if (n_iter > 0) load_q_block(0, 0);
-  else cp_async_commit();
-
-  const bool has_softcap = p.softcap > 0.0f;
-  const bool has_dropout = p.dropout_p > 0.0f;
-  const float softcap_inv_scale = has_softcap ? p.scale / p.softcap : 0.0f;
-  const float softcap_log2 = p.softcap * kLog2e;
-
   // kDeferDq on sm90 only: on sm80 (not timed here) ptxas spilled 4 bytes at hdim 256.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr bool kDeferDq = Tr::kDeferDq;
 #else
   constexpr bool kDeferDq = false;
 #endif
-  // kDeferDq: a whole tile's dQ partial (kDqWarpM, kDqWarpD) is kept in registers and reduced
-  // into the accumulator during the next step's Sᵀ products (kDeferRedsPerKk pairs per k step),
-  // so that the reductions drain while the tensor pipe works instead of in one burst before the
-  // step's closing barrier. dq_carry_row: this lane's address in the carried tile, 0 when none
-  // is pending (one register fewer than a separate flag: with the flag ptxas spilled 4 bytes).
-  constexpr int kCarryMT = kDeferDq ? kDqMT : 1, kCarryNT = kDeferDq ? kDqNT : 1;
-  // (nvcc's front end warns that dq_carry may be read before it is set: carry_red runs only while
-  // dq_carry_row != 0, which is set together with dq_carry. Left uninitialised so the registers
-  // stay as measured.)
-  float dq_carry[kCarryMT][kCarryNT][4];
-  std::uintptr_t dq_carry_row = 0;
-  // Reduction pair j (of kDqMT·kDqNT·2) of the carried tile.
-  auto carry_red = [&](int j) {
-    const int mt = j / (2 * kCarryNT), t = j / 2 % kCarryNT, h2 = j % 2;
-    float* r = reinterpret_cast<float*>(dq_carry_row + 4 * ((16 * mt + 8 * h2) * kHeadDim + t * 8));
-    red_dq_pair(r, dq_carry[mt][t][2 * h2], dq_carry[mt][t][2 * h2 + 1]);
-  };
 
-  for (int it = 0; it < n_iter; ++it) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const BwdSmem<T, Tr> sm(smem_raw);
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const BwdKeyBlock<Tr> blk(p);
+  if (blk.empty()) return;
+
+  load_key_block(p, blk, sm);
+  const BwdWarpTiles<Tr> w(warp, lane);
+  DkDv<T, Tr> dkdv;
+  if (blk.n_iter > 0) load_query_tile(p, blk, sm, dsum, 0, 0, tid);
+  else cp_async_commit();
+  DqAccumulator<T, Tr, kDeferDq> dq;
+
+  for (int it = 0; it < blk.n_iter; ++it) {
     const int stage = stages == 1 ? 0 : it % 2;
     cp_async_wait<0>();
     __syncthreads();  // Q, dO of this step landed; every warp is done with the last step's Pᵀ, dSᵀ
-    if (stages == 2 && it + 1 < n_iter) load_q_block(it + 1, (it + 1) % 2);
+    if (stages == 2 && it + 1 < blk.n_iter) load_query_tile(p, blk, sm, dsum, it + 1, (it + 1) % 2, tid);
+    const BwdStep<T, Tr> st(blk, sm, it, stage);
 
-    const std::uint32_t q_a = sQ_a + stage * 2 * Tr::kQElems * 2, do_a = sdO_a + stage * 2 * Tr::kQElems * 2;
-    const float* lse_s = sLse + stage * kBlockM;
-    const float* d_s = sD + stage * kBlockM;
-    const int head = hk * group + it / n_m;
-    const int m_block = m_of(it);
-    const std::int64_t r0 = static_cast<std::int64_t>(m_block) * kBlockM;
-
-    // Dropout keep bits of the (kBlockM, kBlockN) tile, one Philox call per 4 keys (its 4 words)
-    // rather than one per element as a per-fragment evaluation would need (a lane's fragment
-    // holds keys 8 apart).
-    if (has_dropout) {
-#pragma unroll 1
-      for (int word = tid; word < kBlockM * kKeepWords; word += Tr::kNThreads) {  // 512 words at hdim 64
-        const int qr = word / kKeepWords, w = word % kKeepWords;
-        std::uint32_t bits = 0;
-        if (r0 + qr < si.len_q) {
-          const std::uint32_t row_id = detail::dropout_row_id(p, head, si, r0 + qr);
-          const std::uint32_t group0 = static_cast<std::uint32_t>((kb + 32 * w) / 4);
-#pragma unroll 1
-          for (int g = 0; g < 8; ++g) {
-            const detail::Philox4 r = detail::dropout_words(p.seed, p.offset, row_id, group0 + g);
-#pragma unroll
-            for (int c = 0; c < 4; ++c) bits |= static_cast<std::uint32_t>(r.x[c] >= p.dropout_threshold) << (4 * g + c);
-          }
-        }
-        sKeep[qr * kKeepWords + w] = bits;
-      }
+    if (p.dropout_p > 0.0f) {
+      dropout_keep_tile(p, blk, st, sm.keep, tid);
       __syncthreads();
     }
 
-    // dV += P_dropᵀ dO (mma_dv) and dK += dSᵀ Q (mma_dk) over 16 query rows (step kk) for the
-    // warp's (kKVWarpN, kKVWarpD) tile, A operands given.
-    auto mma_dv = [&](int kk, const std::uint32_t(&ap)[kKVMT][4]) {
-#pragma unroll
-      for (int nj = 0; nj < kKVNT / 2; ++nj) {
-        std::uint32_t bo[4];
-        ldsm_x4_t(bo, do_a + SwD::step(off_q_bt, 16 * kk, 2 * nj));
-        const std::uint32_t bo0[2] = {bo[0], bo[1]}, bo1[2] = {bo[2], bo[3]};
-#pragma unroll
-        for (int mt = 0; mt < kKVMT; ++mt) {
-          mma_16816<T>(acc_dv[mt][2 * nj], ap[mt], bo0);
-          mma_16816<T>(acc_dv[mt][2 * nj + 1], ap[mt], bo1);
-        }
-      }
-    };
-    auto mma_dk = [&](int kk, const std::uint32_t(&ads)[kKVMT][4]) {
-#pragma unroll
-      for (int nj = 0; nj < kKVNT / 2; ++nj) {
-        std::uint32_t bq[4];
-        ldsm_x4_t(bq, q_a + SwD::step(off_q_bt, 16 * kk, 2 * nj));
-        const std::uint32_t bq0[2] = {bq[0], bq[1]}, bq1[2] = {bq[2], bq[3]};
-#pragma unroll
-        for (int mt = 0; mt < kKVMT; ++mt) {
-          mma_16816<T>(acc_dk[mt][2 * nj], ads[mt], bq0);
-          mma_16816<T>(acc_dk[mt][2 * nj + 1], ads[mt], bq1);
-        }
-      }
-    };
-
-    // acc (kSWarpN, kNT·8) += A (kSWarpN, kHeadDim) · B (kHeadDim, query columns from 8·t0).
-    auto gemm_s = [&](auto& acc, std::uint32_t a_base, std::uint32_t b_base, int t0, auto&& per_kk) {
-      constexpr int kNT = sizeof(acc[0]) / sizeof(acc[0][0]);
-#pragma unroll
-      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        per_kk(kk);
-        std::uint32_t a[kSMT][4];
-#pragma unroll
-        for (int mt = 0; mt < kSMT; ++mt) ldsm_x4(a[mt], a_base + SwD::step(off_kv_a, 16 * mt, 2 * kk));
-#pragma unroll
-        for (int nj = 0; nj < kNT / 2; ++nj) {
-          std::uint32_t bb[4];
-          ldsm_x4(bb, b_base + SwD::step(off_q_b, 8 * t0 + 16 * nj, 2 * kk));
-          const std::uint32_t b0[2] = {bb[0], bb[1]}, b1[2] = {bb[2], bb[3]};
-#pragma unroll
-          for (int mt = 0; mt < kSMT; ++mt) {
-            mma_16816<T>(acc[mt][2 * nj], a[mt], b0);
-            mma_16816<T>(acc[mt][2 * nj + 1], a[mt], b1);
-          }
-        }
-      }
-    };
-
-    // P = exp2(s·scale·log2 e − lse·log2 e), dropout, dS = P ∘ (dP_drop − D) (∘ (1 − tanh²) under
-    // softcap). Afterwards s holds P_drop and dp holds dS, both (key, query) transposed. A tile
-    // with no mask, softcap, ALiBi or dropout and all its query rows in the sequence (every tile
-    // but the diagonal and the edges at 16k) takes the short form: one FFMA and one MUFU per P.
-    const bool need_mask = band.tile_needs_mask(r0, r0 + kBlockM, kb, kb + kBlockN, si.len_k);
-    const bool plain = !need_mask && r0 + kBlockM <= si.len_q && !has_softcap && !has_dropout && p.alibi == nullptr;
-    // Sᵀ = K Qᵀ (kSWarpN, kSWarpM), then dPᵀ = V dOᵀ in kDpPasses column passes, each followed by
-    // its P, dS and their stores: one product at a time keeps only its fragments live next to
-    // the accumulators and dK, dV (whole 32 × 32 dPᵀ at hdim 128: 32 bytes of spills). Under
-    // kFuseSdP each pass computes its Sᵀ columns together with its dPᵀ (gemm_sdp) instead.
+    const bool need_mask =
+        blk.band.tile_needs_mask(st.r0, st.r0 + Tr::kBlockM, blk.kb, blk.kb + Tr::kBlockN, blk.si.len_k);
+    const bool plain = !need_mask && st.r0 + Tr::kBlockM <= blk.si.len_q && !(p.softcap > 0.0f) &&
+                       !(p.dropout_p > 0.0f) && p.alibi == nullptr;
+    // Sᵀ = K Qᵀ (kSWarpN, kSWarpM) whole, then the dPᵀ passes (score_passes); under kFuseSdP each
+    // pass computes its Sᵀ columns together with its dPᵀ instead.
     float s[kSMT][kSNT][4];
     if constexpr (!Tr::kFuseSdP) {
 #pragma unroll
@@ -546,324 +892,31 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
           for (int e = 0; e < 4; ++e) s[mt][t][e] = 0.0f;
       // Two copies, with and without the carried reductions, each one basic block: reductions
       // under a predicate made ptxas branch around each of them, one block per k step.
-      if (kDeferDq && dq_carry_row != 0) {
-        gemm_s(s, sK_a, q_a, 0, [&](int kk) {
-#pragma unroll
-          for (int j = kk * Tr::kDeferRedsPerKk; j < (kk + 1) * Tr::kDeferRedsPerKk; ++j)
-            if (j < kDqMT * kDqNT * 2) carry_red(j);
-        });
-      } else {
-        gemm_s(s, sK_a, q_a, 0, [](int) {});
-      }
+      if (dq.pending()) gemm_st<T, Tr>(s, smem_addr(sm.k), st.q, w, 0, [&](int kk) { dq.carry_step(kk); });
+      else gemm_st<T, Tr>(s, smem_addr(sm.k), st.q, w, 0, [](int) {});
     }
-    // Fused form: Sᵀ columns 8·t0.. (kNT n8 tiles, into s[.][t0..]) and dPᵀ (dp[.][0..]) in one k
-    // loop over K, Qᵀ, V, dOᵀ fragments.
-    auto gemm_sdp = [&](auto& acc_dp, int t0) {
-      constexpr int kNT = sizeof(acc_dp[0]) / sizeof(acc_dp[0][0]);
-#pragma unroll
-      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        std::uint32_t ak[kSMT][4], av[kSMT][4];
-#pragma unroll
-        for (int mt = 0; mt < kSMT; ++mt) {
-          ldsm_x4(ak[mt], sK_a + SwD::step(off_kv_a, 16 * mt, 2 * kk));
-          ldsm_x4(av[mt], sV_a + SwD::step(off_kv_a, 16 * mt, 2 * kk));
-        }
-#pragma unroll
-        for (int nj = 0; nj < kNT / 2; ++nj) {
-          std::uint32_t bq[4], bd[4];
-          ldsm_x4(bq, q_a + SwD::step(off_q_b, 8 * t0 + 16 * nj, 2 * kk));
-          ldsm_x4(bd, do_a + SwD::step(off_q_b, 8 * t0 + 16 * nj, 2 * kk));
-          const std::uint32_t bq0[2] = {bq[0], bq[1]}, bq1[2] = {bq[2], bq[3]};
-          const std::uint32_t bd0[2] = {bd[0], bd[1]}, bd1[2] = {bd[2], bd[3]};
-#pragma unroll
-          for (int mt = 0; mt < kSMT; ++mt) {
-            mma_16816<T>(s[mt][t0 + 2 * nj], ak[mt], bq0);
-            mma_16816<T>(acc_dp[mt][2 * nj], av[mt], bd0);
-            mma_16816<T>(s[mt][t0 + 2 * nj + 1], ak[mt], bq1);
-            mma_16816<T>(acc_dp[mt][2 * nj + 1], av[mt], bd1);
-          }
-        }
-      }
-    };
-
-    // The dPᵀ passes are compiled twice, short and full form, and picked per tile before their
-    // products: a branch between a pass's products and its elementwise code splits them into
-    // basic blocks that ptxas schedules apart (in the forward that cost 7-10 %, NOTES v3), so one
-    // pass's exp2 could not overlap the last MMAs of its dPᵀ or the next pass's.
-    auto scores = [&](auto plain_tag) {
-      constexpr bool kPlain = decltype(plain_tag)::value;
-      // Per-tile 32-bit forms of the band test and the ALiBi distance: for key `key` and query
-      // column qc of this tile, i + diag - j = qc - key + tile_diag. The 64-bit per-element
-      // indices they replace cost ptxas 64 bytes of spills at hdim 128.
-      const float slope = detail::alibi_slope(p, b, head);
-      const std::int64_t tile_diag64 = r0 + band.diag - kb;
-      auto clamp32 = [](std::int64_t x) {
-        return static_cast<int>(x > INT32_MAX ? INT32_MAX : x < INT32_MIN ? INT32_MIN : x);
-      };
-      const int tile_diag = clamp32(tile_diag64);
-      const int dk_hi = band.right < 0 ? INT32_MAX : clamp32(tile_diag64 + band.right);  // key - qc <= dk_hi
-      const int dk_lo = band.left < 0 ? INT32_MIN : clamp32(tile_diag64 - band.left);   // key - qc >= dk_lo
-      const int rows_valid = static_cast<int>(si.len_q - r0 < kBlockM ? si.len_q - r0 : kBlockM);
-
-      constexpr int kDpNT = kSNT / Tr::kDpPasses;  // n8 tiles of dPᵀ per pass
-#pragma unroll
-      for (int pass = 0; pass < Tr::kDpPasses; ++pass) {
-        const int t0 = pass * kDpNT;
-        float dp[kSMT][kDpNT][4];
-#pragma unroll
-        for (int mt = 0; mt < kSMT; ++mt)
-#pragma unroll
-          for (int t = 0; t < kDpNT; ++t)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              dp[mt][t][e] = 0.0f;
-              if constexpr (Tr::kFuseSdP) s[mt][t0 + t][e] = 0.0f;
-            }
-        if constexpr (Tr::kFuseSdP) gemm_sdp(dp, t0);
-        else gemm_s(dp, sV_a, do_a, t0, [](int) {});
-
-        if constexpr (kPlain) {
-#pragma unroll
-          for (int mt = 0; mt < kSMT; ++mt)
-#pragma unroll
-            for (int t = 0; t < kDpNT; ++t)
-#pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                const int qc = q0 + (t0 + t) * 8 + 2 * (lane % 4) + (e % 2);
-                const float pr = fast_exp2(fmaf(s[mt][t0 + t][e], p.scale_log2, -lse_s[qc] * kLog2e));
-                s[mt][t0 + t][e] = pr;
-                dp[mt][t][e] = pr * (dp[mt][t][e] - d_s[qc]);
-              }
-        } else {
-#pragma unroll
-          for (int mt = 0; mt < kSMT; ++mt)
-#pragma unroll
-            for (int t = 0; t < kDpNT; ++t)
-#pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                const int key = key0 + 16 * mt + lane / 4 + 8 * (e / 2);
-                const int qc = q0 + (t0 + t) * 8 + 2 * (lane % 4) + (e % 2);
-                float& sv = s[mt][t0 + t][e];
-                float s2, dcap = 1.0f;  // score · log2 e; d(score)/d(scale·q·k)
-                if (has_softcap) {
-                  const float th = tanhf(sv * softcap_inv_scale);
-                  s2 = th * softcap_log2;
-                  dcap = 1.0f - th * th;
-                } else {
-                  s2 = sv * p.scale_log2;
-                }
-                if (p.alibi != nullptr) {
-                  const int dist = qc - key + tile_diag;
-                  s2 -= slope * static_cast<float>(dist < 0 ? -dist : dist) * kLog2e;
-                }
-                const bool visible = key < keys_valid && key - qc <= dk_hi && key - qc >= dk_lo;
-                // Rows past the end or with no visible key (lse = -inf) get P = 0 exactly.
-                const float lse = lse_s[qc];
-                const bool live = visible && qc < rows_valid && lse != -INFINITY;
-                const float pr = live ? fast_exp2(s2 - lse * kLog2e) : 0.0f;
-                float dpv = dp[mt][t][e], pdrop = pr;
-                if (has_dropout) {
-                  const bool keep = (sKeep[qc * kKeepWords + key / 32] >> (key % 32)) & 1u;
-                  pdrop = keep ? pr * p.dropout_rescale : 0.0f;
-                  dpv = keep ? dpv * p.dropout_rescale : 0.0f;
-                }
-                sv = pdrop;
-                dp[mt][t][e] = pr * (dpv - d_s[qc]) * dcap;
-              }
-        }
-
-        // dSᵀ (for dK and dQ) and P_dropᵀ (for dV) to shared memory as T, for the warps of the other
-        // two grids.
-#pragma unroll
-        for (int mt = 0; mt < kSMT; ++mt)
-#pragma unroll
-          for (int t = 0; t < kDpNT; ++t)
-#pragma unroll
-            for (int h2 = 0; h2 < 2; ++h2) {
-              const std::uint32_t off = SwM::step(off_s_st, 16 * mt + 8 * h2, t0 + t);
-              sts_b32(sdS_a + off, pack2<T>(dp[mt][t][2 * h2], dp[mt][t][2 * h2 + 1]));
-              sts_b32(sP_a + off, pack2<T>(s[mt][t0 + t][2 * h2], s[mt][t0 + t][2 * h2 + 1]));
-            }
-      }
-    };
-    if (plain) scores(std::true_type{});
-    else scores(std::false_type{});
+    if (plain) score_passes<true>(s, p, blk, st, sm, w, lane);
+    else score_passes<false>(s, p, blk, st, sm, w, lane);
     __syncthreads();  // Pᵀ, dSᵀ complete
 
-#pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      std::uint32_t ap[kKVMT][4];
-#pragma unroll
-      for (int mt = 0; mt < kKVMT; ++mt) ldsm_x4(ap[mt], sP_a + SwM::step(off_s_a, 16 * mt, 2 * kk));
-      mma_dv(kk, ap);
-    }
-    auto dk_products = [&] {
-#pragma unroll
-      for (int kk = 0; kk < kBlockM / 16; ++kk) {
-        std::uint32_t ads[kKVMT][4];
-#pragma unroll
-        for (int mt = 0; mt < kKVMT; ++mt) ldsm_x4(ads[mt], sdS_a + SwM::step(off_s_a, 16 * mt, 2 * kk));
-        mma_dk(kk, ads);
-      }
-    };
-
-    // dQ partial = dS K, (kBlockM, kHeadDim) over the dQ warp grid in passes of kDqPass columns,
-    // added into the fp32 accumulator.
-    auto dq_products = [&] {
-      const int row = dq_m0 + lane / 4;  // of m tile 0 half 0; + 16·mt + 8·half
-      float* acc_row = dq_acc + (static_cast<std::int64_t>(head) * p.total_q + si.global_q_row0 + r0 + row) * p.d;
-      int* tile_sem = nullptr;
-      int turn = 0;  // how many key blocks added to this query tile before this one
-      if (p.deterministic) {
-        const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
-        tile_sem = sem + (static_cast<std::int64_t>(b) * p.h + head) * m_blocks + m_block;
-        turn = n_block - static_cast<int>(band.key_begin(r0, si.len_k) / kBlockN);
-        if (tid == 0) sem_wait(tile_sem, turn);
-        __syncthreads();
-      }
-      // acc_dq (kDqWarpM, kDqPass) of pass `pass` into the accumulator. Whole tiles of the atomic
-      // path (every row in the sequence, p.d == kHeadDim, so acc_row's rows are kHeadDim long) take
-      // a short form compiled apart: reductions at constant offsets from one address per lane, no
-      // bounds tests. The general form wraps each 8-byte reduction in a branch region with 64-bit
-      // bounds compares and the deterministic test (SASS: ~10-25 instructions and 2-4 branches
-      // each, 16 per warp and step at hdim 64, 128, 32 at 256). Only with one dQ pass (every head
-      // dim now): with two passes at hdim 256 the short form spilled 16-20 bytes on sm_90.
-      constexpr bool kShortAdds = Tr::kDqWarpD == Tr::kDqPass;
-      const bool whole = !p.deterministic && p.d == kHeadDim && r0 + kBlockM <= si.len_q;
-      auto add_dq = [&](const auto& acc_dq, int pass, auto whole_tag) {
-        constexpr bool kWhole = decltype(whole_tag)::value;
-#pragma unroll
-        for (int mt = 0; mt < kDqMT; ++mt)
-#pragma unroll
-          for (int t = 0; t < kDqNT; ++t) {
-            if constexpr (kWhole) {
-#pragma unroll
-              for (int h2 = 0; h2 < 2; ++h2)
-                red_dq_pair(acc_row + dq_d0 + 2 * (lane % 4) + (16 * mt + 8 * h2) * kHeadDim +
-                                pass * Tr::kDqPass + t * 8,
-                            acc_dq[mt][t][2 * h2], acc_dq[mt][t][2 * h2 + 1]);
-            } else {
-              const int col = dq_d0 + pass * Tr::kDqPass + t * 8 + 2 * (lane % 4);
-              if (col >= p.d) continue;
-#pragma unroll
-              for (int h2 = 0; h2 < 2; ++h2) {
-                if (r0 + row + 16 * mt + 8 * h2 >= si.len_q) continue;
-                float* r = acc_row + (16 * mt + 8 * h2) * p.d + col;
-                const float x = acc_dq[mt][t][2 * h2], y = acc_dq[mt][t][2 * h2 + 1];
-                if (p.deterministic) {
-                  __stcg(r, __ldcg(r) + x);
-                  __stcg(r + 1, __ldcg(r + 1) + y);
-                } else {
-                  add_dq_pair(r, x, y);
-                }
-              }
-            }
-          }
-      };
-#pragma unroll
-      for (int pass = 0; pass < Tr::kDqWarpD / Tr::kDqPass; ++pass) {
-        float acc_dq[kDqMT][kDqNT][4];  // (kDqWarpM, kDqPass) per warp
-#pragma unroll
-        for (int mt = 0; mt < kDqMT; ++mt)
-#pragma unroll
-          for (int t = 0; t < kDqNT; ++t)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_dq[mt][t][e] = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk) {
-          std::uint32_t a[kDqMT][4];
-#pragma unroll
-          for (int mt = 0; mt < kDqMT; ++mt) ldsm_x4_t(a[mt], sdS_a + SwM::step(off_ds_at, 16 * kk, 2 * mt));
-#pragma unroll
-          for (int nj = 0; nj < kDqNT / 2; ++nj) {
-            std::uint32_t bk[4];
-            ldsm_x4_t(bk, sK_a + SwD::step(off_k_bt, 16 * kk, pass * Tr::kDqPass / 8 + 2 * nj));
-            const std::uint32_t bk0[2] = {bk[0], bk[1]}, bk1[2] = {bk[2], bk[3]};
-#pragma unroll
-            for (int mt = 0; mt < kDqMT; ++mt) {
-              mma_16816<T>(acc_dq[mt][2 * nj], a[mt], bk0);
-              mma_16816<T>(acc_dq[mt][2 * nj + 1], a[mt], bk1);
-            }
-          }
-        }
-        if constexpr (kDeferDq) {
-          static_assert(kShortAdds, "the carried tile is one whole dQ pass");
-          dq_carry_row = whole ? reinterpret_cast<std::uintptr_t>(acc_row + dq_d0 + 2 * (lane % 4)) : 0;
-          if (whole) {
-#pragma unroll
-            for (int mt = 0; mt < kDqMT; ++mt)
-#pragma unroll
-              for (int t = 0; t < kDqNT; ++t)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) dq_carry[mt][t][e] = acc_dq[mt][t][e];
-          } else {
-            add_dq(acc_dq, pass, std::false_type{});
-            // Defined on every path, so that the carried registers are dead from the reductions
-            // in the Sᵀ products to here (left as they were, they stayed live through the whole
-            // step on this path: 236 bytes of spills).
-#pragma unroll
-            for (int mt = 0; mt < kDqMT; ++mt)
-#pragma unroll
-              for (int t = 0; t < kDqNT; ++t)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) dq_carry[mt][t][e] = 0.0f;
-          }
-        } else if constexpr (kShortAdds) {
-          if (whole) add_dq(acc_dq, pass, std::true_type{});
-          else add_dq(acc_dq, pass, std::false_type{});
-        } else {
-          add_dq(acc_dq, pass, std::false_type{});
-        }
-      }
-      if (p.deterministic) {
-        __threadfence();
-        __syncthreads();
-        if (tid == 0) sem_release(tile_sem, turn + 1);
-      }
-    };
+    dkdv.add_dv(sm, st, w);
     // Order after dV: with two stages dQ comes before dK, as FlashAttention-2 orders them, so that
     // the dK products overlap the dQ reductions in flight instead of the next step's barrier
     // waiting on them. With one stage dK comes first, so that Q and dO are free and the next
     // step's copy overlaps dQ.
     if constexpr (stages == 1) {
-      dk_products();
+      dkdv.add_dk(sm, st, w);
       __syncthreads();
-      if (it + 1 < n_iter) load_q_block(it + 1, 0);
-      dq_products();
+      if (it + 1 < blk.n_iter) load_query_tile(p, blk, sm, dsum, it + 1, 0, tid);
+      dq.accumulate(p, blk, st, sm, w, dq_acc, sem, tid, lane);
     } else {
-      dq_products();
-      dk_products();
+      dq.accumulate(p, blk, st, sm, w, dq_acc, sem, tid, lane);
+      dkdv.add_dk(sm, st, w);
     }
   }
   cp_async_wait<0>();  // a block with no query rows still has K, V in flight
-  if (kDeferDq && dq_carry_row != 0) {
-#pragma unroll
-    for (int j = 0; j < kDqMT * kDqNT * 2; ++j) carry_red(j);
-  }
-
-  // Epilogue: dK = scale · Σ dS q (dS was taken w.r.t. the score scale·q·k), dV as accumulated.
-  // Rows past the end of the sequence and padded head-dim columns are not written.
-  // The sequence's first key row is read again rather than kept from the start: held across the
-  // mainloop it was the one register ptxas spilled (4 bytes) at hdim 256.
-  const std::int64_t k_row = detail::seq_info(p, b).k_row0 + kb;
-  T* dk_g = static_cast<T*>(p.dk) + detail::offset_of(p.dk_stride, b, k_row, hk);
-  T* dv_g = static_cast<T*>(p.dv) + detail::offset_of(p.dv_stride, b, k_row, hk);
-#pragma unroll
-  for (int mt = 0; mt < kKVMT; ++mt)
-#pragma unroll
-    for (int t = 0; t < kKVNT; ++t) {
-      const int col = d0 + t * 8 + 2 * (lane % 4);
-      if (col >= p.d) continue;
-#pragma unroll
-      for (int h2 = 0; h2 < 2; ++h2) {
-        const int key = kv0 + 16 * mt + lane / 4 + 8 * h2;
-        if (key >= keys_valid) continue;
-        *reinterpret_cast<std::uint32_t*>(dk_g + key * p.dk_stride.row + col) =
-            pack2<T>(acc_dk[mt][t][2 * h2] * p.scale, acc_dk[mt][t][2 * h2 + 1] * p.scale);
-        *reinterpret_cast<std::uint32_t*>(dv_g + key * p.dv_stride.row + col) =
-            pack2<T>(acc_dv[mt][t][2 * h2], acc_dv[mt][t][2 * h2 + 1]);
-      }
-    }
+  dq.flush();
+  dkdv.store(p, blk, w, lane);
 }
 
 }  // namespace flashmonoid::cuda::bwd

@@ -19,6 +19,15 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool p
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
                "r"(src_bytes));
 }
+// 4-byte global -> shared copy, zero-filled when !pred (cp.async.cg only takes 16 bytes).
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool pred) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+               "r"(pred ? 4 : 0));
+}
+// The same at a shared-window address.
+__device__ __forceinline__ void cp_async_16_at(std::uint32_t smem, const void* gmem, bool pred) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(pred ? 16 : 0));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
@@ -44,6 +53,11 @@ __device__ __forceinline__ void ldmatrix_x2_trans(std::uint32_t (&r)[2], const v
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
                : "=r"(r[0]), "=r"(r[1])
                : "r"(smem_addr(smem)));
+}
+
+// One 4-byte shared store at a shared-window address (two packed T of a fragment).
+__device__ __forceinline__ void st_shared_b32(std::uint32_t addr, std::uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v));
 }
 
 // D (16x8 fp32) += A (16x16, row) · B (16x8, col). Fragment layouts per the PTX ISA

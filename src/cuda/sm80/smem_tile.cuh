@@ -11,6 +11,27 @@
 
 namespace flashmonoid::cuda {
 
+// Byte offsets in a swizzled (rows, kCols) tile, for ldmatrix and fragment stores. A lane's row
+// address is computed once per operand (lane_offset); the offset of a fragment dr rows and dc
+// 16-byte chunks further is then an XOR and an add of constants (step) instead of a fresh swizzle
+// per address. The offsets exclude the tile's base, so one offset serves every tile of the same
+// shape (K and V, Q and dO): base + step(off, dr, dc). With the backward's mainloop unrolled,
+// per-address swizzles kept ~100 addresses live and spilled at hdim 128 (ptxas, 255 registers,
+// 160 bytes of stack).
+template <int kCols>
+struct SwizzledOffset {
+  static constexpr int kRowBytes = kCols * 2;
+  static_assert(kRowBytes % 128 == 0, "the swizzle's chunk bits (4-6) must not carry into the row");
+  __device__ static __forceinline__ std::uint32_t lane_offset(int row, int chunk) {
+    return row * kRowBytes + (chunk & ~7) * 16 + (((chunk ^ row) & 7) << 4);
+  }
+  // Offset of (row + dr, chunk + dc) from lane_offset(row, chunk): dr a multiple of 8 and the low
+  // three bits of dc disjoint from those of chunk, so adding dc to the chunk is an XOR.
+  __device__ static __forceinline__ std::uint32_t step(std::uint32_t off, int dr, int dc) {
+    return (off ^ ((dc & 7) << 4)) + dr * kRowBytes + (dc & ~7) * 16;
+  }
+};
+
 // Queue the copy of a (kRows, kCols) tile into shared memory, 16 bytes per cp.async, by all
 // kThreads threads. row_ptr(r) gives row r's global address or nullptr for a row outside the
 // tensor; columns at or past cols_valid (the true head dim, a multiple of 8) and missing rows are
@@ -56,6 +77,36 @@ __device__ __forceinline__ void load_rows_async(T* smem, const T* row0, std::int
     // A zero-fill copy reads nothing, so g may point past the tensor there (as CUTLASS's zfill).
     cp_async_16(d, g, col_ok && r < rows_valid);
     g += step;
+  }
+}
+
+// load_rows_async for a row step that is a multiple of 8 (the backward's K, V, Q and dO tiles),
+// with fewer live registers: row r at row0 + r·row_stride, rows at or past rows_valid missing. Each thread copies
+// the same chunk column of rows r0 + it·kRowStep (kThreads is a multiple of the chunks per row),
+// so its swizzle is the same for all of them and only one shared and one global address are live
+// per tile (per-chunk addresses cost ~50 registers at hdim 256 when the compiler hoisted them out
+// of the backward's mainloop), and the column and row tests are one int, rows_left. Per-copy
+// products and separate tests took ~16 SASS instructions per cp.async (backward hdim 256: 262 for
+// the 16 Q/dO copies of a step, now 203).
+template <int kRows, int kCols, int kThreads, class T>
+__device__ __forceinline__ void load_rows_async_folded(T* smem, const T* row0, std::int64_t row_stride, int rows_valid,
+                                                int cols_valid) {
+  constexpr int kChunks = kCols / 8;
+  constexpr int kRowStep = kThreads / kChunks;
+  static_assert(kThreads % kChunks == 0 && kRowStep % 8 == 0 && kRows % kRowStep == 0,
+                "each thread must copy one chunk column of evenly spaced rows, 8-row aligned for the swizzle");
+  const int r0 = static_cast<int>(threadIdx.x) / kChunks, c = static_cast<int>(threadIdx.x) % kChunks * 8;
+  const std::uint32_t dst = smem_addr(smem + swizzled<kCols>(r0, c));
+  const T* src = row0 + r0 * row_stride + c;
+  const std::int64_t step = kRowStep * row_stride;
+  // load_rows_async's separate tests held a flag and a bound per tile; in the backward they
+  // spilled 8-28 bytes (ptxas, sm_90).
+  const int rows_left = c < cols_valid ? rows_valid - r0 : 0;  // copy it is in the tile iff it·kRowStep < rows_left
+#pragma unroll
+  for (int it = 0; it < kRows / kRowStep; ++it) {
+    const bool pred = it * kRowStep < rows_left;
+    cp_async_16_at(dst + it * kRowStep * kCols * 2, pred ? src : row0, pred);
+    src += step;
   }
 }
 

@@ -28,6 +28,7 @@ struct LdsmLane {
   __device__ __forceinline__ LdsmLane(std::uint32_t base_) : base(base_) {}
   // The same lane in a tile `bytes` further on (a K/V ring stage; a multiple of 128).
   __device__ __forceinline__ LdsmLane plus(std::uint32_t bytes) const { return LdsmLane(base + bytes); }
+  // = SwizzledOffset<kCols>::step(base, rows, 2·step) (smem_tile.cuh), written out as tuned.
   __device__ __forceinline__ std::uint32_t at(int rows, int step) const {
     return (base ^ ((step & 3) << 5)) + (step >> 2) * 128 + rows * kRowBytes;
   }
@@ -59,6 +60,16 @@ template <int kHeadDim>
 __device__ __forceinline__ LdsmLane<kHeadDim> v_lane(const void* sV, int lane) {
   return LdsmLane<kHeadDim>(sV, lane & 15, lane >> 4);
 }
+
+// The same patterns for any operand, as (row, 16-byte chunk) of the lane in its tile:
+//   A (16 rows x k16) from a (row, k) tile, and B via .trans from a (k, n) tile (k as rows): q_lane.
+//   B (two n8 tiles x k16) from an (n, k) tile, and A via .trans from a (k, m) tile: k_lane.
+// (Written apart from q_lane/k_lane/v_lane: routing those through these moved the forward's
+// score-mod kernels by +32-104 SASS instructions at hdim 64, ptxas sm_90.)
+__device__ __forceinline__ int ldsm_a_row(int lane) { return lane & 15; }
+__device__ __forceinline__ int ldsm_a_chunk(int lane) { return lane >> 4; }
+__device__ __forceinline__ int ldsm_b_row(int lane) { return (lane & 7) + (lane >> 4) * 8; }
+__device__ __forceinline__ int ldsm_b_chunk(int lane) { return (lane >> 3) & 1; }
 
 // Q (16·kMTiles, kHeadDim) of one warp as A fragments: (16, 16) per m tile and k step.
 template <int kHeadDim, int kMTiles>
