@@ -90,23 +90,4 @@ struct WorkTiles {
   }
 };
 
-// The backward's view: the query blocks of kBlockM rows that see at least one of the keys
-// [kb, kb + keys_valid) (row i sees [i + diag - left, i + diag + right]), as blocks [lo, hi).
-struct QueryBlocks {
-  int lo = 0, hi = 0;
-  __device__ __forceinline__ int count() const { return hi - lo; }
-};
-
-template <int kBlockM>
-__device__ __forceinline__ QueryBlocks query_blocks(const detail::Band& band, std::int64_t kb, int keys_valid, int len_q) {
-  std::int64_t row_lo = band.right < 0 ? 0 : kb - band.diag - band.right;
-  std::int64_t row_hi = band.left < 0 ? len_q : kb + keys_valid - band.diag + band.left;
-  row_lo = row_lo < 0 ? 0 : row_lo;
-  row_hi = row_hi > len_q ? len_q : row_hi;
-  QueryBlocks q;
-  q.lo = static_cast<int>(row_lo / kBlockM);
-  q.hi = row_hi > row_lo ? static_cast<int>((row_hi + kBlockM - 1) / kBlockM) : q.lo;
-  return q;
-}
-
 }  // namespace flashmonoid::cuda

@@ -225,26 +225,4 @@ __device__ __forceinline__ void apply_dropout(float (&s)[kMTiles][kNTiles][4], c
       }
 }
 
-// The band of one (query block, key block) tile in 32-bit tile-relative coordinates: query i0 + di
-// sees key j0 + dj iff lo <= dj - di <= hi and j0 + dj < len_k (detail::Band::visible rewritten
-// for offsets: i + diag - left <= j <= i + diag + right). Any fragment layout can test its
-// elements with it, rows being queries or keys.
-struct TileBand {
-  int lo, hi, keys;  // keys: valid keys from j0 on
-
-  __device__ __forceinline__ TileBand(const detail::Band& band, std::int64_t i0, std::int64_t j0, int len_k) {
-    auto clamp32 = [](std::int64_t x) {
-      return static_cast<int>(x > INT32_MAX ? INT32_MAX : (x < INT32_MIN ? INT32_MIN : x));
-    };
-    const std::int64_t diag = i0 + band.diag - j0;
-    hi = band.right < 0 ? INT32_MAX : clamp32(diag + band.right);
-    lo = band.left < 0 ? INT32_MIN : clamp32(diag - band.left);
-    keys = clamp32(len_k - j0);
-  }
-  __device__ __forceinline__ bool visible(int di, int dj) const {
-    const int t = dj - di;
-    return t >= lo && t <= hi && dj < keys;
-  }
-};
-
 }  // namespace flashmonoid::cuda

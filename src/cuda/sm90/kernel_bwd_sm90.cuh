@@ -189,13 +189,13 @@ struct BwdWork {
   int keys_valid;
   detail::SeqInfo si;
   detail::Band band;
-  QueryBlocks qb;
+  QueryTiles qb;
 
   __device__ __forceinline__ BwdWork(const detail::FwdParams& p, int batch_head, int n_block)
       : b(batch_head / p.h_k), kv_head(batch_head % p.h_k), group(p.h / p.h_k),
         kb(static_cast<std::int64_t>(n_block) * kBlockN), si(detail::seq_info(p, b)), band(detail::band_of(p, si)) {
     keys_valid = kb < si.len_k ? static_cast<int>(si.len_k - kb < kBlockN ? si.len_k - kb : kBlockN) : 0;
-    qb = query_blocks<kBlockM>(band, kb, keys_valid, si.len_q);
+    qb = query_tiles<kBlockM>(band, kb, kb + keys_valid, si.len_q);
   }
   __device__ __forceinline__ bool empty() const { return keys_valid == 0; }
   __device__ __forceinline__ int steps() const { return qb.count() * group; }
@@ -310,7 +310,8 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
     const float* lse = sm.lse(stage);
     const float* dsum = sm.dsum(stage);
     const bool masked = w.band.tile_needs_mask(m0, m0 + kBlockM, w.kb, w.kb + kBlockN, w.si.len_k);
-    const TileBand tb(w.band, m0, w.kb, w.si.len_k);
+    // Padding query rows need no test: their lse is +inf.
+    const TileBand tb(w.band, m0, w.kb, kBlockM, w.si.len_k - static_cast<int>(w.kb));
     wgmma_wait<1>();
     fence_regs(flat(s));
 #pragma unroll
@@ -320,7 +321,7 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float x = fmaf(s[0][nt][e], p.scale_log2, -(e & 1 ? l.y : l.x));
-        if (masked && !tb.visible(c + (e & 1), key_row + 8 * (e / 2))) x = -INFINITY;
+        if (masked && !tb.key_visible(c + (e & 1), key_row + 8 * (e / 2))) x = -INFINITY;
         s[0][nt][e] = fast_exp2(x);
       }
     }
