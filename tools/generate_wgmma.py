@@ -8,8 +8,8 @@ the output is committed."""
 import pathlib
 
 # The N the kernels use: S = QKᵀ over 80 or 128 keys, O = PV over head dims 64/128/256, the GEMM test
-# 256; the backward's Sᵀ = KQᵀ over 64 or 128 queries and dK, dV, dQ over 64 or 128 columns.
-N_VALUES = [64, 80, 128, 256]
+# 256; the backward's Sᵀ = KQᵀ over 64 queries, dK and dV over the head dim, dQ over half of it.
+N_VALUES = [32, 64, 80, 128, 256]
 TYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
 
 

@@ -51,19 +51,19 @@ __device__ __forceinline__ std::int64_t padded_row0(const detail::FwdParams& p, 
   return static_cast<std::int64_t>(b) * ((p.seqlen_q + kBlockM - 1) / kBlockM) * kBlockM;
 }
 
-// Where element (row r, column c) of a (kBlockM, kHeadDim) dQ tile sits in its accumulator block:
-// warpgroup w's 64 × 64 half is 8 float4 per thread, float4 j of thread t at (8·w + j)·128 + t
-// (hdim 128: the halves are column halves, hdim 64 with 128 queries: row halves). Within a half the
-// wgmma accumulator layout: warp r/16, lane 4·(r%8) + (c%8)/2, element (c&1) + 2·((r/8)&1) of
-// column tile c/8.
+// Where element (row r, column c) of a (kBlockM = 64, kHeadDim) dQ tile sits in its accumulator
+// block: consumer w's column half (kHeadDim / 2 columns from w·kHeadDim / 2) is kHeadDim / 16
+// float4 per thread, float4 j of thread t at (w·kHeadDim / 16 + j)·128 + t, so that the staging
+// stores are conflict-free. Within a half the wgmma accumulator layout: warp r/16, lane
+// 4·(r%8) + (c%8)/2, element (c&1) + 2·((r/8)&1) of column tile c/8.
 template <int kBlockM, int kHeadDim>
 __host__ __device__ __forceinline__ int dq_fragment_index(int r, int c) {
-  static_assert(kBlockM * kHeadDim == 2 * 64 * 64, "two 64 × 64 halves, one per consumer warpgroup");
-  constexpr bool kRowHalves = kBlockM == 128;
-  const int w = kRowHalves ? r / 64 : c / 64, lr = r % 64, lc = c % 64;
-  const int t = (lr / 16) * 32 + (lr % 8) * 4 + (lc % 8) / 2;
-  const int e = (lc & 1) + 2 * ((lr / 8) & 1);
-  return ((8 * w + lc / 8) * 128 + t) * 4 + e;
+  static_assert(kBlockM == 64, "one 64-row wgmma tile of queries, split by columns between the consumers");
+  constexpr int kHalf = kHeadDim / 2;
+  const int w = c / kHalf, lc = c % kHalf;
+  const int t = (r / 16) * 32 + (r % 8) * 4 + (lc % 8) / 2;
+  const int e = (lc & 1) + 2 * ((r / 8) & 1);
+  return ((w * (kHalf / 8) + lc / 8) * 128 + t) * 4 + e;
 }
 
 // The row kernels' thread: kHeadDim / 8 lanes (8 columns each) per (query row i, head, batch b),
@@ -204,7 +204,7 @@ struct BwdWork {
 };
 
 // Named barriers (0 is __syncthreads): the dSᵀ tile is free / written (both consumers), and each
-// consumer's dQ staging buffer.
+// consumer's dQ staging buffer (3, 4).
 inline constexpr int kBarDsFree = 1, kBarDsFull = 2, kBarDq = 3;
 
 }  // namespace sm90
@@ -218,11 +218,10 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
   constexpr int kBlockM = kTile.block_m, kBlockN = kTile.block_n, kStages = kTile.q_stages;
   constexpr int kSTiles = kBlockM / 8, kDTiles = kHeadDim / 8;
   constexpr int kPanels = kHeadDim / kPanelCols;
-  static_assert(kHeadDim % kPanelCols == 0 && kBlockM % 64 == 0 && kBlockN == 128, "whole 64-wide panels");
+  static_assert(kHeadDim % kPanelCols == 0 && kBlockM == 64 && kBlockN == 128, "whole 64-wide panels");
 
   const detail::BwdParams& p = args.p;
-  const BwdWork<kBlockM, kBlockN> w(p, blockIdx.x, blockIdx.y);
-  if (w.empty()) return;  // a varlen sequence shorter than this key block
+  if (BwdWork<kBlockM, kBlockN>(p, blockIdx.x, blockIdx.y).empty()) return;  // a varlen sequence shorter than this key block
 
   extern __shared__ unsigned char smem_raw[];
   const Smem sm(smem_raw);
@@ -230,10 +229,13 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
   __syncthreads();
 
   const int warpgroup = threadIdx.x / 128;
-  const int batch_coord = p.is_varlen() ? 0 : w.b;  // varlen tensors are one batch entry of packed rows
+  // Each role derives its work after its register reallocation: values computed before it stay
+  // live across it and cost the 24-register producer spills.
   if (warpgroup == 0) {
     regs_dealloc<kTile.producer_regs>();
     if (threadIdx.x != 0) return;
+    const BwdWork<kBlockM, kBlockN> w(p, blockIdx.x, blockIdx.y);
+    const int batch_coord = p.is_varlen() ? 0 : w.b;  // varlen tensors are one batch entry of packed rows
     prefetch_tensor_map(&args.tm_q);
     prefetch_tensor_map(&args.tm_do);
     // K and V once; keys past the sequence belong to the next one (or read as zeros): masked.
@@ -269,19 +271,22 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
   }
 
   regs_alloc<kTile.consumer_regs>();
+  const BwdWork<kBlockM, kBlockN> w(p, blockIdx.x, blockIdx.y);
   const int consumer = warpgroup - 1;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   // This warpgroup's keys: rows [64·consumer, 64·consumer + 64) of the K and V panels.
   const std::uint32_t k_addr = smem_addr(sm.k()), v_addr = smem_addr(sm.v()), ds_addr = smem_addr(sm.ds());
   const std::uint32_t k_own = k_addr + 64 * consumer * kPanelRowBytes, v_own = v_addr + 64 * consumer * kPanelRowBytes;
-  // Its dQ half: rows (hdim 64, 128 queries) or columns (hdim 128) [64·consumer, +64): the dSᵀ
-  // panel of those queries (A, M-major) and the K panel of those columns (B, N-major).
-  constexpr bool kRowHalves = kBlockM == 128;
-  const std::uint32_t dq_a = ds_addr + (kRowHalves ? consumer : 0) * kBlockN * kPanelRowBytes;
-  const std::uint32_t dq_b = k_addr + (kRowHalves ? 0 : consumer) * kBlockN * kPanelRowBytes;
+  // Its dQ half: columns [kDqN·consumer, +kDqN) over all the block's keys, A the dSᵀ tile
+  // (M-major), B those columns of K (N-major; at hdim 64 the second half starts 64 bytes into the
+  // swizzled lines, an offset within the swizzle atom as the K-major k steps take).
+  constexpr int kDqN = kHeadDim / 2;
+  const std::uint32_t dq_a = ds_addr;
+  const int dq_col = kDqN * consumer;
+  const std::uint32_t dq_b = k_addr + (dq_col / kPanelCols) * kBlockN * kPanelRowBytes + (dq_col % kPanelCols) * 2;
   // Key of this thread's accumulator rows (half h: +8), relative to the block.
   const int key_row = 64 * consumer + 16 * warp + lane / 4;
-  const std::int64_t prow0 = padded_row0<kBlockM>(p, w.b);
+
 
   float dk[1][kDTiles][4] = {};  // (64 keys, kHeadDim) per warpgroup, unscaled
   float dv[1][kDTiles][4] = {};
@@ -334,7 +339,7 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) dp[0][nt][e] = s[0][nt][e] * (dp[0][nt][e] - (e & 1 ? d.y : d.x));
     }
-    std::uint32_t pa[kSTiles / 2][4], dsa[kSTiles / 2][4];
+    std::uint32_t pa[kSTiles / 2][4], dsa[kSTiles / 2][4];  // Pᵀ and dSᵀ as A fragments
     p_fragments<T>(pa, s);
     p_fragments<T>(dsa, dp);
 
@@ -365,7 +370,7 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
     wgmma_commit();
     fence_async_shared();
     named_sync(kBarDsFull, 256);
-    float dq[1][8][4];
+    float dq[1][kDqN / 8][4];
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk)
       wgmma_ss<1, 1>(flat(dq), desc_mn_major(dq_a, kBlockN, kk), desc_mn_major(dq_b, kBlockN, kk), T{}, kk > 0);
@@ -383,18 +388,20 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
 
     // The dQ half to the accumulator: staged in fragment order (16 KB, buffer step % 2, whose
     // reduction of two steps ago must have been read), then one bulk reduction.
-    float* dq_s = sm.dq(step & 1) + consumer * 64 * 64;
+    float* dq_s = sm.dq(step & 1) + consumer * 64 * kDqN;
     if (tid == 0) ::cuda::ptx::cp_async_bulk_wait_group_read(::cuda::ptx::n32_t<1>{});
     named_sync(kBarDq + consumer, 128);
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < kDqN / 8; ++j)
       *reinterpret_cast<float4*>(dq_s + (j * 128 + tid) * 4) = make_float4(dq[0][j][0], dq[0][j][1], dq[0][j][2], dq[0][j][3]);
     fence_async_shared();
     named_sync(kBarDq + consumer, 128);
     if (tid == 0) {
-      float* dst = args.dq_acc + (static_cast<std::int64_t>(head) * args.rows + prow0 + m0) * kHeadDim + consumer * 64 * 64;
+      // (The padded row is re-derived here: kept live across the loop it cost registers.)
+      const std::int64_t row = static_cast<std::int64_t>(head) * args.rows + padded_row0<kBlockM>(p, w.b) + m0;
+      float* dst = args.dq_acc + row * kHeadDim + consumer * 64 * kDqN;
       ::cuda::ptx::cp_reduce_async_bulk(::cuda::ptx::space_global, ::cuda::ptx::space_shared, ::cuda::ptx::op_add, dst, dq_s,
-                                        64 * 64 * sizeof(float));
+                                        64 * kDqN * sizeof(float));
       ::cuda::ptx::cp_async_bulk_commit_group();
     }
   }
