@@ -21,7 +21,7 @@ inline bool bwd_sm90_eligible(const detail::BwdParams& p) {
 }
 
 // The workspace, fp32, each part 256-byte aligned. Query rows are padded per sequence to whole
-// blocks (`rows` per head covers every sequence's padded blocks for both block heights, 64 and 128):
+// blocks (`rows` per head covers every sequence's padded blocks of up to 128 rows):
 //   lse    (h, rows)  lse·log2(e) of each query row; +inf on padding rows and rows that saw no key,
 //                     so that their P = exp2(s - lse) is 0
 //   dsum   (h, rows)  D = rowsum(dO∘O), 0 on padding rows

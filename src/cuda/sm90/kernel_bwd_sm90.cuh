@@ -10,9 +10,9 @@
 //        dV += Pᵀ dO, dK += dSᵀ Q          wgmma with Pᵀ, dSᵀ from registers; dK, dV stay in fp32
 //                                          registers for the whole block (the GQA sum included)
 //        dQ = dS K                         dSᵀ through shared memory (both warpgroups' keys), each
-//                                          warpgroup a 64 × 64 half of the (kBlockM, head dim) tile
+//                                          warpgroup a column half of the (64, head dim) tile
 //      and each dQ half goes to the accumulator with one bulk reduction (cp.reduce.async.bulk .add.f32,
-//      16 KB, in the fragments' own order so that the shared-memory writes are conflict-free).
+//      8 or 16 KB, in the fragments' own order so that the shared-memory writes are conflict-free).
 //   3. bwd_convert_dq_sm90: dq = scale · accumulator in the input dtype, undoing the fragment order.
 #pragma once
 
