@@ -77,9 +77,7 @@ Tasks make_tasks(const FwdParams& p) {
 // kn.panel columns, panel after panel (a panel is (rows, panel), contiguous). Repacking them for
 // every query block took 40% of the forward's time at d = 64 (perf, s = 4k); packing once costs
 // O(total_k·h_k·d) memory, the O(N·d) that the issue allows, and GQA groups share it.
-// Panels rather than rows of kBlockN floats: a row-major Kᵀ tile has rows 512 B apart, so the
-// (d, 16) column panel a micro-kernel streams 16 row blocks over fell into 8 of L1's 64 sets
-// (8 ways: exactly its 64 lines, evicted by anything else there); V's 256 B rows into 16 sets.
+// Panels (tiles::to_panels): +4-17% at s = 2k, one thread, over row-major tiles.
 struct PackedKV {
   int d = 0, dp = 0, panel = 0, vp = 0;  // vp: dp rounded up to whole panels
   std::vector<std::int64_t> first;  // (batch + 1) first key block of batch entry b
@@ -106,18 +104,6 @@ void size_packed(const FwdParams& p, int panel, PackedKV& kv) {
   kv.v = std::make_unique_for_overwrite<float[]>(static_cast<std::size_t>(n_tiles) * kBlockN * kv.vp);
 }
 
-// dst <- src (rows, cols), row stride ld, as panels of `panel` columns: element (r, c) at
-// dst[(c / panel)·rows·panel + r·panel + c % panel]; columns [cols, panels·panel) zeroed.
-void to_panels(const float* src, int rows, int cols, int ld, int panel, float* dst) {
-  for (int j = 0; j < cols; j += panel)
-    for (int r = 0; r < rows; ++r) {
-      float* out = dst + static_cast<std::int64_t>(j) * rows + r * panel;
-      const int w = std::min(panel, cols - j);
-      std::copy(src + static_cast<std::int64_t>(r) * ld + j, src + static_cast<std::int64_t>(r) * ld + j + w, out);
-      std::fill(out + w, out + panel, 0.0f);
-    }
-}
-
 void pack_tile(const FwdParams& p, PackedKV& kv, std::int64_t t, float* row, float* staging) {
   const std::int64_t block_global = t / p.h_k;
   const int hk = static_cast<int>(t % p.h_k);
@@ -129,16 +115,9 @@ void pack_tile(const FwdParams& p, PackedKV& kv, std::int64_t t, float* row, flo
   auto k_row = [&](int r) { return detail::kv_offset(p, p.k_stride, b, si.k_row0 + j0 + r, hk); };
   auto v_row = [&](int r) { return detail::kv_offset(p, p.v_stride, b, si.k_row0 + j0 + r, hk); };
   tiles::load_rows_transposed(p.k, p.dtype, k_row, n, p.d, kBlockN, 1.0f, row, staging);
-  to_panels(staging, p.d, kBlockN, kBlockN, kv.panel, kv.kt_tile(t));
+  tiles::to_panels(staging, p.d, kBlockN, kBlockN, kv.panel, kv.kt_tile(t));
   tiles::load_rows(p.v, p.dtype, v_row, n, kBlockN, p.d, kv.dp, 1.0f, staging);
-  to_panels(staging, kBlockN, kv.dp, kv.dp, kv.panel, kv.v_tile(t));
-}
-
-// C (M, N) (+)= A (M, K) · B (K, N), B the first K rows of panels of (rows, panel) (to_panels).
-void gemm_panels(GemmFn gemm, int M, int N, int K, const float* A, int lda, const float* B, int rows, int panel,
-                 float* C, int ldc) {
-  for (int j = 0; j < N; j += panel)
-    gemm(M, std::min(panel, N - j), K, A, lda, B + static_cast<std::int64_t>(j) * rows, panel, C + j, ldc);
+  tiles::to_panels(staging, kBlockN, kv.dp, kv.dp, kv.panel, kv.v_tile(t));
 }
 
 // One thread's tiles. dp = d rounded up to the 8-wide vector.
@@ -219,7 +198,7 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
     const std::int64_t tile = kv.tile(it.b, j0 / kBlockN, hk, p.h_k);
 
     // S (m, kBlockN) = (scale · Q) (m, d) · Kᵀ (d, kBlockN)
-    gemm_panels(kn.gemm, m, kBlockN, d, ws.q.data(), d, kv.kt_tile(tile), d, kv.panel, ws.s.data(), kBlockN);
+    tiles::gemm_panels(kn.gemm, m, kBlockN, d, ws.q.data(), d, kv.kt_tile(tile), d, kv.panel, ws.s.data(), kBlockN);
 
     const bool needs_mask = band.tile_needs_mask(i0, i0 + m, j0, j0 + n, si.len_k);
     // The K/V tiles of one head (1 MiB at s = 2k, d = 64) exceed L2 and come from L3 for every
@@ -248,7 +227,7 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
     for (int r = 0; r < m; ++r)
       if (ws.alpha[r] != 1.0f) kn.scale_row(ws.o.data() + r * dp, dp, ws.alpha[r]);
     // O (m, dp) += P (m, n) · V (n, dp)
-    gemm_panels(kn.gemm_acc, m, dp, n, ws.s.data(), kBlockN, kv.v_tile(tile), kBlockN, kv.panel, ws.o.data(), dp);
+    tiles::gemm_panels(kn.gemm_acc, m, dp, n, ws.s.data(), kBlockN, kv.v_tile(tile), kBlockN, kv.panel, ws.o.data(), dp);
   }
   return m;
 }
