@@ -82,8 +82,9 @@ struct PackedKV {
   int d = 0, dp = 0, panel = 0, vp = 0;  // vp: dp rounded up to whole panels
   std::vector<std::int64_t> first;  // (batch + 1) first key block of batch entry b
   // Uninitialised: pack_tile writes every element, so the pages are first touched by the threads
-  // that pack them; a zero fill by the calling thread was 3% of a 1-thread call at s = 1k, d = 64
-  // (perf: clear_page, page faults), all of it serial before the parallel region.
+  // that pack them rather than zero-filled by the calling thread before the parallel region
+  // (clear_page and page faults: ~3% of a 1-thread call at s = 1k, d = 64; no gain measurable at
+  // 2 threads on the 2-core VM).
   std::unique_ptr<float[]> kt, v;
 
   std::int64_t tile(int b, std::int64_t block, int hk, int h_k) const { return (first[b] + block) * h_k + hk; }
