@@ -31,7 +31,7 @@ using tiles::kLanes;
 // kBlockN is a multiple of 4 so that tiles start on a Philox column group.
 constexpr int kBlockM = 96;
 constexpr int kBlockN = 128;
-static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of the 16-column micro-kernel panel");
+static_assert(kBlockN % 32 == 0, "kBlockN must be a multiple of the micro-kernels' panels (Kernels::panel)");
 
 // (batch, head, query block) items; sequences differ in length under varlen, so the items of
 // batch entry b start at first[b]. When items are few (b·h small, short sequences) each item's
@@ -73,31 +73,39 @@ Tasks make_tasks(const FwdParams& p) {
 }
 
 // K and V of every (batch, KV head) converted to fp32 once, in the layouts the products read:
-// Kᵀ tiles (d, kBlockN) and V tiles (kBlockN, dp), zero-padded. Repacking them for every query
-// block took 40% of the forward's time at d = 64 (perf, s = 4k); packing once costs O(total_k·h_k·d)
-// memory, the O(N·d) that the issue allows, and GQA groups share it.
+// Kᵀ tiles (d, kBlockN) and V tiles (kBlockN, dp), zero-padded, each stored as column panels of
+// kn.panel columns, panel after panel (a panel is (rows, panel), contiguous). Repacking them for
+// every query block took 40% of the forward's time at d = 64 (perf, s = 4k); packing once costs
+// O(total_k·h_k·d) memory, the O(N·d) that the issue allows, and GQA groups share it.
+// Panels (tiles::to_panels): +4-17% at s = 2k, one thread, over row-major tiles.
 struct PackedKV {
-  int d = 0, dp = 0;
+  int d = 0, dp = 0, panel = 0, vp = 0;  // vp: dp rounded up to whole panels
   std::vector<std::int64_t> first;  // (batch + 1) first key block of batch entry b
-  std::vector<float> kt, v;
+  // Uninitialised: pack_tile writes every element, so the pages are first touched by the threads
+  // that pack them rather than zero-filled by the calling thread before the parallel region
+  // (clear_page and page faults: ~3% of a 1-thread call at s = 1k, d = 64; no gain measurable at
+  // 2 threads on the 2-core VM).
+  std::unique_ptr<float[]> kt, v;
 
   std::int64_t tile(int b, std::int64_t block, int hk, int h_k) const { return (first[b] + block) * h_k + hk; }
-  const float* kt_tile(std::int64_t t) const { return kt.data() + t * d * kBlockN; }
-  const float* v_tile(std::int64_t t) const { return v.data() + t * kBlockN * dp; }
+  float* kt_tile(std::int64_t t) const { return kt.get() + t * d * kBlockN; }
+  float* v_tile(std::int64_t t) const { return v.get() + t * kBlockN * vp; }
 };
 
 // Sizes kv for p; pack_tile() fills tile t (key block t / h_k, KV head t % h_k).
-void size_packed(const FwdParams& p, PackedKV& kv) {
+void size_packed(const FwdParams& p, int panel, PackedKV& kv) {
   kv.d = p.d;
   kv.dp = tiles::round_up(p.d, kLanes);
+  kv.panel = panel;
+  kv.vp = tiles::round_up(kv.dp, panel);
   kv.first.assign(p.batch + 1, 0);
   for (int b = 0; b < p.batch; ++b) kv.first[b + 1] = kv.first[b] + (seq_info(p, b).len_k + kBlockN - 1) / kBlockN;
   const std::int64_t n_tiles = kv.first.back() * p.h_k;
-  kv.kt.resize(static_cast<std::size_t>(n_tiles) * p.d * kBlockN);
-  kv.v.resize(static_cast<std::size_t>(n_tiles) * kBlockN * kv.dp);
+  kv.kt = std::make_unique_for_overwrite<float[]>(static_cast<std::size_t>(n_tiles) * p.d * kBlockN);
+  kv.v = std::make_unique_for_overwrite<float[]>(static_cast<std::size_t>(n_tiles) * kBlockN * kv.vp);
 }
 
-void pack_tile(const FwdParams& p, PackedKV& kv, std::int64_t t, float* row) {
+void pack_tile(const FwdParams& p, PackedKV& kv, std::int64_t t, float* row, float* staging) {
   const std::int64_t block_global = t / p.h_k;
   const int hk = static_cast<int>(t % p.h_k);
   const int b = static_cast<int>(std::upper_bound(kv.first.begin(), kv.first.end(), block_global) - kv.first.begin()) - 1;
@@ -107,8 +115,10 @@ void pack_tile(const FwdParams& p, PackedKV& kv, std::int64_t t, float* row) {
   // Rows through detail::kv_offset: a KV cache's batch index or block table, when there is one.
   auto k_row = [&](int r) { return detail::kv_offset(p, p.k_stride, b, si.k_row0 + j0 + r, hk); };
   auto v_row = [&](int r) { return detail::kv_offset(p, p.v_stride, b, si.k_row0 + j0 + r, hk); };
-  tiles::load_rows_transposed(p.k, p.dtype, k_row, n, p.d, kBlockN, 1.0f, row, kv.kt.data() + t * p.d * kBlockN);
-  tiles::load_rows(p.v, p.dtype, v_row, n, kBlockN, p.d, kv.dp, 1.0f, kv.v.data() + t * kBlockN * kv.dp);
+  tiles::load_rows_transposed(p.k, p.dtype, k_row, n, p.d, kBlockN, 1.0f, row, staging);
+  tiles::to_panels(staging, p.d, kBlockN, kBlockN, kv.panel, kv.kt_tile(t));
+  tiles::load_rows(p.v, p.dtype, v_row, n, kBlockN, p.d, kv.dp, 1.0f, staging);
+  tiles::to_panels(staging, kBlockN, kv.dp, kv.dp, kv.panel, kv.v_tile(t));
 }
 
 // One thread's tiles. dp = d rounded up to the 8-wide vector.
@@ -118,11 +128,14 @@ struct Workspace {
   std::vector<float> s;   // (kBlockM, kBlockN) scores, then probabilities
   std::vector<float> o;   // (kBlockM, dp)  unnormalised output
   std::vector<float> row;  // (d)       staging row for packing
+  std::vector<float> staging;   // (max(d, kBlockN), max(kBlockN, dp))  a K or V tile before to_panels
   std::vector<RowState> state;  // (kBlockM)
   std::vector<float> alpha;     // (kBlockM)  rescale of o for the current key block
   explicit Workspace(int d_)
       : d(d_), dp(tiles::round_up(d_, kLanes)), q(kBlockM * d), s(kBlockM * kBlockN),
-        o(static_cast<std::size_t>(kBlockM) * dp), row(d_), state(kBlockM), alpha(kBlockM) {}
+        o(static_cast<std::size_t>(kBlockM) * dp), row(d_),
+        staging(static_cast<std::size_t>(std::max(d_, kBlockN)) * std::max(kBlockN, dp)), state(kBlockM),
+        alpha(kBlockM) {}
 };
 
 // Score transforms in the order detail/mask.hpp defines them, on row i (in the sequence) of the
@@ -186,13 +199,13 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
     const std::int64_t tile = kv.tile(it.b, j0 / kBlockN, hk, p.h_k);
 
     // S (m, kBlockN) = (scale · Q) (m, d) · Kᵀ (d, kBlockN)
-    kn.gemm(m, kBlockN, d, ws.q.data(), d, kv.kt_tile(tile), kBlockN, ws.s.data(), kBlockN);
+    tiles::gemm_panels(kn.gemm, m, kBlockN, d, ws.q.data(), d, kv.kt_tile(tile), d, kv.panel, ws.s.data(), kBlockN);
 
     const bool needs_mask = band.tile_needs_mask(i0, i0 + m, j0, j0 + n, si.len_k);
     // The K/V tiles of one head (1 MiB at s = 2k, d = 64) exceed L2 and come from L3 for every
     // query block: while the rows' softmax runs, V of this key block and Kᵀ of the next are fetched.
     const bool next = j0 + kBlockN < k_end;
-    const std::int64_t kt_bytes = static_cast<std::int64_t>(d) * kBlockN * 4, v_bytes = kBlockN * dp * 4;
+    const std::int64_t kt_bytes = static_cast<std::int64_t>(d) * kBlockN * 4, v_bytes = kBlockN * kv.vp * 4;
     for (int r = 0; r < m; ++r) {
       float* s = ws.s.data() + r * kBlockN;
       const std::int64_t i = i0 + r;
@@ -215,7 +228,7 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
     for (int r = 0; r < m; ++r)
       if (ws.alpha[r] != 1.0f) kn.scale_row(ws.o.data() + r * dp, dp, ws.alpha[r]);
     // O (m, dp) += P (m, n) · V (n, dp)
-    kn.gemm_acc(m, dp, n, ws.s.data(), kBlockN, kv.v_tile(tile), dp, ws.o.data(), dp);
+    tiles::gemm_panels(kn.gemm_acc, m, dp, n, ws.s.data(), kBlockN, kv.v_tile(tile), kBlockN, kv.panel, ws.o.data(), dp);
   }
   return m;
 }
@@ -275,7 +288,7 @@ void flash_forward(const FwdParams& p, int num_threads, const Kernels& kn) {
   const Tasks tasks = make_tasks(p);
   const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
   PackedKV kv;
-  size_packed(p, kv);
+  size_packed(p, kn.panel, kv);
   const std::int64_t n_tiles = kv.first.back() * p.h_k;
   Partials parts;
   if (tasks.splits > 1) {
@@ -293,7 +306,7 @@ void flash_forward(const FwdParams& p, int num_threads, const Kernels& kn) {
   {
     Workspace ws(p.d);
 #pragma omp for schedule(static)
-    for (std::int64_t t = 0; t < n_tiles; ++t) pack_tile(p, kv, t, ws.row.data());
+    for (std::int64_t t = 0; t < n_tiles; ++t) pack_tile(p, kv, t, ws.row.data(), ws.staging.data());
     // Dynamic: under causal masks a block's work grows with its row index. Splits outermost, so
     // that the first tasks taken cover every item once.
 #pragma omp for schedule(dynamic, 1) nowait

@@ -116,6 +116,31 @@ inline void load_rows_transposed(const void* base, DType t, RowOffset&& row_offs
     for (int r = rows; r < ld; ++r) dst[static_cast<std::int64_t>(c) * ld + r] = 0.0f;
 }
 
+// dst <- src (rows, cols), row stride ld, as column panels of `panel` columns, panel after panel:
+// element (r, c) at dst[(c / panel)·rows·panel + r·panel + c % panel], columns [cols, panels·panel)
+// zeroed. The products' B operands are packed so (panel = Kernels::panel): a row-major tile with
+// rows 256 or 512 B apart put the (K, panel) block a micro-kernel streams its row blocks over into
+// 16 or 8 of L1's 64 sets, where its lines evicted each other.
+inline void to_panels(const float* src, int rows, int cols, int ld, int panel, float* dst) {
+  for (int j = 0; j < cols; j += panel)
+    for (int r = 0; r < rows; ++r) {
+      const float* in = src + static_cast<std::int64_t>(r) * ld + j;
+      float* out = dst + static_cast<std::int64_t>(j) * rows + r * panel;
+      const int w = cols - j < panel ? cols - j : panel;
+      for (int c = 0; c < w; ++c) out[c] = in[c];
+      for (int c = w; c < panel; ++c) out[c] = 0.0f;
+    }
+}
+
+// C (M, N) (+)= A (M, K) · B (K, N), B the first K rows of column panels of (rows, panel)
+// (to_panels): one product per panel, each element summed exactly as by one call over all of B.
+template <class Gemm>
+inline void gemm_panels(Gemm gemm, int M, int N, int K, const float* A, int lda, const float* B, int rows, int panel,
+                        float* C, int ldc) {
+  for (int j = 0; j < N; j += panel)
+    gemm(M, N - j < panel ? N - j : panel, K, A, lda, B + static_cast<std::int64_t>(j) * rows, panel, C + j, ldc);
+}
+
 // The row at element `offset` of a tensor of dtype t <- src[0, d) (fp32), rounded to nearest even.
 inline void store_row(void* base, DType t, std::int64_t offset, int d, const float* src) {
   if (t == DType::f32) {

@@ -35,6 +35,9 @@ struct Kernels {
   // where z = nullptr means z[c] = 1 (no dropout) and th = nullptr drops the softcap factor.
   void (*softmax_grad)(int n, const float* lse, const float* dsum, const float* z, const float* th, float* s,
                        float* dp);
+  // Columns of B one register block of the products holds (16 for AVX2, 32 for AVX-512): callers
+  // that pack B in column panels of this width (flash_fwd.cpp) keep each panel contiguous in L1.
+  int panel;
 
   template <bool Acc, bool TransA>
   GemmFn gemm_for() const {

@@ -160,7 +160,8 @@ void softmax_grad(int n, const float* lse, const float* dsum, const float* z, co
 template <class V>
 constexpr Kernels make_kernels(Isa isa) {
   return Kernels{isa,        gemm<V, false, false>, gemm<V, true, false>, gemm<V, false, true>, gemm<V, true, true>,
-                 row_max<V>, exp_sub_sum<V>,        scale_row<V>,         softmax_grad<V>};
+                 row_max<V>, exp_sub_sum<V>,        scale_row<V>,         softmax_grad<V>,
+                 Tile<V>::NV * simd::lanes<V>};
 }
 
 }  // namespace
