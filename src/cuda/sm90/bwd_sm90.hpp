@@ -10,6 +10,7 @@
 
 #include "api/params.hpp"
 #include "sm80/bwd_sm80.hpp"
+#include "sm90/tile_bwd_sm90.hpp"
 
 namespace flashmonoid::cuda {
 
@@ -21,7 +22,8 @@ inline bool bwd_sm90_eligible(const detail::BwdParams& p) {
 }
 
 // The workspace, fp32, each part 256-byte aligned. Query rows are padded per sequence to whole
-// blocks (`rows` per head covers every sequence's padded blocks of up to 128 rows):
+// blocks of block_m rows (`rows` per head covers them all: sequence b starts at block
+// cu_seqlens_q[b] / block_m + b, see kernel_bwd_sm90.cuh's padded_row0):
 //   lse    (h, rows)  lse·log2(e) of each query row; +inf on padding rows and rows that saw no key,
 //                     so that their P = exp2(s - lse) is 0
 //   dsum   (h, rows)  D = rowsum(dO∘O), 0 on padding rows
@@ -36,8 +38,9 @@ struct BwdWorkspaceLayoutSm90 {
 inline BwdWorkspaceLayoutSm90 bwd_workspace_layout_sm90(const detail::BwdParams& p) {
   auto align = [](std::size_t x) { return (x + 255) / 256 * 256; };
   BwdWorkspaceLayoutSm90 w;
-  w.rows = (static_cast<std::int64_t>(p.total_q) + 128 * (p.batch + 1) + 127) / 128 * 128;
-  w.dq_cols = p.d <= 64 ? 64 : 128;
+  w.dq_cols = p.d <= 64 ? 64 : 128;  // the head-dim bucket
+  const std::int64_t block_m = bwd_tile_sm90(w.dq_cols).block_m;
+  w.rows = (static_cast<std::int64_t>(p.total_q) + block_m * (p.batch + 1) + block_m - 1) / block_m * block_m;
   const std::size_t n = static_cast<std::size_t>(p.h) * static_cast<std::size_t>(w.rows);
   w.lse = 0;
   w.dsum = align(n * sizeof(float));

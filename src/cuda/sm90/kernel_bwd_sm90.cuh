@@ -229,8 +229,8 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
   __syncthreads();
 
   const int warpgroup = threadIdx.x / 128;
-  // Each role derives its work after its register reallocation: values computed before it stay
-  // live across it and cost the 24-register producer spills.
+  // Each role derives its work after its register reallocation, so that nothing computed before it
+  // (for the other role) is live across it.
   if (warpgroup == 0) {
     regs_dealloc<kTile.producer_regs>();
     if (threadIdx.x != 0) return;
