@@ -2,7 +2,8 @@
 # Development loop for the sm90 kernels on the device machine: build the forward test and the GPU
 # bench only, run the sm90 test cases, time a few training shapes on both kernel families.
 # FM_FILTER: gtest filter (default: every sm90 case); FM_CASES: "hdim causal seqlen;..." to time.
-# FM_TEST: the test binary (default test_fwd_cuda); FM_BENCH_ARGS: gpu_bench flags (default --no-bwd).
+# FM_TEST: the test binary (default test_fwd_cuda); FM_BENCH_ARGS: gpu_bench flags (default --no-bwd);
+# FM_SM80: empty to skip the forced-sm80 records (default --with-sm80).
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}
 mkdir -p "$OUT"
@@ -25,6 +26,6 @@ if [ -n "${FM_SANITIZE:-}" ]; then
 fi
 IFS=';' read -ra cases <<<"${FM_CASES:-64 0 16384;128 0 16384;128 1 16384;256 0 16384;128 0 1024}"
 for c in "${cases[@]}"; do
-  timeout 60 $B/bench/gpu/flashmonoid-gpu-bench --with-sm80 ${FM_BENCH_ARGS---no-bwd} --case $c 2>&1 | grep -o '"impl": "[a-z_0-9]*".*"tflops": [0-9.]*' |
-    sed 's/"pass.*"hdim"/hdim/; s/"batch.*"ms"/ms/; s/"impl": //; s/"causal": //; s/"tflops": //' | grep -v "${FM_HIDE:-@}"
+  timeout 60 $B/bench/gpu/flashmonoid-gpu-bench ${FM_SM80---with-sm80} ${FM_BENCH_ARGS---no-bwd} --case $c 2>&1 | grep -o '"impl": "[a-z_0-9]*".*"tflops": [0-9.]*' |
+    sed 's/"pass": "\([a-z_]*\)".*"hdim"/\1 hdim/; s/"batch.*"ms"/ms/; s/"impl": //; s/"causal": //; s/"tflops": //' | grep -v "${FM_HIDE:-@}"
 done

@@ -16,6 +16,10 @@ template <> struct is_bf16<__nv_bfloat16> { static constexpr bool value = true; 
 __device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
   return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
 }
+// A 4-byte store to a shared-memory address (32-bit: cheaper to keep live than a generic pointer).
+__device__ __forceinline__ void st_shared_u32(std::uint32_t addr, std::uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
 
 // Two floats -> one register of two T (low half = x), round to nearest.
 template <class T> __device__ __forceinline__ std::uint32_t pack2(float x, float y) {

@@ -1,7 +1,7 @@
 // The sm90 backward: warp-specialised, TMA + wgmma, three kernels:
 //   1. bwd_preprocess_sm90: per query row D = rowsum(dO∘O) and lse·log2(e) into the workspace,
 //      padded per sequence to whole query blocks (bwd_sm90.hpp); clears the dQ accumulator.
-//   2. bwd_kernel_sm90: one block per (key block of 128, KV head, batch). A producer warpgroup (one
+//   2. bwd_kernel_sm90: one block per (key block of 128, KV head, batch), key blocks fastest. A producer warpgroup (one
 //      thread) loads K and V once, then streams Q, dO, lse and D of every query block of every query
 //      head of the GQA group that sees the keys through a q_stages ring (TMA, mbarriers). Two
 //      consumer warpgroups own 64 keys each:
@@ -11,8 +11,9 @@
 //                                          registers for the whole block (the GQA sum included)
 //        dQ = dS K                         dSᵀ through shared memory (both warpgroups' keys), each
 //                                          warpgroup a column half of the (64, head dim) tile
-//      and each dQ half goes to the accumulator with one bulk reduction (cp.reduce.async.bulk .add.f32,
-//      8 or 16 KB, in the fragments' own order so that the shared-memory writes are conflict-free).
+//      and each dQ half is staged in shared memory (in the fragments' own order, so that the writes
+//      are conflict-free), from where the producer warpgroup's dQ writer warp adds it to the
+//      accumulator with one bulk reduction (cp.reduce.async.bulk .add.f32, 8 or 16 KB).
 //   3. bwd_convert_dq_sm90: dq = scale · accumulator in the input dtype, undoing the fragment order.
 #pragma once
 
@@ -150,21 +151,23 @@ struct BwdSmem {
   static constexpr int kSElems = kBlockN * kBlockM;    // (kBlockN, kBlockM) dSᵀ, panels of 64 queries
   static constexpr int kDqFloats = kBlockM * kHeadDim;
   T* base;
-  float* f32;  // dQ buffers (2), then lse (kStages × kBlockM), then D (kStages × kBlockM)
+  float* f32;  // the dQ tile (both halves), then lse (kStages × kBlockM), then D (kStages × kBlockM)
   Barrier* bars;  // kv_full, q_full (kStages), q_empty (kStages)
 
   __device__ __forceinline__ explicit BwdSmem(unsigned char* raw)
       : base(reinterpret_cast<T*>((reinterpret_cast<std::uintptr_t>(raw) + 1023) & ~std::uintptr_t(1023))),
-        f32(reinterpret_cast<float*>(base + 2 * kKVElems + 2 * kStages * kQElems + kSElems)),
-        bars(reinterpret_cast<Barrier*>(f32 + 2 * kDqFloats + 2 * kStages * kBlockM)) {}
+        f32(reinterpret_cast<float*>(base + 2 * kKVElems + 2 * kStages * kQElems + 2 * kSElems)),
+        bars(reinterpret_cast<Barrier*>(f32 + kDqFloats + 2 * kStages * kBlockM)) {}
   __device__ __forceinline__ T* k() const { return base; }
   __device__ __forceinline__ T* v() const { return base + kKVElems; }
   __device__ __forceinline__ T* q(int stage) const { return base + 2 * kKVElems + stage * kQElems; }
   __device__ __forceinline__ T* dout(int stage) const { return base + 2 * kKVElems + (kStages + stage) * kQElems; }
-  __device__ __forceinline__ T* ds() const { return base + 2 * kKVElems + 2 * kStages * kQElems; }
-  __device__ __forceinline__ float* dq(int buf) const { return f32 + buf * kDqFloats; }
-  __device__ __forceinline__ float* lse(int stage) const { return f32 + 2 * kDqFloats + stage * kBlockM; }
-  __device__ __forceinline__ float* dsum(int stage) const { return f32 + 2 * kDqFloats + (kStages + stage) * kBlockM; }
+  // dSᵀ of step t in buffer t % 2 (see the consumer loop for why two).
+  __device__ __forceinline__ T* ds(int buf) const { return base + 2 * kKVElems + 2 * kStages * kQElems + buf * kSElems; }
+  // Consumer w's dQ column half, in fragment order (dq_fragment_index).
+  __device__ __forceinline__ float* dq(int consumer) const { return f32 + consumer * (kDqFloats / 2); }
+  __device__ __forceinline__ float* lse(int stage) const { return f32 + kDqFloats + stage * kBlockM; }
+  __device__ __forceinline__ float* dsum(int stage) const { return f32 + kDqFloats + (kStages + stage) * kBlockM; }
   __device__ __forceinline__ Barrier& kv_full() const { return bars[0]; }
   __device__ __forceinline__ Barrier& q_full(int stage) const { return bars[1 + stage]; }
   __device__ __forceinline__ Barrier& q_empty(int stage) const { return bars[1 + kStages + stage]; }
@@ -181,7 +184,12 @@ struct BwdSmem {
 };
 
 // What a block does: its keys, sequence, KV head and the (query head, query block) steps, derived
-// the same way by the producer and the consumers. Steps run head-major, query blocks last to first.
+// the same way by the producer, the dQ writer and the consumers. The grid is 1-D, the key blocks
+// of one (batch, KV head) consecutive, so that the blocks running together share their Q, dO and
+// dQ rows in L2 (with the (batch, head) pairs fastest, 2k tokens ran at 240 TFLOP/s instead of 386
+// at hdim 128, H100). Steps run head-major, query blocks last to first. (Starting each key
+// block's sweep at its own query block, so that the key blocks of a head do not add into the same
+// dQ rows at the same time, measured within noise: bench/NOTES.md.)
 template <int kBlockM, int kBlockN>
 struct BwdWork {
   int b, kv_head, group;
@@ -191,21 +199,82 @@ struct BwdWork {
   detail::Band band;
   QueryTiles qb;
 
-  __device__ __forceinline__ BwdWork(const detail::FwdParams& p, int batch_head, int n_block)
-      : b(batch_head / p.h_k), kv_head(batch_head % p.h_k), group(p.h / p.h_k),
-        kb(static_cast<std::int64_t>(n_block) * kBlockN), si(detail::seq_info(p, b)), band(detail::band_of(p, si)) {
+  __device__ __forceinline__ BwdWork(const detail::FwdParams& p, int block) : group(p.h / p.h_k) {
+    const int n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN, n_block = block % n_blocks, batch_head = block / n_blocks;
+    b = batch_head / p.h_k;
+    kv_head = batch_head % p.h_k;
+    kb = static_cast<std::int64_t>(n_block) * kBlockN;
+    si = detail::seq_info(p, b);
+    band = detail::band_of(p, si);
     keys_valid = kb < si.len_k ? static_cast<int>(si.len_k - kb < kBlockN ? si.len_k - kb : kBlockN) : 0;
     qb = query_tiles<kBlockM>(band, kb, kb + keys_valid, si.len_q);
   }
   __device__ __forceinline__ bool empty() const { return keys_valid == 0; }
   __device__ __forceinline__ int steps() const { return qb.count() * group; }
-  __device__ __forceinline__ int head(int step) const { return kv_head * group + step / qb.count(); }
-  __device__ __forceinline__ int m_block(int step) const { return qb.hi - 1 - step % qb.count(); }
+
+  // Where a step is: its query head and its query block, advanced by next() without divisions (the
+  // producer warpgroup has 24 registers).
+  struct Cursor {
+    int head, m_block;
+  };
+  __device__ __forceinline__ Cursor first() const { return Cursor{kv_head * group, qb.hi - 1}; }
+  __device__ __forceinline__ void next(Cursor& c) const {
+    if (--c.m_block < qb.lo) {
+      c.m_block = qb.hi - 1;
+      ++c.head;
+    }
+  }
 };
 
-// Named barriers (0 is __syncthreads): the dSᵀ tile is free / written (both consumers), and each
-// consumer's dQ staging buffer (3, 4).
-inline constexpr int kBarDsFree = 1, kBarDsFull = 2, kBarDq = 3;
+// Named barriers (0 is __syncthreads): the step's dSᵀ tile is written (both consumers, 256
+// threads); consumer w's dQ half in shared memory is free (kBarDqEmpty + w) or written
+// (kBarDqFull + w), between that consumer and the dQ writer warp (160 threads).
+inline constexpr int kBarDsFull = 1, kBarDqEmpty = 2, kBarDqFull = 4;
+inline constexpr int kDqSyncThreads = 128 + 32;
+
+}  // namespace sm90
+
+namespace sm90 {
+
+// The dQ writer, warp 1 of the producer warpgroup: per step, each consumer's dQ half (staged in
+// shared memory in fragment order) goes to the fp32 accumulator with one bulk reduction
+// (cp.reduce.async.bulk .add.f32); the half's buffer is handed back once the reduction has read it.
+// The consumers only store and signal, so the reduction's latency is off their path.
+template <int kBlockM, int kBlockN, int kHeadDim>
+__device__ __forceinline__ void dq_writer(const BwdKernelArgsSm90& args, float* dq_smem, int lane) {
+  constexpr int kHalfFloats = kBlockM * kHeadDim / 2;
+  const BwdWork<kBlockM, kBlockN> w(args.p, blockIdx.x);
+  const int steps = w.steps();
+#pragma unroll
+  for (int c = 0; c < BwdTileSm90::consumers; ++c) named_arrive(kBarDqEmpty + c, kDqSyncThreads);  // both halves start free
+  const std::int64_t prow0 = padded_row0<kBlockM>(args.p, w.b);
+  auto cur = w.first();
+#pragma unroll 1
+  for (int step = 0; step < steps; ++step, w.next(cur)) {
+    const std::int64_t row = static_cast<std::int64_t>(cur.head) * args.rows + prow0 + cur.m_block * kBlockM;
+#pragma unroll
+    for (int c = 0; c < BwdTileSm90::consumers; ++c) {
+      named_sync(kBarDqFull + c, kDqSyncThreads);
+      if (lane == 0) {
+        ::cuda::ptx::cp_reduce_async_bulk(::cuda::ptx::space_global, ::cuda::ptx::space_shared, ::cuda::ptx::op_add,
+                                          args.dq_acc + row * kHeadDim + c * kHalfFloats, dq_smem + c * kHalfFloats,
+                                          kHalfFloats * sizeof(float));
+        ::cuda::ptx::cp_async_bulk_commit_group();
+      }
+    }
+    if (step + 1 == steps) break;  // nobody waits for the last hand-back
+#pragma unroll
+    for (int c = 0; c < BwdTileSm90::consumers; ++c) {
+      if (lane == 0) {
+        if (c == 0) ::cuda::ptx::cp_async_bulk_wait_group_read(::cuda::ptx::n32_t<1>{});
+        else ::cuda::ptx::cp_async_bulk_wait_group_read(::cuda::ptx::n32_t<0>{});
+      }
+      __syncwarp();
+      named_arrive(kBarDqEmpty + c, kDqSyncThreads);
+    }
+  }
+  if (lane == 0) ::cuda::ptx::cp_async_bulk_wait_group(::cuda::ptx::n32_t<0>{});
+}
 
 }  // namespace sm90
 
@@ -221,7 +290,7 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
   static_assert(kHeadDim % kPanelCols == 0 && kBlockM == 64 && kBlockN == 128, "whole 64-wide panels");
 
   const detail::BwdParams& p = args.p;
-  if (BwdWork<kBlockM, kBlockN>(p, blockIdx.x, blockIdx.y).empty()) return;  // a varlen sequence shorter than this key block
+  if (BwdWork<kBlockM, kBlockN>(p, blockIdx.x).empty()) return;  // a varlen sequence shorter than this key block
 
   extern __shared__ unsigned char smem_raw[];
   const Smem sm(smem_raw);
@@ -233,8 +302,12 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
   // (for the other role) is live across it.
   if (warpgroup == 0) {
     regs_dealloc<kTile.producer_regs>();
+    if (threadIdx.x / 32 == 1) {
+      dq_writer<kBlockM, kBlockN, kHeadDim>(args, sm.dq(0), threadIdx.x % 32);
+      return;
+    }
     if (threadIdx.x != 0) return;
-    const BwdWork<kBlockM, kBlockN> w(p, blockIdx.x, blockIdx.y);
+    const BwdWork<kBlockM, kBlockN> w(p, blockIdx.x);
     const int batch_coord = p.is_varlen() ? 0 : w.b;  // varlen tensors are one batch entry of packed rows
     prefetch_tensor_map(&args.tm_q);
     prefetch_tensor_map(&args.tm_do);
@@ -247,11 +320,12 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
       tma_load(sm.v() + pn * kBlockN * kPanelCols, &args.tm_v, pn * kPanelCols, w.kv_head, k_row, batch_coord, sm.kv_full());
     }
     const std::int64_t prow0 = padded_row0<kBlockM>(p, w.b);
+    auto cur = w.first();
 #pragma unroll 1
-    for (int step = 0; step < w.steps(); ++step) {
+    for (int step = 0; step < w.steps(); ++step, w.next(cur)) {
       const int stage = step % kStages;
       const std::uint32_t phase = (step / kStages) & 1;
-      const int head = w.head(step), m0 = w.m_block(step) * kBlockM;
+      const int head = cur.head, m0 = cur.m_block * kBlockM;
       sm.q_empty(stage).wait(phase ^ 1);
       Barrier& full = sm.q_full(stage);
       full.arrive_expect_tx(2 * Smem::kQElems * sizeof(T) + 2 * kBlockM * sizeof(float));
@@ -271,17 +345,16 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
   }
 
   regs_alloc<kTile.consumer_regs>();
-  const BwdWork<kBlockM, kBlockN> w(p, blockIdx.x, blockIdx.y);
+  const BwdWork<kBlockM, kBlockN> w(p, blockIdx.x);
   const int consumer = warpgroup - 1;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   // This warpgroup's keys: rows [64·consumer, 64·consumer + 64) of the K and V panels.
-  const std::uint32_t k_addr = smem_addr(sm.k()), v_addr = smem_addr(sm.v()), ds_addr = smem_addr(sm.ds());
+  const std::uint32_t k_addr = smem_addr(sm.k()), v_addr = smem_addr(sm.v()), ds_addr = smem_addr(sm.ds(0));
   const std::uint32_t k_own = k_addr + 64 * consumer * kPanelRowBytes, v_own = v_addr + 64 * consumer * kPanelRowBytes;
   // Its dQ half: columns [kDqN·consumer, +kDqN) over all the block's keys, A the dSᵀ tile
   // (M-major), B those columns of K (N-major; at hdim 64 the second half starts 64 bytes into the
   // swizzled lines, an offset within the swizzle atom as the K-major k steps take).
   constexpr int kDqN = kHeadDim / 2;
-  const std::uint32_t dq_a = ds_addr;
   const int dq_col = kDqN * consumer;
   const std::uint32_t dq_b = k_addr + (dq_col / kPanelCols) * kBlockN * kPanelRowBytes + (dq_col % kPanelCols) * 2;
   // Key of this thread's accumulator rows (half h: +8), relative to the block.
@@ -292,10 +365,11 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
   float dv[1][kDTiles][4] = {};
   sm.kv_full().wait(0);
 
+  auto cur = w.first();
 #pragma unroll 1
-  for (int step = 0; step < w.steps(); ++step) {
+  for (int step = 0; step < w.steps(); ++step, w.next(cur)) {
     const int stage = step % kStages;
-    const int head = w.head(step), m0 = w.m_block(step) * kBlockM;
+    const int m0 = cur.m_block * kBlockM;
     sm.q_full(stage).wait((step / kStages) & 1);
     const std::uint32_t q_addr = smem_addr(sm.q(stage)), do_addr = smem_addr(sm.dout(stage));
 
@@ -343,69 +417,69 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
     p_fragments<T>(pa, s);
     p_fragments<T>(dsa, dp);
 
-    // dSᵀ to shared memory for dQ, once the other warpgroup's last dQ product has read it.
-    named_sync(kBarDsFree, 256);
-    T* ds = sm.ds();
+    // dSᵀ to shared memory for dQ. Two buffers, by step parity, so that no barrier is needed
+    // before the write: the other warpgroup read buffer step % 2 in its dQ of step - 2, which it
+    // waited for before it arrived at the barrier of step - 1 that this warpgroup has passed.
+    const std::uint32_t ds_buf = ds_addr + (step & 1) * Smem::kSElems * sizeof(T);
 #pragma unroll
     for (int nt = 0; nt < kSTiles; ++nt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = key_row + 8 * h, c = 8 * nt + 2 * (lane & 3);
-        T* panel = ds + (c / kPanelCols) * kBlockN * kPanelCols;
-        *reinterpret_cast<std::uint32_t*>(panel + r * kPanelCols + swizzle_chunk(r, (c % kPanelCols) / 8) * 8 + c % 8) =
-            dsa[nt / 2][2 * (nt % 2) + h];
+        const int elem = (c / kPanelCols) * kBlockN * kPanelCols + r * kPanelCols + swizzle_chunk(r, (c % kPanelCols) / 8) * 8 + c % 8;
+        st_shared_u32(ds_buf + elem * sizeof(T), dsa[nt / 2][2 * (nt % 2) + h]);
       }
 
-    // dV += Pᵀ dO, dK += dSᵀ Q (A from registers, B N-major), then the dQ half (64, 64) = dS K over
-    // the block's 128 keys. (Issuing dQ first and carrying dV, dK into the next step's Sᵀ, dPᵀ
-    // measured 8% slower at hdim 128, 16k; each consumer reducing the whole dQ tile over its own
-    // keys, with no barrier between the consumers, 5-24% slower: bench/NOTES.md.)
+    // dV += Pᵀ dO (A from registers, B N-major) while the other warpgroup's dSᵀ comes in; then the
+    // dQ half (64, kHeadDim / 2) = dS K over the block's 128 keys; then dK += dSᵀ Q, which runs
+    // while the dQ half is staged. (Carrying dV, dK into the next step's Sᵀ, dPᵀ measured 8% slower
+    // at hdim 128, 16k; each consumer reducing the whole dQ tile over its own keys, with no
+    // barrier between the consumers, 5-24% slower: bench/NOTES.md.)
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk)
       wgmma_rs<1>(flat(dv), pa[kk], desc_mn_major(do_addr, kBlockM, kk), T{}, 1);
-#pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk)
-      wgmma_rs<1>(flat(dk), dsa[kk], desc_mn_major(q_addr, kBlockM, kk), T{}, 1);
     wgmma_commit();
     fence_async_shared();
     named_sync(kBarDsFull, 256);
     float dq[1][kDqN / 8][4];
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk)
-      wgmma_ss<1, 1>(flat(dq), desc_mn_major(dq_a, kBlockN, kk), desc_mn_major(dq_b, kBlockN, kk), T{}, kk > 0);
+      wgmma_ss<1, 1>(flat(dq), desc_mn_major(ds_buf, kBlockN, kk), desc_mn_major(dq_b, kBlockN, kk), T{}, kk > 0);
     wgmma_commit();
+    wgmma_wait<1>();
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk)
+      wgmma_rs<1>(flat(dk), dsa[kk], desc_mn_major(q_addr, kBlockM, kk), T{}, 1);
+    wgmma_commit();
+#ifdef FM_EXP_WAIT0
+    wgmma_wait<0>();
+#else
+    wgmma_wait<1>();
+#endif
+    fence_regs(flat(dq));
+
+    // The dQ half to the dQ writer warp (in fragment order, conflict-free), once it has handed the
+    // buffer back.
+    float* dq_s = sm.dq(consumer);
+    named_sync(kBarDqEmpty + consumer, kDqSyncThreads);
+#pragma unroll
+    for (int j = 0; j < kDqN / 8; ++j)
+      *reinterpret_cast<float4*>(dq_s + (j * 128 + tid) * 4) = make_float4(dq[0][j][0], dq[0][j][1], dq[0][j][2], dq[0][j][3]);
+    fence_async_shared();
+    named_arrive(kBarDqFull + consumer, kDqSyncThreads);
+
     wgmma_wait<0>();
     fence_regs(flat(dv));
     fence_regs(flat(dk));
-    fence_regs(flat(dq));
     // Q, dO, lse and D back to the producer: lane 0 arrives for its warp, so the warp first
     // converges (every lane's lse and D reads before the arrival; racecheck flagged the next bulk
     // copy against them without it) and fences its generic reads against that async-proxy write.
     fence_async_shared();
     __syncwarp();
     if (lane == 0) sm.q_empty(stage).arrive();
-
-    // The dQ half to the accumulator: staged in fragment order (16 KB, buffer step % 2, whose
-    // reduction of two steps ago must have been read), then one bulk reduction.
-    float* dq_s = sm.dq(step & 1) + consumer * 64 * kDqN;
-    if (tid == 0) ::cuda::ptx::cp_async_bulk_wait_group_read(::cuda::ptx::n32_t<1>{});
-    named_sync(kBarDq + consumer, 128);
-#pragma unroll
-    for (int j = 0; j < kDqN / 8; ++j)
-      *reinterpret_cast<float4*>(dq_s + (j * 128 + tid) * 4) = make_float4(dq[0][j][0], dq[0][j][1], dq[0][j][2], dq[0][j][3]);
-    fence_async_shared();
-    named_sync(kBarDq + consumer, 128);
-    if (tid == 0) {
-      // (The padded row is re-derived here: kept live across the loop it cost registers.)
-      const std::int64_t row = static_cast<std::int64_t>(head) * args.rows + padded_row0<kBlockM>(p, w.b) + m0;
-      float* dst = args.dq_acc + row * kHeadDim + consumer * 64 * kDqN;
-      ::cuda::ptx::cp_reduce_async_bulk(::cuda::ptx::space_global, ::cuda::ptx::space_shared, ::cuda::ptx::op_add, dst, dq_s,
-                                        64 * kDqN * sizeof(float));
-      ::cuda::ptx::cp_async_bulk_commit_group();
-    }
   }
-  if (tid == 0) ::cuda::ptx::cp_async_bulk_wait_group(::cuda::ptx::n32_t<0>{});
 
   // dK = scale · Σ dSᵀ Q and dV, this warpgroup's 64 keys (rows past the sequence are not written).
   T* dk_g = static_cast<T*>(p.dk);

@@ -54,10 +54,11 @@ void run_bwd_sm90(const detail::BwdParams& p, const BwdLaunch& launch) {
     auto* kernel = bwd_kernel_sm90<T, kHeadDim>;
     constexpr std::size_t kSmem = kTile.smem_bytes(kHeadDim);
     FM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
-    // x: (batch, KV head), fastest; y: key block, so that under a causal mask the key blocks with
-    // the most query blocks (the first ones) start first.
-    const dim3 grid(p.batch * p.h_k, (p.seqlen_k + kTile.block_n - 1) / kTile.block_n);
-    kernel<<<grid, kTile.threads(), kSmem, launch.stream>>>(args);
+    // One block per (key block, batch · KV head), key blocks fastest (BwdWork); under a causal mask
+    // the first key blocks of a head, which see the most query blocks, start first.
+    const std::int64_t blocks = static_cast<std::int64_t>((p.seqlen_k + kTile.block_n - 1) / kTile.block_n) * p.batch * p.h_k;
+    if (blocks > 0x7fffffff) throw Error("k", "the sm90 backward takes at most 2^31 - 1 (key block, batch, KV head) blocks");
+    kernel<<<static_cast<unsigned>(blocks), kTile.threads(), kSmem, launch.stream>>>(args);
     FM_CUDA_CHECK_LAUNCH();
   }
 

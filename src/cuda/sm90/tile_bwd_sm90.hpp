@@ -18,11 +18,11 @@ struct BwdTileSm90 {
 
   static constexpr int consumers = 2;
   constexpr int threads() const { return 128 * (consumers + 1); }
-  // K, V, q_stages × (Q, dO), dSᵀ (block_n, block_m) in 2-byte elements; two dQ buffers and
-  // q_stages × (lse, D) rows in fp32; the barriers and the 1024-byte alignment of the panels.
+  // K, V, q_stages × (Q, dO), two dSᵀ (block_n, block_m) buffers in 2-byte elements; the dQ tile
+  // and q_stages × (lse, D) rows in fp32; the barriers and the 1024-byte alignment of the panels.
   constexpr std::size_t smem_bytes(int head_dim) const {
-    return static_cast<std::size_t>(2 * block_n * head_dim + 2 * q_stages * block_m * head_dim + block_n * block_m) * 2 +
-           static_cast<std::size_t>(2 * block_m * head_dim + 2 * q_stages * block_m) * 4 + 2048;
+    return static_cast<std::size_t>(2 * block_n * head_dim + 2 * q_stages * block_m * head_dim + 2 * block_n * block_m) * 2 +
+           static_cast<std::size_t>(block_m * head_dim + 2 * q_stages * block_m) * 4 + 2048;
   }
 };
 
