@@ -52,19 +52,32 @@ __device__ __forceinline__ std::int64_t padded_row0(const detail::FwdParams& p, 
   return static_cast<std::int64_t>(b) * ((p.seqlen_q + kBlockM - 1) / kBlockM) * kBlockM;
 }
 
-// Where element (row r, column c) of a (kBlockM = 64, kHeadDim) dQ tile sits in its accumulator
-// block: consumer w's column half (kHeadDim / 2 columns from w·kHeadDim / 2) is kHeadDim / 16
-// float4 per thread, float4 j of thread t at (w·kHeadDim / 16 + j)·128 + t, so that the staging
-// stores are conflict-free. Within a half the wgmma accumulator layout: warp r/16, lane
-// 4·(r%8) + (c%8)/2, element (c&1) + 2·((r/8)&1) of column tile c/8.
+// How the two consumers share a step's (kBlockM, kHeadDim) dQ tile: each computes one 64-row wgmma
+// tile of kCols columns, dQ = dS K over all the block's keys: with 64 queries per step the column
+// halves, with 128 the row halves.
+template <int kBlockM, int kHeadDim>
+struct DqSplit {
+  static_assert(kBlockM == 64 || kBlockM == 128, "one or two 64-row wgmma tiles of queries");
+  static constexpr bool kByRows = kBlockM == 128;
+  static constexpr int kCols = kByRows ? kHeadDim : kHeadDim / 2;
+  static constexpr int kFloats = 64 * kCols;  // one consumer's part
+  __host__ __device__ static constexpr int row0(int w) { return kByRows ? 64 * w : 0; }
+  __host__ __device__ static constexpr int col0(int w) { return kByRows ? 0 : kCols * w; }
+};
+
+// Where element (row r, column c) of a (kBlockM, kHeadDim) dQ tile sits in its accumulator block:
+// consumer w's part is kCols / 8 float4 per thread, float4 j of thread t at (w·kCols / 8 + j)·128
+// + t, so that the staging stores are conflict-free. Within a part (local row lr, column lc) the
+// wgmma accumulator layout: warp lr/16, lane 4·(lr%8) + (lc%8)/2, element (lc&1) + 2·((lr/8)&1)
+// of column tile lc/8.
 template <int kBlockM, int kHeadDim>
 __host__ __device__ __forceinline__ int dq_fragment_index(int r, int c) {
-  static_assert(kBlockM == 64, "one 64-row wgmma tile of queries, split by columns between the consumers");
-  constexpr int kHalf = kHeadDim / 2;
-  const int w = c / kHalf, lc = c % kHalf;
-  const int t = (r / 16) * 32 + (r % 8) * 4 + (lc % 8) / 2;
-  const int e = (lc & 1) + 2 * ((r / 8) & 1);
-  return ((w * (kHalf / 8) + lc / 8) * 128 + t) * 4 + e;
+  using Split = DqSplit<kBlockM, kHeadDim>;
+  const int w = Split::kByRows ? r / 64 : c / Split::kCols;
+  const int lr = r % 64, lc = c - Split::col0(w);
+  const int t = (lr / 16) * 32 + (lr % 8) * 4 + (lc % 8) / 2;
+  const int e = (lc & 1) + 2 * ((lr / 8) & 1);
+  return ((w * (Split::kCols / 8) + lc / 8) * 128 + t) * 4 + e;
 }
 
 // The row kernels' thread: kHeadDim / 8 lanes (8 columns each) per (query row i, head, batch b),
@@ -242,7 +255,7 @@ namespace sm90 {
 // The consumers only store and signal, so the reduction's latency is off their path.
 template <int kBlockM, int kBlockN, int kHeadDim>
 __device__ __forceinline__ void dq_writer(const BwdKernelArgsSm90& args, float* dq_smem, int lane) {
-  constexpr int kHalfFloats = kBlockM * kHeadDim / 2;
+  constexpr int kHalfFloats = DqSplit<kBlockM, kHeadDim>::kFloats;
   const BwdWork<kBlockM, kBlockN> w(args.p, blockIdx.x);
   const int steps = w.steps();
 #pragma unroll
@@ -287,7 +300,7 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
   constexpr int kBlockM = kTile.block_m, kBlockN = kTile.block_n, kStages = kTile.q_stages;
   constexpr int kSTiles = kBlockM / 8, kDTiles = kHeadDim / 8;
   constexpr int kPanels = kHeadDim / kPanelCols;
-  static_assert(kHeadDim % kPanelCols == 0 && kBlockM == 64 && kBlockN == 128, "whole 64-wide panels");
+  static_assert(kHeadDim % kPanelCols == 0 && kBlockM % 64 == 0 && kBlockN == 128, "whole 64-wide panels");
 
   const detail::BwdParams& p = args.p;
   if (BwdWork<kBlockM, kBlockN>(p, blockIdx.x).empty()) return;  // a varlen sequence shorter than this key block
@@ -351,11 +364,13 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
   // This warpgroup's keys: rows [64·consumer, 64·consumer + 64) of the K and V panels.
   const std::uint32_t k_addr = smem_addr(sm.k()), v_addr = smem_addr(sm.v()), ds_addr = smem_addr(sm.ds(0));
   const std::uint32_t k_own = k_addr + 64 * consumer * kPanelRowBytes, v_own = v_addr + 64 * consumer * kPanelRowBytes;
-  // Its dQ half: columns [kDqN·consumer, +kDqN) over all the block's keys, A the dSᵀ tile
-  // (M-major), B those columns of K (N-major; at hdim 64 the second half starts 64 bytes into the
-  // swizzled lines, an offset within the swizzle atom as the K-major k steps take).
-  constexpr int kDqN = kHeadDim / 2;
-  const int dq_col = kDqN * consumer;
+  // Its part of dQ (DqSplit): A the dSᵀ panel of its queries (M-major), B its columns of K
+  // (N-major; at hdim 64 with 64 queries the second half starts 64 bytes into the swizzled lines,
+  // an offset within the swizzle atom as the K-major k steps take).
+  using Split = DqSplit<kBlockM, kHeadDim>;
+  constexpr int kDqN = Split::kCols;
+  const int dq_col = Split::col0(consumer);
+  const std::uint32_t dq_a_off = (Split::row0(consumer) / kPanelCols) * kBlockN * kPanelRowBytes;
   const std::uint32_t dq_b = k_addr + (dq_col / kPanelCols) * kBlockN * kPanelRowBytes + (dq_col % kPanelCols) * 2;
   // Key of this thread's accumulator rows (half h: +8), relative to the block.
   const int key_row = 64 * consumer + 16 * warp + lane / 4;
@@ -393,16 +408,18 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
     const TileBand tb(w.band, m0, w.kb, kBlockM, w.si.len_k - static_cast<int>(w.kb));
     wgmma_wait<1>();
     fence_regs(flat(s));
+    if (masked) {  // the boundary tiles: masked scores to -inf first (a separate pass needs fewer registers)
+#pragma unroll
+      for (int nt = 0; nt < kSTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (!tb.key_visible(8 * nt + 2 * (lane & 3) + (e & 1), key_row + 8 * (e / 2))) s[0][nt][e] = -INFINITY;
+    }
 #pragma unroll
     for (int nt = 0; nt < kSTiles; ++nt) {
-      const int c = 8 * nt + 2 * (lane & 3);
-      const float2 l = *reinterpret_cast<const float2*>(lse + c);
+      const float2 l = *reinterpret_cast<const float2*>(lse + 8 * nt + 2 * (lane & 3));
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = fmaf(s[0][nt][e], p.scale_log2, -(e & 1 ? l.y : l.x));
-        if (masked && !tb.key_visible(c + (e & 1), key_row + 8 * (e / 2))) x = -INFINITY;
-        s[0][nt][e] = fast_exp2(x);
-      }
+      for (int e = 0; e < 4; ++e) s[0][nt][e] = fast_exp2(fmaf(s[0][nt][e], p.scale_log2, -(e & 1 ? l.y : l.x)));
     }
     // dSᵀ = Pᵀ∘(dPᵀ - D).
     wgmma_wait<0>();
@@ -445,7 +462,7 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
     float dq[1][kDqN / 8][4];
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk)
-      wgmma_ss<1, 1>(flat(dq), desc_mn_major(ds_buf, kBlockN, kk), desc_mn_major(dq_b, kBlockN, kk), T{}, kk > 0);
+      wgmma_ss<1, 1>(flat(dq), desc_mn_major(ds_buf + dq_a_off, kBlockN, kk), desc_mn_major(dq_b, kBlockN, kk), T{}, kk > 0);
     wgmma_commit();
     wgmma_wait<1>();
     wgmma_fence();

@@ -5,11 +5,11 @@
 
 namespace flashmonoid::cuda {
 
-// Two consumer warpgroups of 64 keys each (kBlockN = 128 keys per block), 64 queries per step:
-// Sᵀ and dPᵀ (64 keys, 64 queries) per warpgroup, dK and dV (64 keys, head dim) in fp32 registers
-// (128 of the 240 at hdim 128), dQ (64, head dim) split in two column halves, one per warpgroup.
-// hdim 64 took 128 queries per step at first (346 TFLOP/s at 16k, H100): Sᵀ + dPᵀ were 128
-// registers, and spilled 32-40 bytes after unrelated header changes, 168 with score modifiers.
+// Two consumer warpgroups of 64 keys each (kBlockN = 128 keys per block). hdim 128 takes 64
+// queries per step: Sᵀ and dPᵀ (64 keys, 64 queries) per warpgroup, dK and dV (64 keys, head dim)
+// in fp32 registers (128 of the 240), dQ (64, head dim) split in two column halves. hdim 64 takes
+// 128 queries (FA3's tile): Sᵀ + dPᵀ are 128 registers, dK + dV 64, dQ (128, 64) split in two row
+// halves; it fits the 240 registers with the mask applied in a pass of its own before the exp.
 struct BwdTileSm90 {
   int block_m;    // queries per step
   int block_n;    // keys per block: 64 per consumer warpgroup
@@ -27,7 +27,7 @@ struct BwdTileSm90 {
 };
 
 constexpr BwdTileSm90 bwd_tile_sm90(int head_dim_bucket) {
-  return BwdTileSm90{64, 128, 2, 240, 24};
+  return BwdTileSm90{head_dim_bucket <= 64 ? 128 : 64, 128, 2, 240, 24};
 }
 
 }  // namespace flashmonoid::cuda
