@@ -303,7 +303,7 @@ std::string bwd_path_why_not_sm90(const detail::BwdParams& p) {
   if (!kBuiltSm90) return "this build has no sm90 kernels (CMAKE_CUDA_ARCHITECTURES without 90)";
   if (compute_major(p.device.index) != 9) return "the sm90 kernels need compute capability 9.x (Hopper)";
   if (!bwd_sm90_eligible(p))
-    return "the sm90 backward runs head dims up to 128 without softcap/ALiBi/dropout, not deterministic";
+    return "the sm90 backward runs head dims up to 128 without softcap/ALiBi/dropout";
   return "";
 }
 

@@ -14,11 +14,11 @@
 
 namespace flashmonoid::cuda {
 
-// Head dims up to 128, without softcap, ALiBi or dropout, not deterministic, no KV cache: the rest
-// runs the sm80 backward.
+// Head dims up to 128, without softcap, ALiBi or dropout, no KV cache: the rest runs the sm80
+// backward.
 inline bool bwd_sm90_eligible(const detail::BwdParams& p) {
   const bool cache = p.kv.active || p.kv.block_table != nullptr;
-  return p.d <= 128 && !p.score_mods() && !p.deterministic && !cache;
+  return p.d <= 128 && !p.score_mods() && !cache;
 }
 
 // The workspace, fp32, each part 256-byte aligned. Query rows are padded per sequence to whole
@@ -29,10 +29,12 @@ inline bool bwd_sm90_eligible(const detail::BwdParams& p) {
 //   dsum   (h, rows)  D = rowsum(dO∘O), 0 on padding rows
 //   dq_acc (h, rows, bucket)  dQ of each query block in the consumers' fragment order (the
 //                     convert kernel undoes it), added to by the key blocks with bulk reductions
+//   dq_sem (h, rows / block_m) int32: in the deterministic mode, how many key blocks have added
+//                     into each query block's dQ so far (they add in increasing key-block order)
 struct BwdWorkspaceLayoutSm90 {
   std::int64_t rows = 0;
   int dq_cols = 0;
-  std::size_t lse = 0, dsum = 0, dq_acc = 0, total = 0;
+  std::size_t lse = 0, dsum = 0, dq_acc = 0, dq_sem = 0, total = 0;
 };
 
 inline BwdWorkspaceLayoutSm90 bwd_workspace_layout_sm90(const detail::BwdParams& p) {
@@ -45,7 +47,8 @@ inline BwdWorkspaceLayoutSm90 bwd_workspace_layout_sm90(const detail::BwdParams&
   w.lse = 0;
   w.dsum = align(n * sizeof(float));
   w.dq_acc = w.dsum + align(n * sizeof(float));
-  w.total = w.dq_acc + align(n * static_cast<std::size_t>(w.dq_cols) * sizeof(float));
+  w.dq_sem = w.dq_acc + align(n * static_cast<std::size_t>(w.dq_cols) * sizeof(float));
+  w.total = w.dq_sem + align(n / static_cast<std::size_t>(block_m) * sizeof(int));
   return w;
 }
 

@@ -19,6 +19,8 @@
 
 #include <cuda.h>
 
+#include <cuda/atomic>
+
 #include <cmath>
 #include <cstdint>
 
@@ -39,6 +41,7 @@ struct BwdKernelArgsSm90 {
   const float* lse;   // (h, rows) lse·log2(e), workspace (bwd_sm90.hpp)
   const float* dsum;  // (h, rows)
   float* dq_acc;      // (h, rows, head-dim bucket) in fragment order per query block
+  int* dq_sem;        // (h, rows / kBlockM) key blocks added so far, deterministic mode only
   std::int64_t rows;  // padded query rows per head
 };
 
@@ -96,11 +99,12 @@ struct RowThread {
 }  // namespace sm90
 
 // 1. D and lse·log2(e) per padded query row (+inf lse on padding rows and rows that saw no key, so
-// that their P is exp2(s - inf) = 0), and zeros in the dQ accumulator. kHeadDim / 8 lanes per row.
+// that their P is exp2(s - inf) = 0), zeros in the dQ accumulator and its semaphores. kHeadDim / 8
+// lanes per row.
 template <class T, int kHeadDim>
 __global__ void __launch_bounds__(256)
     bwd_preprocess_sm90(const detail::BwdParams p, float* __restrict__ lse, float* __restrict__ dsum,
-                        float* __restrict__ dq_acc, std::int64_t rows) {
+                        float* __restrict__ dq_acc, int* __restrict__ dq_sem, std::int64_t rows) {
   constexpr int kBlockM = bwd_tile_sm90(kHeadDim).block_m;
   const sm90::RowThread<kHeadDim> t(p);
   const auto [b, head, lane, i, si] = t;
@@ -118,6 +122,7 @@ __global__ void __launch_bounds__(256)
     const float l = row_ok ? p.lse[detail::lse_index(p, b, head, si, i)] : -INFINITY;
     lse[r] = l == -INFINITY ? INFINITY : l * kLog2e;
     dsum[r] = acc;
+    if (i % kBlockM == 0) dq_sem[r / kBlockM] = 0;
   }
   // Row i's kHeadDim floats of its block's accumulator (any bijection clears the block).
   float4* z = reinterpret_cast<float4*>(dq_acc + r * kHeadDim) + 2 * lane;
@@ -253,11 +258,19 @@ namespace sm90 {
 // shared memory in fragment order) goes to the fp32 accumulator with one bulk reduction
 // (cp.reduce.async.bulk .add.f32); the half's buffer is handed back once the reduction has read it.
 // The consumers only store and signal, so the reduction's latency is off their path.
+//
+// Deterministic mode: the key blocks add into a query block's dQ in increasing key-block order,
+// so the fp32 sums are the same in every run. Before its reductions the writer waits until the
+// query block's semaphore counts the key blocks before its own that see the query block (those
+// from the first one that does, band.key_begin of its first row); after them it waits for the
+// additions to complete and counts itself. A block waits only for blocks of lower index, which
+// started no later than it (the grid is in key-block order), so the waiting cannot deadlock.
 template <int kBlockM, int kBlockN, int kHeadDim>
 __device__ __forceinline__ void dq_writer(const BwdKernelArgsSm90& args, float* dq_smem, int lane) {
   constexpr int kHalfFloats = DqSplit<kBlockM, kHeadDim>::kFloats;
   const BwdWork<kBlockM, kBlockN> w(args.p, blockIdx.x);
   const int steps = w.steps();
+  const bool ordered = args.p.deterministic;
 #pragma unroll
   for (int c = 0; c < BwdTileSm90::consumers; ++c) named_arrive(kBarDqEmpty + c, kDqSyncThreads);  // both halves start free
   const std::int64_t prow0 = padded_row0<kBlockM>(args.p, w.b);
@@ -265,6 +278,15 @@ __device__ __forceinline__ void dq_writer(const BwdKernelArgsSm90& args, float* 
 #pragma unroll 1
   for (int step = 0; step < steps; ++step, w.next(cur)) {
     const std::int64_t row = static_cast<std::int64_t>(cur.head) * args.rows + prow0 + cur.m_block * kBlockM;
+    int* sem = args.dq_sem + row / kBlockM;
+    if (ordered && lane == 0) {
+      const std::int64_t first_key = w.band.key_begin(static_cast<std::int64_t>(cur.m_block) * kBlockM, w.si.len_k);
+      const int before = static_cast<int>(w.kb / kBlockN - first_key / kBlockN);
+      const ::cuda::atomic_ref<int, ::cuda::thread_scope_device> count(*sem);
+      while (count.load(::cuda::std::memory_order_acquire) != before) {
+      }
+      ::cuda::ptx::fence_proxy_async(::cuda::ptx::space_global);  // the others' additions before ours
+    }
 #pragma unroll
     for (int c = 0; c < BwdTileSm90::consumers; ++c) {
       named_sync(kBarDqFull + c, kDqSyncThreads);
@@ -274,6 +296,11 @@ __device__ __forceinline__ void dq_writer(const BwdKernelArgsSm90& args, float* 
                                           kHalfFloats * sizeof(float));
         ::cuda::ptx::cp_async_bulk_commit_group();
       }
+    }
+    if (ordered && lane == 0) {
+      ::cuda::ptx::cp_async_bulk_wait_group(::cuda::ptx::n32_t<0>{});
+      ::cuda::ptx::fence_proxy_async(::cuda::ptx::space_global);
+      ::cuda::atomic_ref<int, ::cuda::thread_scope_device>(*sem).fetch_add(1, ::cuda::std::memory_order_release);
     }
     if (step + 1 == steps) break;  // nobody waits for the last hand-back
 #pragma unroll

@@ -29,11 +29,12 @@ void run_bwd_sm90(const detail::BwdParams& p, const BwdLaunch& launch) {
   float* lse = reinterpret_cast<float*>(base + ws.lse);
   float* dsum = reinterpret_cast<float*>(base + ws.dsum);
   float* dq_acc = reinterpret_cast<float*>(base + ws.dq_acc);
+  int* dq_sem = reinterpret_cast<int*>(base + ws.dq_sem);
 
   constexpr int kRowsPerBlock = sm90::RowThread<kHeadDim>::kRowsPerBlock;
   const int padded_q = (p.seqlen_q + kTile.block_m - 1) / kTile.block_m * kTile.block_m;
   const dim3 row_grid((padded_q + kRowsPerBlock - 1) / kRowsPerBlock, p.h, p.batch);
-  bwd_preprocess_sm90<T, kHeadDim><<<row_grid, 256, 0, launch.stream>>>(p, lse, dsum, dq_acc, ws.rows);
+  bwd_preprocess_sm90<T, kHeadDim><<<row_grid, 256, 0, launch.stream>>>(p, lse, dsum, dq_acc, dq_sem, ws.rows);
   FM_CUDA_CHECK_LAUNCH();
 
   if (p.seqlen_k > 0) {
@@ -42,6 +43,7 @@ void run_bwd_sm90(const detail::BwdParams& p, const BwdLaunch& launch) {
     args.lse = lse;
     args.dsum = dsum;
     args.dq_acc = dq_acc;
+    args.dq_sem = dq_sem;
     args.rows = ws.rows;
     const bool varlen = p.is_varlen();
     const int batch = varlen ? 1 : p.batch;
