@@ -6,8 +6,20 @@ caches. 1000 calls are queued back to back and the device is synchronised once a
 host clock measures what the Python call costs the CPU. The cache is short (512 keys) so that the
 GPU's ~3 launches per call keep up and the launch queue never fills (a full queue would make the
 host wait for the GPU and time the device instead).
-Median of 5 such runs. Usage: python bench/kvcache_host.py OUT.json
+Median of 5 such runs.
+
+--breakdown: the same calls with the layers below each level replaced by a stub that returns at
+once, innermost first, so that differences give each layer's own share: the C++ call (nanobind's
+argument conversion, validation, launches), _backend (DLPack export, stream, workspace),
+torch_ops' implementation (outputs, options), attention_kvcache (padding test, eager test),
+_check_kvcache (flash-attn's checks), and the entry function itself. Stubbed runs launch nothing.
+--device cpu: CPU tensors of tiny shapes (4/1 heads, hdim 8, 32 keys, float32; for the Python
+layers, on a machine without a GPU: the "C++ call" row is then the CPU backend's compute; run with
+OMP_NUM_THREADS=1, so that the backend's threads do not wait on a busy core).
+
+Usage: python bench/kvcache_host.py OUT.json [--breakdown] [--device cpu]
 (run from outside the source tree, or with the installed package first on the path)."""
+import argparse
 import json
 import statistics
 import sys
@@ -15,14 +27,14 @@ import time
 
 import torch
 
+from flashmonoid import _backend, _C, flash_attn_interface, torch_ops
 from flashmonoid.flash_attn_interface import flash_attn_with_kvcache
 
 CALLS, RUNS = 1000, 5
 
 
-def case(b, page):
-    h, hk, d, s_k = 32, 8, 128, 512
-    dev, dt = "cuda", torch.bfloat16
+def make_call(b, page, dev):
+    h, hk, d, s_k, dt = (32, 8, 128, 512, torch.bfloat16) if dev == "cuda" else (4, 1, 8, 32, torch.float32)
     q = torch.randn(b, 1, h, d, device=dev, dtype=dt)
     k_new = torch.randn(b, 1, hk, d, device=dev, dtype=dt)
     v_new = torch.randn_like(k_new)
@@ -43,29 +55,88 @@ def case(b, page):
         return flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
                                        cache_seqlens=seqlens, block_table=table, causal=True)
 
-    for _ in range(50):
+    shape = dict(dtype=str(dt).replace("torch.", ""), hdim=d, batch=b, nheads=h, nheads_k=hk, seqlen_q=1,
+                 seqlen_k=s_k, page_size=page)
+    return call, shape
+
+
+def sync(dev):
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def host_us(call, dev, runs=RUNS):
+    """Per-call host time of each run (us): CALLS calls queued back to back, one sync after."""
+    for _ in range(50 if dev == "cuda" else 2000):  # the CPU backend's threads settle more slowly
         call()
-    torch.cuda.synchronize()
+    sync(dev)
     per_call = []
-    for _ in range(RUNS):
+    for _ in range(runs):
         t0 = time.perf_counter()
         for _ in range(CALLS):
             call()
         t1 = time.perf_counter()  # host time: the calls were only queued
-        torch.cuda.synchronize()
+        sync(dev)
         per_call.append((t1 - t0) / CALLS * 1e6)
-    return {"impl": "flashmonoid_python", "pass": "decode_host", "dtype": "bf16", "hdim": d, "batch": b,
-            "nheads": h, "nheads_k": hk, "seqlen_q": 1, "seqlen_k": s_k, "page_size": page, "append": True,
-            "rotary": True, "calls": CALLS, "host_us": round(statistics.median(per_call), 2),
-            "host_us_runs": [round(x, 2) for x in per_call], "device": torch.cuda.get_device_name()}
+    return per_call
+
+
+# (layer, module, attribute replaced by a stub, what the stub returns), innermost first.
+def _out_lse(q, *args, **kwargs):
+    return q, q
+
+
+LAYERS = [
+    ("C++ call", _C, "forward_kvcache", None),
+    ("_backend", _backend, "forward_kvcache", None),
+    ("torch_ops impl", torch_ops, "_fwd_kvcache_impl", _out_lse),
+    ("attention_kvcache", torch_ops, "attention_kvcache", _out_lse),
+    ("_check_kvcache", flash_attn_interface, "_check_kvcache", None),
+]
+
+
+def breakdown(call, dev):
+    """Host us per call with 0, 1, ... layers stubbed, runs interleaved; each layer's share is the
+    difference to the next."""
+    saved = [getattr(m, name) for _, m, name, _ in LAYERS]
+    runs = [[] for _ in range(len(LAYERS) + 1)]
+    try:
+        for _ in range(2 * RUNS):
+            for n in range(len(LAYERS) + 1):
+                for (_, m, name, _), real in zip(LAYERS, saved):
+                    setattr(m, name, real)
+                for _, m, name, ret in LAYERS[:n]:
+                    setattr(m, name, (lambda r: lambda *a, **k: r(*a) if r else None)(ret))
+                runs[n] += host_us(call, dev, runs=1)
+    finally:
+        for (_, m, name, _), real in zip(LAYERS, saved):
+            setattr(m, name, real)
+    t = [min(r) for r in runs]  # noise only adds: the least of interleaved runs is the steadiest
+    shares = {layer: round(t[i] - t[i + 1], 2) for i, (layer, *_) in enumerate(LAYERS)}
+    shares["flash_attn_with_kvcache body"] = round(t[-1], 2)
+    return {"host_us": round(t[0], 2), "layers_us": shares}
 
 
 def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--breakdown", action="store_true")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    a = p.parse_args()
+    dev = a.device
+    name = torch.cuda.get_device_name() if dev == "cuda" else "cpu (tiny shapes, float32)"
     out = []
     for b, page in ((1, 0), (1, 16), (8, 0)):
-        out.append(case(b, page))
+        call, shape = make_call(b, page, dev)
+        per_call = host_us(call, dev)
+        r = {"impl": "flashmonoid_python", "pass": "decode_host", **shape, "append": True, "rotary": True,
+             "calls": CALLS, "host_us": round(statistics.median(per_call), 2),
+             "host_us_runs": [round(x, 2) for x in per_call], "device": name, "torch": torch.__version__}
+        if a.breakdown:
+            r["breakdown"] = breakdown(call, dev)
+        out.append(r)
         print(json.dumps(out[-1]), file=sys.stderr)
-    with open(sys.argv[1], "w") as f:
+    with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
 
 

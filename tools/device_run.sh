@@ -131,8 +131,9 @@ if [ "${FM_PYTHON:-1}" != 0 ]; then
   (cd /tmp && timeout ${FM_PYTEST_TIMEOUT:-300} python3 -m pytest -q -rs -p no:cacheprovider "$repo/tests/python") \
     >"$LOG/pytest.log" 2>&1 || status=1
   tail -3 "$LOG/pytest.log"
-  # Host time of one flash_attn_with_kvcache call (issue 10: <= 15 us over 1000 calls, one sync).
-  (cd /tmp && timeout 120 python3 "$repo/bench/kvcache_host.py" "$OUT/kvcache_host.json") >"$LOG/kvcache_host.log" 2>&1 ||
+  # Host time of one flash_attn_with_kvcache call (issue 10: <= 15 us over 1000 calls, one sync),
+  # and the share of each Python layer (--breakdown).
+  (cd /tmp && timeout 120 python3 "$repo/bench/kvcache_host.py" "$OUT/kvcache_host.json" --breakdown) >"$LOG/kvcache_host.log" 2>&1 ||
     status=1
   tail -3 "$LOG/kvcache_host.log"
   (cd /tmp && PYTHONUNBUFFERED=1 timeout ${FM_PYBENCH_TIMEOUT:-240} python3 -m flashmonoid.bench \

@@ -34,7 +34,7 @@ if [ "${FM_PYTHON:-1}" != 0 ]; then
   CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install --no-build-isolation --no-deps \
     -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90 -C build-dir=/tmp/fm-pybuild . >"$OUT/pip.log" 2>&1 || status=1
   repo=$PWD
-  (cd /tmp && timeout 120 python3 "$repo/bench/kvcache_host.py" "$OUT/kvcache_host.json") 2>"$OUT/kvcache_host.log" ||
+  (cd /tmp && timeout 120 python3 "$repo/bench/kvcache_host.py" "$OUT/kvcache_host.json" --breakdown) 2>"$OUT/kvcache_host.log" ||
     status=1
 fi
 

@@ -2,9 +2,16 @@
 
 The C++ API never allocates and never picks a stream, so this module does both, in the family of
 the inputs: outputs and workspace come from that family's allocator (torch's caching allocator for
-torch tensors), and CUDA work goes on the family's current stream of the inputs' device.
+torch tensors), and CUDA work goes on the family's current stream of the inputs' device. The
+library selects the inputs' GPU itself around every CUDA call, and every allocation here names
+its device, so no device guard is needed on this side.
+
+Host time matters (a decoding step calls forward_kvcache once per layer per token; issue 10's bar
+is 15 us per call), so torch tensors take the cheapest route (_Torch; the costs quoted there are
+for one call on a Zen 3 VM core, torch 2.15, CPU tensors).
 """
 
+import contextlib
 import os
 
 import numpy as np
@@ -39,14 +46,23 @@ def get_cpu_isa():
 
 def family(x):
     """"torch", "numpy" or "cupy": which allocator and stream go with x."""
-    module = type(x).__module__
-    if module.startswith("torch"):
-        return "torch"
-    if module.startswith("cupy"):
-        return "cupy"
-    if isinstance(x, np.ndarray):
-        return "numpy"
-    raise TypeError(f"flashmonoid: expected a NumPy array, a torch tensor or a CuPy array, got {type(x).__name__}")
+    f = _families.get(type(x))
+    if f is None:
+        module = type(x).__module__
+        if module.startswith("torch"):
+            f = "torch"
+        elif module.startswith("cupy"):
+            f = "cupy"
+        elif isinstance(x, np.ndarray):
+            f = "numpy"
+        else:
+            raise TypeError(f"flashmonoid: expected a NumPy array, a torch tensor or a CuPy array, got "
+                            f"{type(x).__name__}")
+        _families[type(x)] = f
+    return f
+
+
+_families = {}  # type -> family: a lookup costs 0.05 us, the module test 0.3 us
 
 
 def is_cuda(x):
@@ -70,12 +86,73 @@ def empty(like, shape, dtype=None):
     return np.empty(shape, dtype=like.dtype if dtype is None else dtype)
 
 
+class _Torch:
+    """The route of torch tensors into _C, the cheapest measured:
+    - arrays go as DLPack capsules from torch.utils.dlpack.to_dlpack, a C function. Given the
+      tensor itself, nanobind calls Tensor.__dlpack__, a Python method that checks grad,
+      conjugation, layout, the current device and streams: 3.8 us per tensor against 0.34 us;
+    - the stream is torch's current raw stream handle of the inputs' device, an int, without a
+      torch.cuda.Stream object;
+    - forward_kvcache's workspace is kept per (device, stream) and grown (kept_workspace)."""
+
+    def __init__(self):
+        import torch
+        from torch.utils.dlpack import to_dlpack
+
+        self.torch = torch
+        self.to_dlpack = to_dlpack
+        # Present in CUDA builds of torch (torch._inductor launches through it); a CPU-only
+        # torch has no CUDA tensors to ask about.
+        self.raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self.kept = {}
+
+    def export(self, x):
+        return None if x is None else self.to_dlpack(x)
+
+    def stream(self, x):
+        return self.raw_stream(x.get_device()) if x.is_cuda else 0
+
+    def kept_workspace(self, like, nbytes, stream):
+        """At least nbytes on like's device for work on `stream`, the same buffer call after call
+        (a decoding loop repeats one shape; an allocation costs ~2.5 us). Work on one stream runs
+        in order, so a call never overwrites what an earlier call on that stream still reads; a
+        bigger request replaces the buffer, which torch frees in stream order. While the stream
+        is captured into a CUDA graph the buffer is a fresh one from the graph's pool, which the
+        graph keeps as long as it lives: a kept buffer could be replaced and freed under it."""
+        torch = self.torch
+        if torch.cuda.is_current_stream_capturing():
+            return torch.empty(nbytes, dtype=torch.uint8, device=like.device)
+        key = (like.get_device(), stream)
+        ws = self.kept.get(key)
+        if ws is None or ws.numel() < nbytes:
+            ws = self.kept[key] = torch.empty(nbytes, dtype=torch.uint8, device=like.device)
+        return ws
+
+
+_torch_route = None
+
+
+def _torch():
+    global _torch_route
+    if _torch_route is None:
+        _torch_route = _Torch()
+    return _torch_route
+
+
+def _same(x):
+    return x
+
+
+def _exporter(x):
+    """What turns an array of x's family into an argument of _C (each argument freshly: a capsule
+    is consumed by the call that takes it)."""
+    return _torch().export if family(x) == "torch" else _same
+
+
 def _stream(x):
     f = family(x)
-    if f == "torch" and x.is_cuda:
-        import torch
-
-        return torch.cuda.current_stream(x.device).cuda_stream
+    if f == "torch":
+        return _torch().stream(x)
     if f == "cupy":
         import cupy
 
@@ -84,66 +161,66 @@ def _stream(x):
     return 0
 
 
-def context(x, num_splits=0):
-    return _C.Context(stream=_stream(x), num_splits=num_splits, cpu_algorithm=_cpu_algorithm, cpu_isa=_cpu_isa)
+def context(x, num_splits=0, stream=None):
+    return _C.Context(stream=_stream(x) if stream is None else stream, num_splits=num_splits,
+                      cpu_algorithm=_cpu_algorithm, cpu_isa=_cpu_isa)
 
 
 def _workspace(like, nbytes):
-    if nbytes == 0:
-        return None
-    f = family(like)
-    if f == "torch":
-        import torch
-
-        return torch.empty(nbytes, dtype=torch.uint8, device=like.device)
-    return empty(like, (nbytes,), "uint8")
+    return None if nbytes == 0 else empty(like, (nbytes,), "uint8")
 
 
 def _on_device(x):
-    """The torch device guard for x: launches and workspace follow the inputs' GPU."""
-    if family(x) == "torch" and x.is_cuda:
-        import torch
+    """CuPy's __dlpack__, which nanobind calls, orders streams of the current device: make it x's.
+    torch tensors go as capsules, NumPy arrays live on the host, and the library selects the GPU
+    itself around every CUDA call."""
+    return x.device if family(x) == "cupy" else _no_guard
 
-        return torch.cuda.device(x.device)
-    if family(x) == "cupy":
-        return x.device
-    import contextlib
 
-    return contextlib.nullcontext()
+_no_guard = contextlib.nullcontext()
+
+
+def _device_index(x):
+    return x.get_device() if family(x) == "torch" else x.device.id
 
 
 def forward(q, k, v, out, lse, options, alibi_slopes=None, varlen=None, num_splits=0, block_table=None):
     """out, lse <- attention. varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k); with a
     block_table (paged varlen), k and v are pages (num_pages, page_size, h_k, d)."""
+    a = _exporter(q)
+    cu = lambda: () if varlen is None else (a(varlen[0]), a(varlen[1]), varlen[2], varlen[3])  # noqa: E731
     with _on_device(q):
         ctx = context(q, num_splits)
         ws = None
         if is_cuda(q) and block_table is None:
-            ws = _workspace(q, _C.forward_workspace_size(q, k, options, *(varlen or ())))
+            ws = _workspace(q, _C.forward_workspace_size(a(q), a(k), options, *cu()))
         if varlen is None:
-            _C.forward(q, k, v, out, lse, options, ctx, alibi_slopes, ws)
+            _C.forward(a(q), a(k), a(v), a(out), a(lse), options, ctx, a(alibi_slopes), a(ws))
         else:
-            _C.forward_varlen(q, k, v, *varlen, out, lse, options, ctx, alibi_slopes, ws, block_table)
+            _C.forward_varlen(a(q), a(k), a(v), *cu(), a(out), a(lse), options, ctx, a(alibi_slopes), a(ws),
+                              a(block_table))
 
 
-# Workspace bytes of forward_kvcache by call signature: they depend on shapes and devices only, and
-# a decoding loop repeats one signature, so the second validation and its DLPack conversions are
-# paid once per shape instead of every step (host time is the serving bar, issue 10).
+# Workspace bytes of forward_kvcache by call signature: they depend on shapes, dtype, device and
+# options only, and a decoding loop repeats one signature, so the size query (a second
+# validation) runs once per signature. The key reads shapes only (str() of a dtype or a device
+# costs 0.5 us each).
 _kvcache_ws = {}
 
 
-def _kvcache_workspace_size(q, k_cache, v_cache, k_new, cos, sin, interleaved, seqlens, seqlen, batch_idx, leftpad,
-                            block_table, options):
-    sig = lambda x: None if x is None else (tuple(x.shape), str(x.dtype), str(x.device))  # noqa: E731
-    key = (sig(q), sig(k_cache), sig(k_new), sig(cos), sig(block_table), batch_idx is None, seqlens is None,
+def _kvcache_workspace_size(a, q, k_cache, v_cache, k_new, cos, sin, interleaved, seqlens, seqlen, batch_idx,
+                            leftpad, block_table, options):
+    shape = lambda x: None if x is None else x.shape  # noqa: E731
+    key = (q.shape, q.dtype, _device_index(q), k_cache.shape,
+           shape(k_new), shape(cos), shape(block_table), batch_idx is None, seqlens is None, seqlen,
            leftpad is None, options.causal, options.window_left, options.window_right)
     n = _kvcache_ws.get(key)
     if n is None:
         if len(_kvcache_ws) > 256:
             _kvcache_ws.clear()
-        n = _kvcache_ws[key] = _C.forward_kvcache_workspace_size(q, k_cache, v_cache, k_new, cos, sin, interleaved,
-                                                                 seqlens, seqlen, batch_idx, leftpad, block_table,
-                                                                 options)
+        n = _kvcache_ws[key] = _C.forward_kvcache_workspace_size(
+            a(q), a(k_cache), a(v_cache), a(k_new), a(cos), a(sin), interleaved, a(seqlens), seqlen, a(batch_idx),
+            a(leftpad), a(block_table), options)
     return n
 
 
@@ -151,28 +228,37 @@ def forward_kvcache(q, k_cache, v_cache, k_new, v_new, cos, sin, interleaved, se
                     block_table, out, lse, options, alibi_slopes=None, num_splits=0):
     """out, lse <- attention over the KV cache after appending k_new, v_new into it in place
     (flashmonoid::forward_kvcache). seqlens: int32 (b) array or None, then seqlen (an int, -1 = full)."""
+    a = _exporter(q)
     with _on_device(q):
-        ctx = context(q, num_splits)
+        stream = _stream(q)
         ws = None
         if is_cuda(q):
-            ws = _workspace(q, _kvcache_workspace_size(q, k_cache, v_cache, k_new, cos, sin, interleaved, seqlens,
-                                                       seqlen, batch_idx, leftpad, block_table, options))
-        _C.forward_kvcache(q, k_cache, v_cache, k_new, v_new, cos, sin, interleaved, seqlens, seqlen, batch_idx,
-                           leftpad, block_table, out, lse, options, ctx, alibi_slopes, ws)
+            n = _kvcache_workspace_size(a, q, k_cache, v_cache, k_new, cos, sin, interleaved, seqlens, seqlen,
+                                        batch_idx, leftpad, block_table, options)
+            if n > 0:
+                ws = _torch().kept_workspace(q, n, stream) if family(q) == "torch" else _workspace(q, n)
+        _C.forward_kvcache(a(q), a(k_cache), a(v_cache), a(k_new), a(v_new), a(cos), a(sin), interleaved,
+                           a(seqlens), seqlen, a(batch_idx), a(leftpad), a(block_table), a(out), a(lse), options,
+                           context(q, num_splits, stream), a(alibi_slopes), a(ws))
 
 
 def backward(dout, q, k, v, out, lse, dq, dk, dv, options, alibi_slopes=None, varlen=None):
+    a = _exporter(q)
+    cu = lambda: () if varlen is None else (a(varlen[0]), a(varlen[1]), varlen[2], varlen[3])  # noqa: E731
     with _on_device(q):
         ctx = context(q)
         ws = None
         if is_cuda(q):
-            ws = _workspace(q, _C.backward_workspace_size(q, k, options, *(varlen or ())))
+            ws = _workspace(q, _C.backward_workspace_size(a(q), a(k), options, *cu()))
         if varlen is None:
-            _C.backward(dout, q, k, v, out, lse, dq, dk, dv, options, ctx, alibi_slopes, ws)
+            _C.backward(a(dout), a(q), a(k), a(v), a(out), a(lse), a(dq), a(dk), a(dv), options, ctx,
+                        a(alibi_slopes), a(ws))
         else:
-            _C.backward_varlen(dout, q, k, v, *varlen, out, lse, dq, dk, dv, options, ctx, alibi_slopes, ws)
+            _C.backward_varlen(a(dout), a(q), a(k), a(v), *cu(), a(out), a(lse), a(dq), a(dk), a(dv), options,
+                               ctx, a(alibi_slopes), a(ws))
 
 
 def merge(outs, lses, out, lse):
+    a = _exporter(out)
     with _on_device(out):
-        _C.merge(list(outs), list(lses), out, lse, context(out))
+        _C.merge([a(o) for o in outs], [a(x) for x in lses], a(out), a(lse), context(out))

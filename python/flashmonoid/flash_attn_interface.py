@@ -285,68 +285,68 @@ def flash_attn_varlen_func(
 def _check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                    block_table, alibi_slopes):
     """flash-attn 2.8's mha_fwd_kvcache checks and messages, less its limits (page sizes that are
-    multiples of 256, rotary dims that are multiples of 16, paged caches without leftpad)."""
-    _require(q.dim() == 4, "q must have shape (batch_size, seqlen_q, num_heads, head_size)")
-    batch_size, seqlen_q, num_heads, head_size = q.shape
-    _require(q.dtype in _DTYPES[:3], "FlashAttention only support fp16 and bf16 data type")
-    _require(k_cache.dtype == q.dtype, "query and key must have the same dtype")
-    _require(v_cache.dtype == q.dtype, "query and value must have the same dtype")
-    _require(q.stride(-1) == 1, "Input tensor must have contiguous last dimension")
+    multiples of 256, rotary dims that are multiples of 16, paged caches without leftpad). Every
+    decoding step runs them, so each tensor's shape, dtype and strides are read once (0.1-0.2 us a
+    read) and compared as tuples."""
+    q_shape, dtype = q.shape, q.dtype
+    _require(len(q_shape) == 4, "q must have shape (batch_size, seqlen_q, num_heads, head_size)")
+    batch_size, seqlen_q, num_heads, head_size = q_shape
+    _require(dtype in _DTYPES[:3], "FlashAttention only support fp16 and bf16 data type")
+    _require(k_cache.dtype == dtype, "query and key must have the same dtype")
+    _require(v_cache.dtype == dtype, "query and value must have the same dtype")
+    _require(q.stride()[-1] == 1, "Input tensor must have contiguous last dimension")
     _require(batch_size > 0, "batch size must be positive")
     _require(head_size <= 256, "FlashAttention forward only supports head dimension at most 256")
-    _require(k_cache.dim() == 4, "kcache must have 4 dimensions")
-    num_heads_k = k_cache.shape[2]
+    kc_shape, vc_shape = k_cache.shape, v_cache.shape
+    _require(len(kc_shape) == 4, "kcache must have 4 dimensions")
+    num_heads_k = kc_shape[2]
     _require(num_heads % num_heads_k == 0, "Number of heads in key/value must divide number of heads in query")
     if block_table is not None:
         _require(block_table.dtype == torch.int32, "block_table must have dtype torch.int32")
-        _require(block_table.stride(-1) == 1, "block_table must have contiguous last dimension")
+        _require(block_table.stride()[-1] == 1, "block_table must have contiguous last dimension")
         _require(cache_batch_idx is None, "Paged KVcache does not support cache_batch_idx")
-        num_blocks, page_block_size = k_cache.shape[0], k_cache.shape[1]
-        _require(tuple(k_cache.shape) == (num_blocks, page_block_size, num_heads_k, head_size),
+        _require(kc_shape[3] == head_size,
                  "kcache must have shape (num_blocks, page_block_size, num_heads_k, head_size_og)")
-        _require(tuple(v_cache.shape) == tuple(k_cache.shape),
-                 "vcache must have shape (num_blocks, page_block_size, num_heads_k, head_size_og)")
-        _require(block_table.dim() == 2 and block_table.shape[0] == batch_size,
+        _require(vc_shape == kc_shape, "vcache must have shape (num_blocks, page_block_size, num_heads_k, head_size_og)")
+        bt_shape = block_table.shape
+        _require(len(bt_shape) == 2 and bt_shape[0] == batch_size,
                  "block_table must have shape (batch_size, max_num_blocks_per_seq)")
-        seqlen_k = block_table.shape[1] * page_block_size
+        seqlen_k = bt_shape[1] * kc_shape[1]
     else:
-        seqlen_k = k_cache.shape[1]
-        _require(tuple(k_cache.shape[1:]) == (seqlen_k, num_heads_k, head_size),
-                 "kcache must have shape (batch_size_c, seqlen_k, num_heads_k, head_size_og)")
-        _require(tuple(v_cache.shape) == tuple(k_cache.shape),
-                 "vcache must have shape (batch_size_c, seqlen_k, num_heads_k, head_size_og)")
+        seqlen_k = kc_shape[1]
+        _require(kc_shape[3] == head_size, "kcache must have shape (batch_size_c, seqlen_k, num_heads_k, head_size_og)")
+        _require(vc_shape == kc_shape, "vcache must have shape (batch_size_c, seqlen_k, num_heads_k, head_size_og)")
     if k is not None:
         _require(v is not None, "If key is supplied, value must also be passed in")
         _require(cache_seqlens is not None, "If key is supplied, seqlens_k must also be passed in")
-        _require(k.dtype == q.dtype, "Key must have the same dtype as query")
-        _require(v.dtype == q.dtype, "Value must have the same dtype as query")
-        _require(k.stride(-1) == 1, "Key tensor must have contiguous last dimension")
-        _require(v.stride(-1) == 1, "Value tensor must have contiguous last dimension")
-        _require(k.dim() == 4 and tuple(k.shape) == (batch_size, k.shape[1], num_heads_k, head_size),
+        _require(k.dtype == dtype, "Key must have the same dtype as query")
+        _require(v.dtype == dtype, "Value must have the same dtype as query")
+        _require(k.stride()[-1] == 1, "Key tensor must have contiguous last dimension")
+        _require(v.stride()[-1] == 1, "Value tensor must have contiguous last dimension")
+        k_shape = k.shape
+        _require(len(k_shape) == 4 and k_shape[0] == batch_size and k_shape[2:] == (num_heads_k, head_size),
                  "k must have shape (batch_size, seqlen_knew, num_heads_k, head_size_og)")
-        _require(tuple(v.shape) == tuple(k.shape), "v must have shape (batch_size, seqlen_knew, num_heads_k, head_size_og)")
-        _require(k.shape[1] <= seqlen_k, "If key is supplied, it must have seqlen <= the seqlen of the KV cache")
+        _require(v.shape == k_shape, "v must have shape (batch_size, seqlen_knew, num_heads_k, head_size_og)")
+        _require(k_shape[1] <= seqlen_k, "If key is supplied, it must have seqlen <= the seqlen of the KV cache")
     if isinstance(cache_seqlens, torch.Tensor):
         _require(cache_seqlens.dtype == torch.int32, "seqlens_k must have dtype int32")
-        _require(tuple(cache_seqlens.shape) == (batch_size,), "seqlens_k must have shape (batch_size)")
+        _require(cache_seqlens.shape == (batch_size,), "seqlens_k must have shape (batch_size)")
     if cache_leftpad is not None:
         _require(cache_leftpad.dtype == torch.int32, "leftpad_k must have dtype int32")
-        _require(tuple(cache_leftpad.shape) == (batch_size,), "leftpad_k must have shape (batch_size)")
+        _require(cache_leftpad.shape == (batch_size,), "leftpad_k must have shape (batch_size)")
     if cache_batch_idx is not None:
         _require(cache_batch_idx.dtype == torch.int32, "cache_batch_idx must have dtype int32")
     if rotary_cos is not None or rotary_sin is not None:
         _require(k is not None, "If rotary cos/sin are provided, new key / query must also be provided")
         _require(rotary_cos is not None and rotary_sin is not None, "rotary_cos and rotary_sin must be given together")
-        rotary_dim = rotary_cos.shape[1] * 2
+        cos_shape = rotary_cos.shape
+        seqlen_ro, rotary_dim = cos_shape[0], cos_shape[1] * 2
         _require(rotary_dim <= head_size, "rotary_dim must be <= headdim")
-        seqlen_ro = rotary_cos.shape[0]
         _require(seqlen_ro >= seqlen_k, "cos/sin seqlen must be at least the seqlen of KV cache")
-        _require(tuple(rotary_cos.shape) == (seqlen_ro, rotary_dim // 2),
-                 "rotary_cos must have shape (seqlen_ro, rotary_dim / 2)")
-        _require(tuple(rotary_sin.shape) == (seqlen_ro, rotary_dim // 2),
-                 "rotary_sin must have shape (seqlen_ro, rotary_dim / 2)")
-        _require(rotary_cos.dtype == q.dtype, "rotary_cos must have the same dtype as query")
-        _require(rotary_sin.dtype == q.dtype, "rotary_sin must have the same dtype as query")
+        _require(len(cos_shape) == 2, "rotary_cos must have shape (seqlen_ro, rotary_dim / 2)")
+        _require(rotary_sin.shape == cos_shape, "rotary_sin must have shape (seqlen_ro, rotary_dim / 2)")
+        _require(rotary_cos.dtype == dtype, "rotary_cos must have the same dtype as query")
+        _require(rotary_sin.dtype == dtype, "rotary_sin must have the same dtype as query")
     if alibi_slopes is not None:
         _check_common(q, k_cache, v_cache, alibi_slopes, 0.0, batch_size, num_heads)
 
@@ -385,8 +385,8 @@ def flash_attn_with_kvcache(
     cache_seqlens + i when causal or windowed, else at cache_seqlens. num_splits: 0 = heuristic.
     Returns out, and softmax_lse (batch_size, nheads, seqlen) with return_softmax_lse. No backward,
     as upstream."""
-    assert k_cache.stride(-1) == 1, "k_cache must have contiguous last dimension"
-    assert v_cache.stride(-1) == 1, "v_cache must have contiguous last dimension"
+    assert k_cache.stride()[-1] == 1, "k_cache must have contiguous last dimension"
+    assert v_cache.stride()[-1] == 1, "v_cache must have contiguous last dimension"
     _check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                    block_table, alibi_slopes)
     out, lse = torch_ops.attention_kvcache(

@@ -51,12 +51,11 @@ def _math_options(softmax_scale, causal, window_left, window_right, softcap, ali
 
 
 def _c(x):
-    """A view the C++ API accepts: detached (DLPack refuses tensors that require grad) and with a
-    contiguous last dimension (the only layout rule of the API; expanded gradients break it)."""
-    if x is None:
-        return None
-    x = x.detach()
-    return x if x.stride(-1) == 1 else x.contiguous()
+    """x with a contiguous last dimension, the only layout rule of the C++ API (expanded gradients
+    break it). is_contiguous() is a cached flag (0.1 us); stride(-1) costs 0.3 us."""
+    if x is None or x.is_contiguous() or x.stride(-1) == 1:
+        return x
+    return x.contiguous()
 
 
 def _eager(*tensors):
@@ -283,14 +282,14 @@ def _fwd_kvcache_impl(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
                       cache_batch_idx, cache_leftpad, block_table, alibi_slopes, softmax_scale, causal, window_left,
                       window_right, softcap, rotary_interleaved, num_splits):
     b, s_q, h, _ = q.shape
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, h, s_q), dtype=torch.float32, device=q.device)
+    # Sizes as separate ints and empty_like: 1.5 us each, against 3.7 us for torch.empty(q.shape, ...).
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(b, h, s_q, dtype=torch.float32, device=q.device)
     opts = _options(softmax_scale, causal, window_left, window_right, softcap, 0.0, None)
     # The caches are written in place: never copied (their last dimension is contiguous by contract).
-    _backend.forward_kvcache(_c(q), k_cache.detach(), v_cache.detach(), _c(k), _c(v), _c(rotary_cos),
-                             _c(rotary_sin), bool(rotary_interleaved), _c(cache_seqlens), int(cache_seqlen),
-                             _c(cache_batch_idx), _c(cache_leftpad), _c(block_table), out, lse, opts,
-                             _c(alibi_slopes), int(num_splits))
+    _backend.forward_kvcache(_c(q), k_cache, v_cache, _c(k), _c(v), _c(rotary_cos), _c(rotary_sin),
+                             rotary_interleaved, _c(cache_seqlens), cache_seqlen, _c(cache_batch_idx),
+                             _c(cache_leftpad), _c(block_table), out, lse, opts, _c(alibi_slopes), num_splits)
     return out, lse
 
 
@@ -425,7 +424,9 @@ def attention_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, r
     out, lse = op(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, seqlen, cache_batch_idx,
                   cache_leftpad, block_table, alibi_slopes, scale, bool(causal), int(window[0]), int(window[1]),
                   float(softcap), bool(rotary_interleaved), int(num_splits))
-    if caches is not None and k is not None:  # the append went into the padded copies
+    if caches is None:
+        return out, lse
+    if k is not None:  # the append went into the padded copies
         caches[0].copy_(k_cache[..., :d])
         caches[1].copy_(v_cache[..., :d])
     return out[..., :d], lse
