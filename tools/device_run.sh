@@ -6,6 +6,7 @@
 # bench.json, python_gpu/ (benchmark_results.json and the plots) and logs.tgz (every log); a
 # summary table is printed last. Environment:
 #   FM_TESTS   ctest regex of GPU tests to run (default: every test labelled cuda; none skips them)
+#   FM_TEST_JOBS  ctest -j (default 1; the tests share the GPU, so more only overlaps their host work)
 #   FM_BENCH   0 skips the benchmarks;  FM_PEERS 0 skips the PyTorch peers
 #   FM_ARCH    CUDA architectures to build (default 90: the H100; the library default is 80;90)
 #   FM_PYTHON  0 skips the Python package steps
@@ -49,7 +50,7 @@ tail -3 "$LOG/spills.txt"
 
 if [ "${FM_TESTS:-}" != none ]; then
 step "GPU tests"
-(cd "$BUILD" && timeout ${FM_TEST_TIMEOUT:-240} ctest -L cuda ${FM_TESTS:+-R "$FM_TESTS"} -j 1 --output-on-failure --timeout 240) >"$LOG/tests.log" 2>&1 || status=1
+(cd "$BUILD" && timeout ${FM_TEST_TIMEOUT:-240} ctest -L cuda ${FM_TESTS:+-R "$FM_TESTS"} -j ${FM_TEST_JOBS:-1} --output-on-failure --timeout 240) >"$LOG/tests.log" 2>&1 || status=1
 grep -E "tests passed|tests failed|\*\*\*Failed|Not Run|Timeout" "$LOG/tests.log" | tail -25
 fi
 

@@ -10,10 +10,10 @@
 //        dV += Pᵀ dO, dK += dSᵀ Q          wgmma with Pᵀ, dSᵀ from registers; dK, dV stay in fp32
 //                                          registers for the whole block (the GQA sum included)
 //        dQ = dS K                         dSᵀ through shared memory (both warpgroups' keys), each
-//                                          warpgroup a column half of the (64, head dim) tile
+//                                          warpgroup a 64-row part of the step's dQ tile (DqSplit)
 //      and each dQ half is staged in shared memory (in the fragments' own order, so that the writes
 //      are conflict-free), from where the producer warpgroup's dQ writer warp adds it to the
-//      accumulator with one bulk reduction (cp.reduce.async.bulk .add.f32, 8 or 16 KB).
+//      accumulator with one bulk reduction (cp.reduce.async.bulk .add.f32, 16 KB).
 //   3. bwd_convert_dq_sm90: dq = scale · accumulator in the input dtype, undoing the fragment order.
 #pragma once
 
@@ -401,7 +401,6 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
   const std::uint32_t dq_b = k_addr + (dq_col / kPanelCols) * kBlockN * kPanelRowBytes + (dq_col % kPanelCols) * 2;
   // Key of this thread's accumulator rows (half h: +8), relative to the block.
   const int key_row = 64 * consumer + 16 * warp + lane / 4;
-
 
   float dk[1][kDTiles][4] = {};  // (64 keys, kHeadDim) per warpgroup, unscaled
   float dv[1][kDTiles][4] = {};
