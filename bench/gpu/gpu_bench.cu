@@ -345,7 +345,9 @@ struct KvDecode {
     ctx.workspace_bytes = work->bytes;
     return ctx;
   }
-  void run(cudaStream_t stream) { flashmonoid::forward_kvcache(qv, cache, knv, vnv, rot, ov, lv, opt, context(stream)); }
+  void run(cudaStream_t stream) {
+    flashmonoid::forward_kvcache(qv, cache, knv, vnv, rot, ov, lv, opt, context(stream));
+  }
   // The Python bindings' route: pointers vouched for by DLPack, no cudaPointerGetAttributes.
   void run_dlpack(cudaStream_t stream) {
     flashmonoid::detail::forward_kvcache(qv, cache, knv, vnv, rot, ov, lv, opt, context(stream),

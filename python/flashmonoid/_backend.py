@@ -135,15 +135,15 @@ class _Torch:
             ws = self.kept[key] = torch.empty(nbytes, dtype=torch.uint8, device=like.device)
         return ws
 
-
     def forward_kvcache(self, q, k_cache, v_cache, k_new, v_new, cos, sin, interleaved, seqlens, seqlen, batch_idx,
                         leftpad, block_table, out, lse, options, alibi_slopes, num_splits):
         """_backend.forward_kvcache for torch tensors: the kept workspace goes in as it is, and when
         _C finds it short (it then runs nothing) a big enough one follows; no size query per call."""
         stream, ws = 0, None
         if q.is_cuda:
-            stream = self.raw_stream(q.get_device())
-            ws = None if self.capturing() else self.kept.get((q.get_device(), stream))
+            device = q.get_device()
+            stream = self.raw_stream(device)
+            ws = None if self.capturing() else self.kept.get((device, stream))
         args = (q, k_cache, v_cache, k_new, v_new, cos, sin, interleaved, seqlens, seqlen, batch_idx, leftpad,
                 block_table, out, lse, options, alibi_slopes)
         need = _C.forward_kvcache_torch(*args, ws, stream, num_splits, _cpu_algorithm, _cpu_isa)
