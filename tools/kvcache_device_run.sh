@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 10 on one GPU (a short lease): build (sm_90) into build-device, the KV-cache GPU tests
-# (ctest -R KvCache) and memcheck on the out-of-range and layout cases, gpu_bench --kvcache-only,
-# the cuDNN peer on the same shapes, the Python host time of flash_attn_with_kvcache; JSON and
-# logs under $OUT (default ./device_out), the bars' table printed last. Run from the repo root.
+# (ctest -R KvCache) and memcheck on the out-of-range and layout cases, gpu_bench --kvcache-only and
+# --kvcache-host (the C++ host time per call), the cuDNN peer on the same shapes, the Python host
+# time of flash_attn_with_kvcache; JSON and logs under $OUT (default ./device_out), the bars' table
+# printed last. Run from the repo root.
 #   FM_PYTHON=0 skips the pip install and the host-time benchmark.
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}
@@ -24,8 +25,10 @@ timeout 120 compute-sanitizer --tool memcheck --error-exitcode 3 build-device/te
   status=1
 echo "memcheck: $(grep 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)"
 
-step "gpu_bench --kvcache-only, cuDNN peer"
+step "gpu_bench --kvcache-only and --kvcache-host, cuDNN peer"
 timeout 150 build-device/bench/gpu/flashmonoid-gpu-bench "$OUT/kv.json" --kvcache-only 2>"$OUT/kv_bench.log" || status=1
+timeout 60 build-device/bench/gpu/flashmonoid-gpu-bench "$OUT/kv_host.json" --kvcache-host 2>"$OUT/kv_host.log" ||
+  status=1
 FM_PEERS_KVCACHE=only PYTHONUNBUFFERED=1 timeout 150 python3 bench/peers.py "$OUT/peers_kv.json" 2>"$OUT/peers.log" ||
   status=1
 
@@ -46,6 +49,7 @@ def load(name):
     p = os.path.join(out, name)
     return json.load(open(p)) if os.path.exists(p) else []
 kv, peers, host = load("kv.json"), load("peers_kv.json"), load("kvcache_host.json")
+cpp_host = load("kv_host.json")
 copy = next((r["copy_tbps"] for r in kv if "copy_tbps" in r), None)
 fm = {(r["batch"], r["seqlen_k"], r.get("page_size", 0), r["seqlen_q"], r.get("append")): r["tbps"]
       for r in kv if r.get("pass") == "decode"}
@@ -64,8 +68,11 @@ for (b, sk) in sorted({(k[0], k[1]) for k in fm}):
     print(f"| {b} | {sk // 1024}k | {mb:.0f} | {f(g(0, 1, False))} | {f(c)} | " + " | ".join(f(p) for p in paged) +
           f" | {f(g(0, 4))} | {f(cu.get((b, sk, 1)))} | {f(cu.get((b, sk, 4)))} | "
           f"{f(c / copy if c and copy else None)} | {f(ratio)} |")
+for r in cpp_host:
+    print(f"C++ host ({r['impl']}): b {r['batch']} page {r['page_size']}: {r['host_us']} us/call")
 for r in host:
-    print(f"python host: b {r['batch']} page {r['page_size']}: {r['host_us']} us/call (runs {r['host_us_runs']})")
+    print(f"python host: b {r['batch']} page {r['page_size']}: {r['host_us']} us/call (runs {r['host_us_runs']}); "
+          f"layers {r.get('breakdown', {}).get('layers_us')}")
 PY
 echo "status $status"
 exit $status

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "api/pointer_source.hpp"  // the bindings' route, for --kvcache-host
 #include "flashmonoid/flashmonoid.hpp"
 
 namespace {
@@ -337,12 +338,20 @@ struct KvDecode {
     opt.causal = true;
     work = std::make_unique<Buf>(flashmonoid::forward_kvcache_workspace_size(qv, cache, knv, rot, opt));
   }
-  void run(cudaStream_t stream) {
+  flashmonoid::Context context(cudaStream_t stream) const {
     flashmonoid::Context ctx;
     ctx.stream = stream;
     ctx.workspace = work->p;
     ctx.workspace_bytes = work->bytes;
-    flashmonoid::forward_kvcache(qv, cache, knv, vnv, rot, ov, lv, opt, ctx);
+    return ctx;
+  }
+  void run(cudaStream_t stream) {
+    flashmonoid::forward_kvcache(qv, cache, knv, vnv, rot, ov, lv, opt, context(stream));
+  }
+  // The Python bindings' route: pointers vouched for by DLPack, no cudaPointerGetAttributes.
+  void run_dlpack(cudaStream_t stream) {
+    flashmonoid::detail::forward_kvcache(qv, cache, knv, vnv, rot, ov, lv, opt, context(stream),
+                                         flashmonoid::detail::PointerSource::dlpack, true);
   }
   double tbps(double ms) const { return 2.0 * kv_bytes / ms / 1e9; }
 };
@@ -370,6 +379,38 @@ void bench_kvcache_all(const std::string& dev) {
       for (int page : {0, 16, 64, 256}) bench_kvcache(b, sk, page, 1, true, true, dev);
       bench_kvcache(b, sk, 0, 4, true, true, dev);  // speculative decoding, causal among 4 new tokens
     }
+}
+
+// Host time of forward_kvcache in C++, the floor under the Python call (issue 10's bar: 15 us per
+// decoding call): b = 1, 32/8 heads, hdim 128, 512 keys, s_q = 1, a 1-token append with rotary,
+// contiguous and page 16. kHostCalls calls queued back to back and one synchronisation (512 keys
+// keep the GPU ahead of the host, so the clock times the host); least of 5 runs, us per call.
+// impl "flashmonoid_cpp": the public call, which asks the runtime about every pointer;
+// "flashmonoid_cpp_dlpack": the bindings' route (PointerSource::dlpack), alignment checks only.
+void bench_kvcache_host(const std::string& dev) {
+  constexpr int kHostCalls = 1000, kRuns = 5;
+  for (int page : {0, 16}) {
+    KvDecode pb(1, 512, page, 1, true, true);
+    for (bool dlpack : {false, true}) {
+      auto call = [&] { dlpack ? pb.run_dlpack(nullptr) : pb.run(nullptr); };
+      for (int i = 0; i < 50; ++i) call();
+      CHECK(cudaDeviceSynchronize());
+      std::vector<double> per_call;
+      for (int r = 0; r < kRuns; ++r) {
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < kHostCalls; ++i) call();
+        const auto t1 = std::chrono::steady_clock::now();
+        CHECK(cudaDeviceSynchronize());
+        per_call.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / kHostCalls);
+      }
+      const double us = *std::min_element(per_call.begin(), per_call.end());
+      char extra[160];
+      std::snprintf(extra, sizeof extra, ", \"page_size\": %d, \"append\": true, \"rotary\": true, \"calls\": %d",
+                    page, kHostCalls);
+      record("decode_host", KvDecode::d, true, 1, KvDecode::h, KvDecode::hk, 1, 512, us / 1000.0, "host_us", us, dev,
+             extra, dlpack ? "flashmonoid_cpp_dlpack" : "flashmonoid_cpp");
+    }
+  }
 }
 
 __global__ void empty_kernel() {}
@@ -443,17 +484,27 @@ void memory_64k(const std::string& dev) {
   std::fprintf(stderr, "%s\n", line);
 }
 
+// The records as a JSON list, to out_path or stdout.
+void write_records(const char* out_path) {
+  FILE* f = out_path ? std::fopen(out_path, "w") : stdout;
+  std::fprintf(f, "[\n");
+  for (std::size_t i = 0; i < records.size(); ++i) std::fprintf(f, "  %s%s\n", records[i].c_str(), i + 1 < records.size() ? "," : "");
+  std::fprintf(f, "]\n");
+  if (f != stdout) std::fclose(f);
+}
+
 }  // namespace
 
 // Usage: flashmonoid-gpu-bench [OUT.json] [--no-bwd] [--with-sm80] [--case HDIM CAUSAL SEQLEN] [--decode-only] [--sweep]
-//        [--kvcache-only | --no-kvcache]
+//        [--kvcache-only | --no-kvcache] [--kvcache-host]
 // --case runs one training shape (for a profiler), --decode-only the decoding shapes, --sweep the
 // host cost of single CUDA calls and the decoding shapes over forced split counts, --kvcache-only
-// the device copy and the forward_kvcache decoding shapes (pass "decode"), --no-kvcache all but those.
+// the device copy and the forward_kvcache decoding shapes (pass "decode"), --no-kvcache all but those,
+// --kvcache-host only the host time of the C++ forward_kvcache (pass "decode_host").
 int main(int argc, char** argv) {
   const std::string dev = device_name();
   const char* out_path = nullptr;
-  bool with_bwd = true, decode_only = false, kvcache_only = false, with_kvcache = true;
+  bool with_bwd = true, decode_only = false, kvcache_only = false, with_kvcache = true, kvcache_host = false;
   int case_d = 0, case_causal = 0, case_s = 0;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--no-bwd")) with_bwd = false;
@@ -461,6 +512,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--decode-only")) decode_only = true;
     else if (!std::strcmp(argv[i], "--kvcache-only")) kvcache_only = true;
     else if (!std::strcmp(argv[i], "--no-kvcache")) with_kvcache = false;
+    else if (!std::strcmp(argv[i], "--kvcache-host")) kvcache_host = true;
     else if (!std::strcmp(argv[i], "--sweep")) {
       host_costs();
       sweep_decode_splits(1, 32768);
@@ -480,6 +532,11 @@ int main(int argc, char** argv) {
     bench_train(case_d, case_causal != 0, case_s, with_bwd, dev);
     return 0;
   }
+  if (kvcache_host) {
+    bench_kvcache_host(dev);
+    write_records(out_path);
+    return 0;
+  }
   bench_copy(dev);
   if (kvcache_only) decode_only = true;
   if (!decode_only)
@@ -495,10 +552,6 @@ int main(int argc, char** argv) {
     memory_64k(dev);
   }
   if (with_kvcache) bench_kvcache_all(dev);
-  FILE* f = out_path ? std::fopen(out_path, "w") : stdout;
-  std::fprintf(f, "[\n");
-  for (std::size_t i = 0; i < records.size(); ++i) std::fprintf(f, "  %s%s\n", records[i].c_str(), i + 1 < records.size() ? "," : "");
-  std::fprintf(f, "]\n");
-  if (f != stdout) std::fclose(f);
+  write_records(out_path);
   return 0;
 }

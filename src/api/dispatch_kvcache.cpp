@@ -1,6 +1,7 @@
 // forward_kvcache and its workspace query: validated once (validate_kvcache.cpp), then the CPU or
 // CUDA backend.
 #include "api/kvcache_params.hpp"
+#include "api/pointer_source.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "cpu/isa.hpp"
 #include "flashmonoid/kvcache.hpp"
@@ -10,22 +11,36 @@
 
 namespace flashmonoid {
 
-void forward_kvcache(const TensorView& q, const KVCache& cache, const TensorView& k_new, const TensorView& v_new,
-                     const Rotary& rotary, const TensorView& out, const TensorView& lse, const Options& options,
-                     const Context& ctx) {
+std::size_t detail::forward_kvcache(const TensorView& q, const KVCache& cache, const TensorView& k_new,
+                                    const TensorView& v_new, const Rotary& rotary, const TensorView& out,
+                                    const TensorView& lse, const Options& options, const Context& ctx,
+                                    PointerSource source, bool report_short_workspace) {
   const detail::KvCacheCall c = detail::make_kvcache_params(q, cache, k_new, v_new, rotary, out, lse, options);
   if (c.attn.device.kind == DeviceKind::cpu) {
     cpu::forward_kvcache(c, ctx.cpu_algorithm == CpuAlgorithm::reference, ctx.num_threads,
                          cpu::kernels_for(cpu::isa_for(ctx.cpu_isa)));
-    return;
+    return 0;
   }
 #ifdef FLASHMONOID_WITH_CUDA
   const std::string why = cuda::unsupported_reason(c.attn);
   if (!why.empty()) throw NotSupported("q", why);
-  cuda::forward_kvcache(c, ctx);
+  if (report_short_workspace) {
+    const std::size_t need = cuda::forward_kvcache_workspace_size(c);
+    if (need > 0 && (ctx.workspace == nullptr || ctx.workspace_bytes < need)) return need;
+  }
+  cuda::forward_kvcache(c, ctx, source);
+  return 0;
 #else
+  (void)source, (void)report_short_workspace;
   throw NotSupported("q", "this build of flashmonoid has no CUDA backend (configure with -DFLASHMONOID_CUDA=ON)");
 #endif
+}
+
+void forward_kvcache(const TensorView& q, const KVCache& cache, const TensorView& k_new, const TensorView& v_new,
+                     const Rotary& rotary, const TensorView& out, const TensorView& lse, const Options& options,
+                     const Context& ctx) {
+  detail::forward_kvcache(q, cache, k_new, v_new, rotary, out, lse, options, ctx, detail::PointerSource::unverified,
+                          false);
 }
 
 std::size_t forward_kvcache_workspace_size(const TensorView& q, const KVCache& cache, const TensorView& k_new,

@@ -10,6 +10,7 @@
 #include "api/params.hpp"
 #include "common/check.cuh"
 #include "common/device_guard.cuh"
+#include "common/device_props.cuh"
 #include "common/types.cuh"
 #include "cuda_backend.hpp"
 #include "flashmonoid/detail/monoid.hpp"
@@ -29,38 +30,25 @@ constexpr int kVectorBytes = 16;
 using detail::kMaxHeadDim;
 constexpr int kMinMajor = 8;  // mma.sync m16n8k16 with bf16, cp.async, ldmatrix: sm80 and later
 
-int num_sms(int device) {
-  int n = 0;
-  FM_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-  return n;
-}
-
-std::size_t smem_optin(int device) {
-  int n = 0;
-  FM_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  return static_cast<std::size_t>(n);
-}
-
-std::size_t smem_per_sm(int device) {
-  int n = 0;
-  FM_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
-  return static_cast<std::size_t>(n);
-}
-
-void check_pointer(const void* ptr, const char* name, int device, int align) {
-  if (ptr == nullptr) return;  // absent optional argument; required ones are checked by validation
-  cudaPointerAttributes attr{};
-  const cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();  // clear the sticky-free error so later launches are unaffected
-    throw Error(name, std::string("is not memory the CUDA runtime knows (") + cudaGetErrorString(err) + ")");
+// ptr is device memory of `device` (or nullptr: an absent optional argument; required ones are
+// checked by validation), aligned to `align` bytes. With PointerSource::dlpack the producer of the
+// arrays declared where they live and validation matched the devices: the runtime is not asked.
+void check_pointer(const void* ptr, const char* name, int device, int align, PointerSource source) {
+  if (ptr == nullptr) return;
+  if (source == PointerSource::unverified) {
+    cudaPointerAttributes attr{};
+    const cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();  // clear the sticky-free error so later launches are unaffected
+      throw Error(name, std::string("is not memory the CUDA runtime knows (") + cudaGetErrorString(err) + ")");
+    }
+    if (attr.type == cudaMemoryTypeUnregistered || attr.type == cudaMemoryTypeHost)
+      throw Error(name, "is host memory, but the tensors are on cuda:" + std::to_string(device) +
+                            "; pass device memory (cudaMalloc) or use a CPU tensor for every argument");
+    if (attr.type == cudaMemoryTypeDevice && attr.device != device)
+      throw Error(name, "is on cuda:" + std::to_string(attr.device) + " but the call runs on cuda:" +
+                            std::to_string(device));
   }
-  if (attr.type == cudaMemoryTypeUnregistered || attr.type == cudaMemoryTypeHost)
-    throw Error(name, "is host memory, but the tensors are on cuda:" + std::to_string(device) +
-                          "; pass device memory (cudaMalloc) or use a CPU tensor for every argument");
-  if (attr.type == cudaMemoryTypeDevice && attr.device != device)
-    throw Error(name, "is on cuda:" + std::to_string(attr.device) + " but the call runs on cuda:" +
-                          std::to_string(device));
   if (reinterpret_cast<std::uintptr_t>(ptr) % align != 0)
     throw Error(name, "base address must be " + std::to_string(align) +
                           "-byte aligned for the CUDA kernels' vector loads");
@@ -76,20 +64,20 @@ void check_strides(const detail::Strides& st, const char* name, int batch, int h
                       "backend; make the tensor contiguous in its last dimension with rows 16-byte aligned");
 }
 
-void check_fwd_pointers(const detail::FwdParams& p) {
+void check_fwd_pointers(const detail::FwdParams& p, PointerSource src) {
   const int dev = p.device.index;
-  check_pointer(p.q, "q", dev, kVectorBytes);
-  check_pointer(p.k, "k", dev, kVectorBytes);
-  check_pointer(p.v, "v", dev, kVectorBytes);
-  check_pointer(p.out, "out", dev, kVectorBytes);
-  check_pointer(p.lse, "lse", dev, sizeof(float));
-  check_pointer(p.cu_seqlens_q, "cu_seqlens_q", dev, sizeof(int));
-  check_pointer(p.cu_seqlens_k, "cu_seqlens_k", dev, sizeof(int));
-  check_pointer(p.alibi, "options.alibi_slopes", dev, sizeof(float));
-  check_pointer(p.kv.seqlens, "seqlens", dev, sizeof(int));
-  check_pointer(p.kv.leftpad, "leftpad", dev, sizeof(int));
-  check_pointer(p.kv.batch_idx, "batch_idx", dev, sizeof(int));
-  check_pointer(p.kv.block_table, "block_table", dev, sizeof(int));
+  check_pointer(p.q, "q", dev, kVectorBytes, src);
+  check_pointer(p.k, "k", dev, kVectorBytes, src);
+  check_pointer(p.v, "v", dev, kVectorBytes, src);
+  check_pointer(p.out, "out", dev, kVectorBytes, src);
+  check_pointer(p.lse, "lse", dev, sizeof(float), src);
+  check_pointer(p.cu_seqlens_q, "cu_seqlens_q", dev, sizeof(int), src);
+  check_pointer(p.cu_seqlens_k, "cu_seqlens_k", dev, sizeof(int), src);
+  check_pointer(p.alibi, "options.alibi_slopes", dev, sizeof(float), src);
+  check_pointer(p.kv.seqlens, "seqlens", dev, sizeof(int), src);
+  check_pointer(p.kv.leftpad, "leftpad", dev, sizeof(int), src);
+  check_pointer(p.kv.batch_idx, "batch_idx", dev, sizeof(int), src);
+  check_pointer(p.kv.block_table, "block_table", dev, sizeof(int), src);
   const bool varlen = p.cu_seqlens_q != nullptr;
   const bool packed_kv = varlen && p.kv.block_table == nullptr;  // pages step by their batch stride
   check_strides(p.q_stride, "q", p.batch, p.h, varlen);
@@ -146,11 +134,7 @@ CudaPath requested_path(CudaPath ctx_path) {
   throw Error("FLASHMONOID_CUDA_PATH", std::string("must be sm80 or sm90 (or unset), got '") + env + "'");
 }
 
-int compute_major(int device) {
-  int major = 0;
-  FM_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  return major;
-}
+int compute_major(int device) { return device_props(device).major; }
 
 template <class T>
 void run_bwd(const detail::BwdParams& p, const BwdLaunch& launch) {
@@ -253,12 +237,9 @@ bool available() {
 // The one support table of the CUDA backend.
 std::string unsupported_reason(const detail::FwdParams& p) {
   const int dev = p.device.index;
-  int major = 0, minor = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return "no CUDA device cuda:" + std::to_string(dev) + " is visible";
-  }
+  DeviceProps props;
+  if (!find_device_props(dev, &props)) return "no CUDA device cuda:" + std::to_string(dev) + " is visible";
+  const int major = props.major, minor = props.minor;
   if (major < kMinMajor)
     return "cuda:" + std::to_string(dev) + " has compute capability " + std::to_string(major) + "." +
            std::to_string(minor) + "; the CUDA kernels need 8.0 or newer (Ampere, Hopper)";
@@ -315,19 +296,20 @@ std::size_t bwd_path_workspace_bytes(const detail::BwdParams& p, KernelArch path
   return path == KernelArch::sm90 ? bwd_workspace_layout_sm90(p).total : bwd_workspace_bytes(p);
 }
 
-void check_pointers(const detail::FwdParams& p) { check_fwd_pointers(p); }
+void check_pointers(const detail::FwdParams& p, PointerSource source) { check_fwd_pointers(p, source); }
 
-void check_device_pointer(const void* ptr, const char* name, int device, int align) {
-  check_pointer(ptr, name, device, align);
+void check_device_pointer(const void* ptr, const char* name, int device, int align, PointerSource source) {
+  check_pointer(ptr, name, device, align, source);
 }
 
 void check_pointers(const detail::BwdParams& p) {
-  check_fwd_pointers(p);
+  constexpr PointerSource src = PointerSource::unverified;
+  check_fwd_pointers(p, src);
   const int dev = p.device.index;
-  check_pointer(p.dout, "dout", dev, kVectorBytes);
-  check_pointer(p.dq, "dq", dev, kVectorBytes);
-  check_pointer(p.dk, "dk", dev, kVectorBytes);
-  check_pointer(p.dv, "dv", dev, kVectorBytes);
+  check_pointer(p.dout, "dout", dev, kVectorBytes, src);
+  check_pointer(p.dq, "dq", dev, kVectorBytes, src);
+  check_pointer(p.dk, "dk", dev, kVectorBytes, src);
+  check_pointer(p.dv, "dv", dev, kVectorBytes, src);
   const bool varlen = p.cu_seqlens_q != nullptr;
   check_strides(p.do_stride, "dout", p.batch, p.h, varlen);
   check_strides(p.dq_stride, "dq", p.batch, p.h, varlen);
@@ -338,8 +320,8 @@ void check_pointers(const detail::BwdParams& p) {
 std::size_t forward_workspace_size(const detail::FwdParams& p) {
   DeviceGuard guard(p.device.index);
   if (forward_path(p, Context{}) == KernelArch::sm90) return 0;
-  const int dev = p.device.index;
-  return fwd_split_workspace_bytes(p, fwd_choose_num_splits(p, num_sms(dev), smem_per_sm(dev)));
+  const DeviceProps props = device_props(p.device.index);
+  return fwd_split_workspace_bytes(p, fwd_choose_num_splits(p, props.num_sms, props.smem_per_sm));
 }
 
 // Enough for either path: the size query has no Context, and a call may force either one.
@@ -358,9 +340,10 @@ void forward(const detail::FwdParams& p, const Context& ctx) {
   }
   FwdLaunch launch;
   launch.stream = static_cast<cudaStream_t>(ctx.stream);
-  launch.num_sms = num_sms(p.device.index);
-  launch.smem_optin = smem_optin(p.device.index);
-  launch.smem_per_sm = smem_per_sm(p.device.index);
+  const DeviceProps props = device_props(p.device.index);
+  launch.num_sms = props.num_sms;
+  launch.smem_optin = props.smem_optin;
+  launch.smem_per_sm = props.smem_per_sm;
   int splits = ctx.num_splits > 0 ? ctx.num_splits : fwd_choose_num_splits(p, launch.num_sms, launch.smem_per_sm);
   // Without room for the partials the call still runs, unsplit (documented in attention.hpp).
   if (splits > 1 && (ctx.workspace == nullptr || ctx.workspace_bytes < fwd_split_workspace_bytes(p, splits)))
@@ -382,7 +365,7 @@ void backward(const detail::BwdParams& p, const Context& ctx) {
   launch.stream = static_cast<cudaStream_t>(ctx.stream);
   launch.workspace = ctx.workspace;
   launch.workspace_bytes = ctx.workspace_bytes;
-  launch.num_sms = num_sms(p.device.index);
+  launch.num_sms = device_props(p.device.index).num_sms;
   if (path == KernelArch::sm90)
     with_dtype(p.dtype, [&](auto t) { run_bwd_hopper<decltype(t)>(p, launch); });
   else

@@ -7,6 +7,7 @@
 
 #include "api/kvcache_params.hpp"
 #include "api/params.hpp"
+#include "api/pointer_source.hpp"
 #include "flashmonoid/options.hpp"
 
 namespace flashmonoid::cuda {
@@ -15,12 +16,14 @@ namespace flashmonoid::cuda {
 // dispatch, supports() and the tests' skip logic all ask this.
 std::string unsupported_reason(const detail::FwdParams& p);
 
-// Validates that the pointers in p are device pointers of p.device and suitably aligned
-// (throws Error naming the argument otherwise).
-void check_pointers(const detail::FwdParams& p);
+using detail::PointerSource;
+
+// Validates that the pointers in p are device pointers of p.device (asking the runtime unless the
+// source vouches for it) and suitably aligned (throws Error naming the argument otherwise).
+void check_pointers(const detail::FwdParams& p, PointerSource source = PointerSource::unverified);
 void check_pointers(const detail::BwdParams& p);
 // One pointer: device memory of `device` (or nullptr), aligned to `align` bytes.
-void check_device_pointer(const void* ptr, const char* name, int device, int align);
+void check_device_pointer(const void* ptr, const char* name, int device, int align, PointerSource source);
 
 // Which kernel family (architecture) runs p with ctx (ctx.cuda_path, FLASHMONOID_CUDA_PATH, the device and
 // the shape); throws NotSupported when a forced family cannot run p.
@@ -37,7 +40,7 @@ void merge(const detail::MergeParams& p, const Context& ctx);
 
 // forward_kvcache (src/cuda/kvcache.cu): at most one append/rotary launch, then the forward.
 std::size_t forward_kvcache_workspace_size(const detail::KvCacheCall& c);
-void forward_kvcache(const detail::KvCacheCall& c, const Context& ctx);
+void forward_kvcache(const detail::KvCacheCall& c, const Context& ctx, PointerSource source);
 
 bool available();  // a device of compute capability >= 8.0 is visible
 

@@ -96,13 +96,13 @@ __global__ void __launch_bounds__(kAppendWarps * 32) append_rotary_kernel(const 
   rotate_row(a.c.rotary, true, src, dst, p.d, pos, lane);
 }
 
-void check_kvcache_pointers(const detail::KvCacheCall& c) {
+void check_kvcache_pointers(const detail::KvCacheCall& c, PointerSource src) {
   const int dev = c.attn.device.index;
-  check_device_pointer(c.attn.q, "q", dev, 2);
-  check_device_pointer(c.k_new, "k_new", dev, 2);
-  check_device_pointer(c.v_new, "v_new", dev, 2);
-  check_device_pointer(c.rotary.cos, "rotary.cos", dev, 2);
-  check_device_pointer(c.rotary.sin, "rotary.sin", dev, 2);
+  check_device_pointer(c.attn.q, "q", dev, 2, src);
+  check_device_pointer(c.k_new, "k_new", dev, 2, src);
+  check_device_pointer(c.v_new, "v_new", dev, 2, src);
+  check_device_pointer(c.rotary.cos, "rotary.cos", dev, 2, src);
+  check_device_pointer(c.rotary.sin, "rotary.sin", dev, 2, src);
 }
 
 }  // namespace
@@ -111,9 +111,9 @@ std::size_t forward_kvcache_workspace_size(const detail::KvCacheCall& c) {
   return rotated_q_bytes(c) + forward_workspace_size(c.attn);
 }
 
-void forward_kvcache(const detail::KvCacheCall& c, const Context& ctx) {
+void forward_kvcache(const detail::KvCacheCall& c, const Context& ctx, PointerSource source) {
   DeviceGuard guard(c.attn.device.index);
-  check_kvcache_pointers(c);
+  check_kvcache_pointers(c, source);
   AppendArgs a;
   a.c = c;
   a.q = c.attn.q;
@@ -132,7 +132,7 @@ void forward_kvcache(const detail::KvCacheCall& c, const Context& ctx) {
     rest.workspace = static_cast<char*>(ctx.workspace) + q_bytes;
     rest.workspace_bytes = ctx.workspace_bytes - q_bytes;
   }
-  check_pointers(a.c.attn);
+  check_pointers(a.c.attn, source);
   const std::int64_t rows = 2 * a.k_rows + a.q_rows;
   if (rows > 0) {
     const auto stream = static_cast<cudaStream_t>(ctx.stream);

@@ -284,3 +284,47 @@ def test_head_dims_not_a_multiple_of_8_run_on_cuda(d):
     assert (out.double() - ref).abs().max() <= 2 * (low.double() - ref).abs().max()
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     assert dq.shape == q.shape and not dq.isnan().any()
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and a CUDA build")
+@pytest.mark.parametrize("cpu_arg", ["q", "k_cache", "k", "cache_seqlens", "block_table", "rotary_cos"])
+def test_kvcache_cpu_tensor_among_cuda_ones_is_an_error(cpu_arg):
+    # The torch route trusts each tensor's declared device instead of asking the CUDA runtime about
+    # every pointer: validation must still refuse a mix, naming the argument, before any launch.
+    dev = "cuda"
+    t = dict(q=torch.zeros(1, 1, 2, 8, device=dev, dtype=torch.float16),
+             k_cache=torch.zeros(2, 4, 2, 8, device=dev, dtype=torch.float16),
+             v_cache=torch.zeros(2, 4, 2, 8, device=dev, dtype=torch.float16),
+             k=torch.zeros(1, 1, 2, 8, device=dev, dtype=torch.float16),
+             v=torch.zeros(1, 1, 2, 8, device=dev, dtype=torch.float16),
+             rotary_cos=torch.ones(8, 4, device=dev, dtype=torch.float16),
+             rotary_sin=torch.zeros(8, 4, device=dev, dtype=torch.float16),
+             cache_seqlens=torch.ones(1, device=dev, dtype=torch.int32),
+             block_table=torch.tensor([[1, 0]], device=dev, dtype=torch.int32))
+    t[cpu_arg] = t[cpu_arg].cpu()
+    name = {"rotary_cos": "rotary.cos", "k": "k_new", "cache_seqlens": "seqlens"}.get(cpu_arg, cpu_arg)
+    with pytest.raises(ValueError, match="all tensors must share a device") as info:
+        fa.flash_attn_with_kvcache(**t, causal=True)
+    assert name in str(info.value) or cpu_arg == "q"
+    torch.cuda.synchronize()
+
+
+def test_kvcache_library_errors_pass_through_the_fast_path():
+    # A rule flash-attn lacks (page numbers are checked on the CPU) keeps the library's message.
+    with pytest.raises(ValueError, match="block_table: entry"):
+        fa.flash_attn_with_kvcache(torch.zeros(1, 1, 2, 8), torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8),
+                                   torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 2, 8),
+                                   cache_seqlens=torch.tensor([4], dtype=torch.int32),
+                                   block_table=torch.tensor([[0, 7]], dtype=torch.int32))
+
+
+def test_kvcache_torch_route_refuses_other_arrays():
+    from flashmonoid import _C
+
+    q = torch.zeros(1, 1, 2, 8)
+    kc = torch.zeros(1, 4, 2, 8)
+    opts = _C.Options()
+    with pytest.raises(TypeError, match="k_cache: expected a torch tensor"):
+        _C.forward_kvcache_torch(q, kc.numpy(), kc, None, None, None, None, True, None, -1, None, None, None,
+                                 torch.empty_like(q), torch.empty(1, 2, 1), opts, None, None, 0, 0,
+                                 _C.CpuAlgorithm.flash, _C.CpuIsa.best)

@@ -8,6 +8,7 @@
 
 #include "common/check.cuh"
 #include "common/combine.cuh"
+#include "common/device_props.cuh"
 #include "sm80/fwd_sm80.hpp"
 #include "sm80/kernel_fwd_sm80.cuh"
 #include "sm80/tile_fwd_sm80.hpp"
@@ -20,8 +21,7 @@ void launch_fwd_tile_sm80(const FwdKernelArgs& args, const FwdPlanSm80& plan, cu
   auto* kernel = fwd_kernel_sm80<T, kHeadDim, kKind, kScoreMods>;
   const std::size_t smem = kTile.smem_bytes(kHeadDim, args.kv_slots);
   // Above 48 KB a block needs the opt-in limit (up to 227 KB on sm90, 163 KB on sm80).
-  if (smem > 48 * 1024)
-    FM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  if (smem > 48 * 1024) allow_dynamic_smem<fwd_kernel_sm80<T, kHeadDim, kKind, kScoreMods>>(smem, args.p.device.index);
   const dim3 grid(plan.num_m_blocks * args.num_splits, plan.grid_heads, args.p.batch);
   kernel<<<grid, kTile.warps * 32, smem, stream>>>(args);
   FM_CUDA_CHECK_LAUNCH();

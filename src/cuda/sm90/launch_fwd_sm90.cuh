@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include "common/check.cuh"
+#include "common/device_props.cuh"
 #include "sm90/fwd_sm90.hpp"
 #include "sm90/kernel_fwd_sm90.cuh"
 #include "sm90/tensor_map.hpp"
@@ -28,10 +29,9 @@ void launch_fwd_sm90(const detail::FwdParams& p, cudaStream_t stream) {
   args.tm_v = sm90::make_tensor_map(p.v, p.d, p.h_k, k_rows, batch, p.v_stride, kTile.block_n);
   auto* kernel = fwd_kernel_sm90<T, kHeadDim, kScoreMods>;
   constexpr std::size_t kSmem = kTile.smem_bytes(kHeadDim);
-  FM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
+  allow_dynamic_smem<fwd_kernel_sm90<T, kHeadDim, kScoreMods>>(kSmem, p.device.index);
   // Persistent: one block per multiprocessor (the shared memory admits no second one).
-  int num_sms = 0;
-  FM_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, p.device.index));
+  const int num_sms = device_props(p.device.index).num_sms;
   const int num_m_blocks = (p.seqlen_q + kTile.block_m() - 1) / kTile.block_m();
   args.work = WorkTiles{num_m_blocks, p.h, p.batch, p.window_right >= 0};
   const int units = args.work.units();
