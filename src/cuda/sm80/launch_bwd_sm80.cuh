@@ -6,6 +6,7 @@
 #include <string>
 
 #include "common/check.cuh"
+#include "common/device_props.cuh"
 #include "flashmonoid/error.hpp"
 #include "sm80/bwd_sm80.hpp"
 #include "sm80/kernel_bwd_sm80.cuh"
@@ -40,7 +41,7 @@ void run_bwd_sm80(const detail::BwdParams& p, const BwdLaunch& launch) {
   if (p.seqlen_k > 0) {
     const std::size_t smem = Tr::kSmemBytes;
     auto kernel = bwd::bwd_main<T, Tr>;
-    FM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    allow_dynamic_smem<bwd::bwd_main<T, Tr>>(smem, p.device.index);
     const dim3 grid((p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN, p.batch * p.h_k);
     kernel<<<grid, Tr::kNThreads, smem, launch.stream>>>(p, dsum, dq_acc, sem);
     FM_CUDA_CHECK_LAUNCH();

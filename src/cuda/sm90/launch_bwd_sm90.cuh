@@ -7,6 +7,7 @@
 #include <string>
 
 #include "common/check.cuh"
+#include "common/device_props.cuh"
 #include "flashmonoid/error.hpp"
 #include "sm90/bwd_sm90.hpp"
 #include "sm90/kernel_bwd_sm90.cuh"
@@ -55,7 +56,7 @@ void run_bwd_sm90(const detail::BwdParams& p, const BwdLaunch& launch) {
     args.tm_v = sm90::make_tensor_map(p.v, p.d, p.h_k, k_rows, batch, p.v_stride, kTile.block_n);
     auto* kernel = bwd_kernel_sm90<T, kHeadDim>;
     constexpr std::size_t kSmem = kTile.smem_bytes(kHeadDim);
-    FM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
+    allow_dynamic_smem<bwd_kernel_sm90<T, kHeadDim>>(kSmem, p.device.index);
     // One block per (key block, batch · KV head), key blocks fastest (BwdWork); under a causal mask
     // the first key blocks of a head, which see the most query blocks, start first.
     const std::int64_t blocks = static_cast<std::int64_t>((p.seqlen_k + kTile.block_n - 1) / kTile.block_n) * p.batch * p.h_k;
