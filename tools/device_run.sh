@@ -9,7 +9,8 @@
 #   FM_TEST_JOBS  ctest -j (default 1; the tests share the GPU, so more only overlaps their host work)
 #   FM_BENCH   0 skips the benchmarks;  FM_PEERS 0 skips the PyTorch peers
 #   FM_ARCH    CUDA architectures to build (default 90: the H100; the library default is 80;90)
-#   FM_PYTHON  0 skips the Python package steps
+#   FM_PYTHON  0 skips the Python package steps; FM_TRAIN_STEP 0 the training step, FM_PYBENCH 0 the
+#              python -m flashmonoid.bench plots
 #   FM_SANITIZE 0 skips compute-sanitizer; FM_SANITIZE_FWD / _SYNC / _BWD / _KV: gtest filters
 #              (FM_SANITIZE_BWD=none, FM_SANITIZE_KV=none skip those binaries)
 set -uo pipefail
@@ -139,9 +140,17 @@ if [ "${FM_PYTHON:-1}" != 0 ]; then
   (cd /tmp && timeout 120 python3 "$repo/bench/kvcache_host.py" "$OUT/kvcache_host.json" --breakdown) >"$LOG/kvcache_host.log" 2>&1 ||
     status=1
   tail -3 "$LOG/kvcache_host.log"
-  (cd /tmp && PYTHONUNBUFFERED=1 timeout ${FM_PYBENCH_TIMEOUT:-240} python3 -m flashmonoid.bench \
-    --out "$OUT/python_gpu" ${FM_PYBENCH_ARGS:---head-dims 128 --causal off --budget 0.5}) >"$LOG/pybench.log" 2>&1 || status=1
-  tail -3 "$LOG/pybench.log"
+  # One Llama training step through Hugging Face, flashmonoid against PyTorch's SDPA backends (issue 9).
+  if [ "${FM_TRAIN_STEP:-1}" != 0 ]; then
+    (cd /tmp && PYTHONUNBUFFERED=1 timeout 150 python3 "$repo/bench/train_step.py" "$OUT/train_step.json") \
+      >"$LOG/train_step.log" 2>&1 || status=1
+    tail -12 "$LOG/train_step.log"
+  fi
+  if [ "${FM_PYBENCH:-1}" != 0 ]; then
+    (cd /tmp && PYTHONUNBUFFERED=1 timeout ${FM_PYBENCH_TIMEOUT:-240} python3 -m flashmonoid.bench \
+      --out "$OUT/python_gpu" ${FM_PYBENCH_ARGS:---head-dims 128 --causal off --budget 0.5}) >"$LOG/pybench.log" 2>&1 || status=1
+    tail -3 "$LOG/pybench.log"
+  fi
 fi
 
 tar czf "$OUT/logs.tgz" -C "$LOG" .
