@@ -9,6 +9,7 @@
 #   FM_TEST_JOBS  ctest -j (default 1; the tests share the GPU, so more only overlaps their host work)
 #   FM_BENCH   0 skips the benchmarks;  FM_PEERS 0 skips the PyTorch peers
 #   FM_ARCH    CUDA architectures to build (default 90: the H100; the library default is 80;90)
+#   FM_CPU     0 skips the CPU backend's suite (both ISAs) and cpu_vs_torch (FM_CPU_THREADS, default 16)
 #   FM_PYTHON  0 skips the Python package steps; FM_TRAIN_STEP 0 the training step, FM_PYBENCH 0 the
 #              python -m flashmonoid.bench plots
 #   FM_SANITIZE 0 skips compute-sanitizer; FM_SANITIZE_FWD / _SYNC / _BWD / _KV: gtest filters
@@ -21,6 +22,7 @@ ARCH=${FM_ARCH:-90}
 JOBS=$(nproc)
 BUILD=build-device
 status=0
+repo=$PWD
 step() { echo "== $* ($(date +%T))"; }
 
 step "device"
@@ -131,7 +133,6 @@ if [ "${FM_PYTHON:-1}" != 0 ]; then
   echo "pip install rc=$pip_rc in $(($(date +%s) - start)) s"
   [ $pip_rc -eq 0 ] || status=1
   # From outside the tree, so that the installed package (with the CUDA extension) is imported.
-  repo=$PWD
   (cd /tmp && timeout ${FM_PYTEST_TIMEOUT:-300} python3 -m pytest -q -rs -p no:cacheprovider "$repo/tests/python") \
     >"$LOG/pytest.log" 2>&1 || status=1
   tail -3 "$LOG/pytest.log"
@@ -150,6 +151,25 @@ if [ "${FM_PYTHON:-1}" != 0 ]; then
     (cd /tmp && PYTHONUNBUFFERED=1 timeout ${FM_PYBENCH_TIMEOUT:-240} python3 -m flashmonoid.bench \
       --out "$OUT/python_gpu" ${FM_PYBENCH_ARGS:---head-dims 128 --causal off --budget 0.5}) >"$LOG/pybench.log" 2>&1 || status=1
     tail -3 "$LOG/pybench.log"
+  fi
+fi
+
+# The CPU backend on this machine's CPU (AVX-512 where it has it; issue 13): the C++ CPU suite on
+# both ISA paths, then flashmonoid (installed above) against torch's CPU SDPA at FM_CPU_THREADS.
+if [ "${FM_CPU:-1}" != 0 ]; then
+  step "CPU backend: C++ suite (both ISAs) and cpu_vs_torch"
+  echo "$(lscpu | grep 'Model name' | sed 's/  */ /g'); $(grep -o 'avx512[a-z_0-9]*' /proc/cpuinfo | sort -u | tr '\n' ' ')"
+  cmake -S . -B build-cpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHMONOID_CUDA=OFF "${GTEST_ARGS[@]}" >"$LOG/cpu_build.log" 2>&1 &&
+    ninja -C build-cpu -j "$JOBS" >>"$LOG/cpu_build.log" 2>&1 || { status=1; tail -5 "$LOG/cpu_build.log"; }
+  # ctest -L cpu runs the CPU suite twice: with the ISA the library picks, and forced to AVX2.
+  (cd build-cpu && timeout ${FM_CPU_TEST_TIMEOUT:-150} ctest -L cpu -j "$JOBS") >"$LOG/cpu_tests.log" 2>&1 || status=1
+  echo "CPU tests: $(grep -E 'tests passed|tests failed' "$LOG/cpu_tests.log" | tail -1)"
+  if [ "${FM_PYTHON:-1}" != 0 ]; then
+    for t in ${FM_CPU_THREADS:-16}; do
+      (cd /tmp && timeout ${FM_CPU_BENCH_TIMEOUT:-150} python3 "$repo/bench/cpu_vs_torch.py" --installed --threads "$t" \
+        --out "$OUT/cpu_vs_torch_${t}t.json" ${FM_CPU_BENCH_ARGS:-}) >"$LOG/cpu_bench_${t}t.log" 2>&1 || status=1
+      tail -20 "$LOG/cpu_bench_${t}t.log"
+    done
   fi
 fi
 
