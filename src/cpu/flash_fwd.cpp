@@ -165,6 +165,12 @@ void apply_dropout(const FwdParams& p, std::uint32_t row_id, std::int64_t j0, in
   }
 }
 
+// Lazy rescaling (as FlashAttention-4): a row's running m moves only when a tile's max exceeds it
+// by more than this many log2 units, so the probabilities the fold adds are at most 2^8 (far from
+// fp32's range; simd::exp2 is accurate up to 8) and O is rescaled about once per row instead of at
+// every new max. m stays a score of the row, so the row's largest term is at least 1.
+constexpr float kLazyRescale = 8.0f;
+
 // Where an item is: entry b, query head hq, query block qb.
 struct Item {
   int b, hq, qb;
@@ -213,9 +219,12 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
       tiles::prefetch_l2(kv.v_tile(tile), v_bytes, r, m);
       if (next) tiles::prefetch_l2(kv.kt_tile(tile + p.h_k), kt_bytes, r, m);
       transform_row(p, band, slope_log2, needs_mask, i, j0, n, s);
-      // The tile's partial state is expressed against m_new = max(running max, tile max), so that
-      // merging it is just the rescale of the running state (its own factor is 2^0 = 1).
-      const float m_new = std::max(ws.state[r].m, kn.row_max(s, kBlockN));
+      // The tile's partial state is expressed against m_new >= the running state's m, so that
+      // merging it is just the rescale of the running state (its own factor is 2^0 = 1): m_new is
+      // the tile's max only where that exceeds the running m by more than kLazyRescale, else the
+      // running m itself (its factor 1, so O is not rescaled).
+      const float tile_max = kn.row_max(s, kBlockN);
+      const float m_new = tile_max > ws.state[r].m + kLazyRescale ? tile_max : ws.state[r].m;
       float sum = 0.0f;
       if (m_new == -INFINITY)
         std::fill(s, s + kBlockN, 0.0f);  // every key so far masked: nothing to add

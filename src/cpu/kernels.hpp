@@ -26,7 +26,7 @@ struct Kernels {
   GemmFn gemm, gemm_acc, gemm_at, gemm_at_acc;
   // max of x[0, n); n a multiple of 8.
   float (*row_max)(const float* x, int n);
-  // x[c] = 2^(x[c] - sub) for c < n (simd::exp2, x[c] <= sub, n a multiple of 8); returns their
+  // x[c] = 2^(x[c] - sub) for c < n (simd::exp2, x[c] <= sub + 8, n a multiple of 8); returns their
   // sum. Scores in log2 units (detail/monoid.hpp).
   float (*exp2_sub_sum)(float* x, int n, float sub);
   // x[c] *= a for c < n, n a multiple of 8.

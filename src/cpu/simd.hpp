@@ -95,10 +95,11 @@ inline V exp(V x) {
   return (V)((I)(p * (V)two_n) & ~underflow);
 }
 
-// 2^x per lane for x <= 0, the softmax's exponential (scores in log2 units, minus their running
-// max or minus lse): within 0.95 ulp of the exact value wherever that is a normal float (every float
-// of [-126, 0] checked against float64 once, 0.948 ulp at most near x = -0.497; every 97th by
-// tests/cpp/test_cpu_kernels.cpp); exactly 0 at and below -126.5 (so 2^-inf = 0, which masked
+// 2^x per lane for x <= 8, the softmax's exponential (scores in log2 units, minus their running
+// max, which lags the true max by up to 8 in the forward, or minus lse): within 0.95 ulp of the
+// exact value wherever that is a normal float (every float of [-126, 8] checked against float64
+// once, 0.948 ulp at most; every 97th by tests/cpp/test_cpu_kernels.cpp); exactly 0 at and below
+// -126.5 (so 2^-inf = 0, which masked
 // scores need), NaN stays NaN. x = n + f with n = round(x), f = x - n exact and |f| <= 1/2; 2^f by
 // a degree-6 polynomial fitted to its relative error (1.9e-9 in float64); 2^n built in the exponent
 // bits. Against exp() above: no multiply by log2(e), no two-part reduction, no upper clamp nor

@@ -20,9 +20,10 @@ FM_HD float rescale_factor(float m_part, float m_new) {
   return m_part == -INFINITY ? 0.0f : ::expf(m_part - m_new);
 }
 
-// 2^(a - b), the same for a state's maxima (log2 units).
+// 2^(a - b), the same for a state's maxima (log2 units); exactly 1 without a call where the max
+// did not move, as for most rows of most tiles.
 FM_HD float rescale_factor_log2(float m_part, float m_new) {
-  return m_part == -INFINITY ? 0.0f : ::exp2f(m_part - m_new);
+  return m_part == -INFINITY ? 0.0f : m_part == m_new ? 1.0f : ::exp2f(m_part - m_new);
 }
 
 // Scalar part of the state; o travels alongside and is scaled by the factors this returns.
