@@ -103,12 +103,12 @@ struct OnlineSoftmax {
     }
   }
 
-  // Finished form of row r: (1/l or 0, lse in natural log or -inf), through detail::RowState.
+  // Finished form of row r: (1/l or 0, lse in natural log or -inf), through detail::RowState
+  // (whose m is in log2 units).
   __device__ __forceinline__ void finish(float mul, float (&inv_l)[kRows], float (&lse)[kRows]) {
-    constexpr float kLn2 = 0.6931471805599453f;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      detail::RowState st{m[r] == -INFINITY ? -INFINITY : m[r] * mul * kLn2, quad_sum(l[r])};
+      detail::RowState st{m[r] == -INFINITY ? -INFINITY : m[r] * mul, quad_sum(l[r])};
       inv_l[r] = detail::finish_inv_l(st);
       lse[r] = detail::finish_lse(st);
     }
