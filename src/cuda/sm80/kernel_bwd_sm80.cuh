@@ -183,21 +183,6 @@ __device__ __forceinline__ int lane_id() {
   return lane;
 }
 
-// Deterministic dQ: the key blocks that see query tile m form a contiguous range [n_first, ..)
-// (a band mask's visible keys per row are an interval that moves right by one per row), and each
-// adds its dQ partial only after the previous one has: sem counts the additions done. Key block n
-// waits for blocks < n of the same (batch, head), which the hardware launched before it
-// (lower linear block index), so the wait cannot deadlock.
-__device__ __forceinline__ void sem_wait(const int* sem, int value) {
-  int seen;
-  do {
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(sem) : "memory");
-  } while (seen != value);
-}
-__device__ __forceinline__ void sem_release(int* sem, int value) {
-  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(sem), "r"(value) : "memory");
-}
-
 // dQ accumulator += (x, y) at r, r + 1 (8-byte aligned: even column, even row length). On sm90
 // one 8-byte reduction per pair: a warp's instruction then fills whole 32-byte sectors (4 lanes x
 // 8 bytes per row) instead of half-filling twice as many. Two forms of it:
@@ -634,7 +619,7 @@ struct DkDv {
 //   kDeferRedsPerKk pairs per k step, so that the reductions drain while the tensor pipe works
 //   instead of in one burst before the step's closing barrier.
 // - atomic (edge tiles): bounds-checked add_dq_pair.
-// - deterministic: in key-block order behind the query tile's semaphore (sem_wait above), plain
+// - deterministic: in key-block order behind the query tile's semaphore (dq_turn, sem_wait), plain
 //   loads and stores.
 template <class T, class Tr, bool kDeferDq>
 struct DqAccumulator {
@@ -717,7 +702,7 @@ struct DqAccumulator {
     if (p.deterministic) {
       const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
       tile_sem = sem + (static_cast<std::int64_t>(blk.b) * p.h + st.head) * m_blocks + st.m_block;
-      turn = blk.n_block - static_cast<int>(blk.band.key_begin(st.r0, blk.si.len_k) / kBlockN);
+      turn = dq_turn<kBlockN>(blk.band, blk.n_block, st.r0, blk.si.len_k);
       if (tid == 0) sem_wait(tile_sem, turn);
       __syncthreads();
     }

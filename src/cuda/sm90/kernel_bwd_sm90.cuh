@@ -19,8 +19,6 @@
 
 #include <cuda.h>
 
-#include <cuda/atomic>
-
 #include <cmath>
 #include <cstdint>
 
@@ -259,12 +257,10 @@ namespace sm90 {
 // (cp.reduce.async.bulk .add.f32); the half's buffer is handed back once the reduction has read it.
 // The consumers only store and signal, so the reduction's latency is off their path.
 //
-// Deterministic mode: the key blocks add into a query block's dQ in increasing key-block order,
-// so the fp32 sums are the same in every run. Before its reductions the writer waits until the
-// query block's semaphore counts the key blocks before its own that see the query block (those
-// from the first one that does, band.key_begin of its first row); after them it waits for the
-// additions to complete and counts itself. A block waits only for blocks of lower index, which
-// started no later than it (the grid is in key-block order), so the waiting cannot deadlock.
+// Deterministic mode: the key blocks add into a query block's dQ in increasing key-block order
+// (dq_turn, block_range.cuh), so the fp32 sums are the same in every run: before its reductions
+// the writer waits for its turn on the query block's semaphore; after them it waits for the
+// additions to complete and passes the turn on.
 template <int kBlockM, int kBlockN, int kHeadDim>
 __device__ __forceinline__ void dq_writer(const BwdKernelArgsSm90& args, float* dq_smem, int lane) {
   constexpr int kHalfFloats = DqSplit<kBlockM, kHeadDim>::kFloats;
@@ -279,12 +275,9 @@ __device__ __forceinline__ void dq_writer(const BwdKernelArgsSm90& args, float* 
   for (int step = 0; step < steps; ++step, w.next(cur)) {
     const std::int64_t row = static_cast<std::int64_t>(cur.head) * args.rows + prow0 + cur.m_block * kBlockM;
     int* sem = args.dq_sem + row / kBlockM;
+    const int turn = ordered ? dq_turn<kBlockN>(w.band, static_cast<int>(w.kb / kBlockN), static_cast<std::int64_t>(cur.m_block) * kBlockM, w.si.len_k) : 0;
     if (ordered && lane == 0) {
-      const std::int64_t first_key = w.band.key_begin(static_cast<std::int64_t>(cur.m_block) * kBlockM, w.si.len_k);
-      const int before = static_cast<int>(w.kb / kBlockN - first_key / kBlockN);
-      const ::cuda::atomic_ref<int, ::cuda::thread_scope_device> count(*sem);
-      while (count.load(::cuda::std::memory_order_acquire) != before) {
-      }
+      sem_wait(sem, turn);
       ::cuda::ptx::fence_proxy_async(::cuda::ptx::space_global);  // the others' additions before ours
     }
 #pragma unroll
@@ -300,7 +293,7 @@ __device__ __forceinline__ void dq_writer(const BwdKernelArgsSm90& args, float* 
     if (ordered && lane == 0) {
       ::cuda::ptx::cp_async_bulk_wait_group(::cuda::ptx::n32_t<0>{});
       ::cuda::ptx::fence_proxy_async(::cuda::ptx::space_global);
-      ::cuda::atomic_ref<int, ::cuda::thread_scope_device>(*sem).fetch_add(1, ::cuda::std::memory_order_release);
+      sem_release(sem, turn + 1);
     }
     if (step + 1 == steps) break;  // nobody waits for the last hand-back
 #pragma unroll
