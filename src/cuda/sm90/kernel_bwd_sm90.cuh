@@ -11,7 +11,7 @@
 //                                          registers for the whole block (the GQA sum included)
 //        dQ = dS K                         dSᵀ through shared memory (both warpgroups' keys), each
 //                                          warpgroup a 64-row part of the step's dQ tile (DqSplit)
-//      and each dQ half is staged in shared memory (in the fragments' own order, so that the writes
+//      and each dQ part is staged in shared memory (in the fragments' own order, so that the writes
 //      are conflict-free), from where the producer warpgroup's dQ writer warp adds it to the
 //      accumulator with one bulk reduction (cp.reduce.async.bulk .add.f32, 16 KB).
 //   3. bwd_convert_dq_sm90: dq = scale · accumulator in the input dtype, undoing the fragment order.
@@ -180,7 +180,7 @@ struct BwdSmem {
   __device__ __forceinline__ T* dout(int stage) const { return base + 2 * kKVElems + (kStages + stage) * kQElems; }
   // dSᵀ of step t in buffer t % 2 (see the consumer loop for why two).
   __device__ __forceinline__ T* ds(int buf) const { return base + 2 * kKVElems + 2 * kStages * kQElems + buf * kSElems; }
-  // Consumer w's dQ column half, in fragment order (dq_fragment_index).
+  // Consumer w's part of the dQ tile (DqSplit), in fragment order (dq_fragment_index).
   __device__ __forceinline__ float* dq(int consumer) const { return f32 + consumer * (kDqFloats / 2); }
   __device__ __forceinline__ float* lse(int stage) const { return f32 + kDqFloats + stage * kBlockM; }
   __device__ __forceinline__ float* dsum(int stage) const { return f32 + kDqFloats + (kStages + stage) * kBlockM; }
@@ -243,7 +243,7 @@ struct BwdWork {
 };
 
 // Named barriers (0 is __syncthreads): the step's dSᵀ tile is written (both consumers, 256
-// threads); consumer w's dQ half in shared memory is free (kBarDqEmpty + w) or written
+// threads); consumer w's dQ part in shared memory is free (kBarDqEmpty + w) or written
 // (kBarDqFull + w), between that consumer and the dQ writer warp (160 threads).
 inline constexpr int kBarDsFull = 1, kBarDqEmpty = 2, kBarDqFull = 4;
 inline constexpr int kDqSyncThreads = 128 + 32;
@@ -252,7 +252,7 @@ inline constexpr int kDqSyncThreads = 128 + 32;
 
 namespace sm90 {
 
-// The dQ writer, warp 1 of the producer warpgroup: per step, each consumer's dQ half (staged in
+// The dQ writer, warp 1 of the producer warpgroup: per step, each consumer's dQ part (staged in
 // shared memory in fragment order) goes to the fp32 accumulator with one bulk reduction
 // (cp.reduce.async.bulk .add.f32); the half's buffer is handed back once the reduction has read it.
 // The consumers only store and signal, so the reduction's latency is off their path.
@@ -467,8 +467,8 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
       }
 
     // dV += Pᵀ dO (A from registers, B N-major) while the other warpgroup's dSᵀ comes in; then the
-    // dQ half (64, kHeadDim / 2) = dS K over the block's 128 keys; then dK += dSᵀ Q, which runs
-    // while the dQ half is staged. (Carrying dV, dK into the next step's Sᵀ, dPᵀ measured 8% slower
+    // dQ part (DqSplit: 64 rows) = dS K over the block's 128 keys; then dK += dSᵀ Q, which runs
+    // while the dQ part is staged. (Carrying dV, dK into the next step's Sᵀ, dPᵀ measured 8% slower
     // at hdim 128, 16k; each consumer reducing the whole dQ tile over its own keys, with no
     // barrier between the consumers, 5-24% slower: bench/NOTES.md.)
     wgmma_fence();
@@ -489,14 +489,10 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
     for (int kk = 0; kk < kBlockM / 16; ++kk)
       wgmma_rs<1>(flat(dk), dsa[kk], desc_mn_major(q_addr, kBlockM, kk), T{}, 1);
     wgmma_commit();
-#ifdef FM_EXP_WAIT0
-    wgmma_wait<0>();
-#else
-    wgmma_wait<1>();
-#endif
+    wgmma_wait<1>();  // dQ done; dK still runs
     fence_regs(flat(dq));
 
-    // The dQ half to the dQ writer warp (in fragment order, conflict-free), once it has handed the
+    // The dQ part to the dQ writer warp (in fragment order, conflict-free), once it has handed the
     // buffer back.
     float* dq_s = sm.dq(consumer);
     named_sync(kBarDqEmpty + consumer, kDqSyncThreads);
