@@ -13,8 +13,7 @@ KERNELS = {
     ("fwd", "sm80"): ("sm80/launch_fwd_sm80.cuh", "run_fwd_sm80", "(const detail::FwdParams&, const FwdLaunch&)", HEAD_DIMS),
     ("bwd", "sm80"): ("sm80/launch_bwd_sm80.cuh", "run_bwd_sm80", "(const detail::BwdParams&, const BwdLaunch&)", HEAD_DIMS),
     ("fwd", "sm90"): ("sm90/launch_fwd_sm90.cuh", "run_fwd_sm90", "(const detail::FwdParams&, cudaStream_t)", HEAD_DIMS),
-    # hdim 256 backward runs on sm80 (bwd_sm90.hpp)
-    ("bwd", "sm90"): ("sm90/launch_bwd_sm90.cuh", "run_bwd_sm90", "(const detail::BwdParams&, const BwdLaunch&)", [64, 128]),
+    ("bwd", "sm90"): ("sm90/launch_bwd_sm90.cuh", "run_bwd_sm90", "(const detail::BwdParams&, const BwdLaunch&)", HEAD_DIMS),
 }
 
 

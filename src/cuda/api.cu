@@ -97,7 +97,7 @@ void with_dtype(DType t, F&& f) {
 // The head-dim bucket as a template argument: the one place where it becomes one.
 template <class F>
 void with_head_dim(int d, F&& f) {
-  switch (fwd_head_dim_bucket(d)) {
+  switch (head_dim_bucket(d)) {
     case 64: f(std::integral_constant<int, 64>{}); break;
     case 128: f(std::integral_constant<int, 128>{}); break;
     default: f(std::integral_constant<int, 256>{}); break;
@@ -144,9 +144,7 @@ void run_bwd(const detail::BwdParams& p, const BwdLaunch& launch) {
 template <class T>
 void run_bwd_hopper(const detail::BwdParams& p, const BwdLaunch& launch) {
 #ifdef FLASHMONOID_WITH_SM90
-  with_head_dim(p.d, [&](auto hd) {
-    if constexpr (decltype(hd)::value <= 128) run_bwd_sm90<T, decltype(hd)::value>(p, launch);  // bwd_sm90_eligible
-  });
+  with_head_dim(p.d, [&](auto hd) { run_bwd_sm90<T, decltype(hd)::value>(p, launch); });
 #else
   (void)p, (void)launch;
 #endif
@@ -284,7 +282,7 @@ std::string bwd_path_why_not_sm90(const detail::BwdParams& p) {
   if (!kBuiltSm90) return "this build has no sm90 kernels (CMAKE_CUDA_ARCHITECTURES without 90)";
   if (compute_major(p.device.index) != 9) return "the sm90 kernels need compute capability 9.x (Hopper)";
   if (!bwd_sm90_eligible(p))
-    return "the sm90 backward runs head dims up to 128 without softcap/ALiBi/dropout";
+    return "the sm90 backward runs head dims up to 256 without softcap/ALiBi/dropout or KV caches, deterministic up to 128";
   return "";
 }
 

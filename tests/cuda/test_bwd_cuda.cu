@@ -170,11 +170,11 @@ bool hopper() {
   return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) == cudaSuccess && major == 9;
 }
 
-// Whether the sm90 backward takes s (src/cuda/sm90/bwd_sm90.hpp's rule, not deterministic), so that
-// a forced sm90 run is attempted exactly where it must not throw.
-bool sm90_takes(const Shape& s) {
+// Whether the sm90 backward takes s (src/cuda/sm90/bwd_sm90.hpp's rule), so that a forced sm90 run
+// is attempted exactly where it must not throw.
+bool sm90_takes(const Shape& s, bool deterministic = false) {
   const bool mods = s.softcap > 0.0f || s.alibi || s.dropout_p > 0.0f;
-  return s.d <= 128 && !mods;
+  return s.d <= (deterministic ? 128 : 256) && !mods;
 }
 
 class CudaBackward : public ::testing::TestWithParam<flashmonoid::CudaPath> {
@@ -306,10 +306,10 @@ TEST_P(CudaBackward, Varlen) {
   }
 }
 
-// Several key blocks (128) and query blocks (64, 128) per sequence: the sm90 ring wraps, causal
+// Several key blocks (64, 128) and query blocks (64, 128) per sequence: the sm90 ring wraps, causal
 // blocks start at different query blocks, GQA groups of 4 walk 4 heads per key block.
 TEST_P(CudaBackward, LongerSequences) {
-  for (int d : {64, 128}) {
+  for (int d : {64, 128, 256}) {
     Shape s = base(DType::bf16, 2, 700, 700, 8, 2, d);
     s.causal = true;
     s.window_right = 0;
@@ -356,7 +356,7 @@ TEST_P(CudaBackward, DeterministicBitIdentical) {
       s.window_left = 200;
       s.window_right = 30;
     }
-    if (GetParam() == flashmonoid::CudaPath::sm90 && !sm90_takes(s)) continue;
+    if (GetParam() == flashmonoid::CudaPath::sm90 && !sm90_takes(s, true)) continue;
     ++ran_;
     SCOPED_TRACE(s.str());
     const Problem pb(s);

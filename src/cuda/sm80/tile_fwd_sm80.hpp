@@ -29,7 +29,8 @@ struct FwdTileSm80 {
   }
 };
 
-constexpr int fwd_head_dim_bucket(int d) { return d <= 64 ? 64 : (d <= 128 ? 128 : 256); }
+// The head-dim buckets of every kernel family (d pads up to its bucket inside the kernels).
+constexpr int head_dim_bucket(int d) { return d <= 64 ? 64 : (d <= 128 ? 128 : 256); }
 
 // Query rows (times GQA pack) at or below which the "narrow" tile runs: decoding and short
 // prompts, where a 128-row block would mostly compute padding.
@@ -119,7 +120,7 @@ inline FwdPlanSm80 plan_fwd_sm80(const detail::FwdParams& p, std::size_t smem_pe
   FwdPlanSm80 plan;
   plan.pack = p.group() > 1 && p.seqlen_q < kFwdNarrowRows ? p.group() : 1;
   const int rows = p.seqlen_q * plan.pack;
-  const int bucket = fwd_head_dim_bucket(p.d);
+  const int bucket = head_dim_bucket(p.d);
   // KV caches (batch index, pages) are read by the narrow tile only (kernel_fwd_sm80.cuh:
   // load_keys), long query blocks too (paged prefill, chunked prefill).
   if (rows <= kFwdNarrowRows || p.kv.active || p.kv.block_table != nullptr)

@@ -10,15 +10,16 @@
 
 #include "api/params.hpp"
 #include "sm80/bwd_sm80.hpp"
+#include "sm80/tile_fwd_sm80.hpp"
 #include "sm90/tile_bwd_sm90.hpp"
 
 namespace flashmonoid::cuda {
 
-// Head dims up to 128, without softcap, ALiBi or dropout, no KV cache: the rest runs the sm80
-// backward.
+// Without softcap, ALiBi or dropout, no KV cache, and deterministic only up to hdim 128 (above it
+// dQ is added with unordered vector reductions): the rest runs the sm80 backward.
 inline bool bwd_sm90_eligible(const detail::BwdParams& p) {
   const bool cache = p.kv.active || p.kv.block_table != nullptr;
-  return p.d <= 128 && !p.score_mods() && !cache;
+  return p.d <= 256 && !p.score_mods() && !cache && !(p.deterministic && p.d > 128);
 }
 
 // The workspace, fp32, each part 256-byte aligned. Query rows are padded per sequence to whole
@@ -40,7 +41,7 @@ struct BwdWorkspaceLayoutSm90 {
 inline BwdWorkspaceLayoutSm90 bwd_workspace_layout_sm90(const detail::BwdParams& p) {
   auto align = [](std::size_t x) { return (x + 255) / 256 * 256; };
   BwdWorkspaceLayoutSm90 w;
-  w.dq_cols = p.d <= 64 ? 64 : 128;  // the head-dim bucket
+  w.dq_cols = head_dim_bucket(p.d);
   const std::int64_t block_m = bwd_tile_sm90(w.dq_cols).block_m;
   w.rows = (static_cast<std::int64_t>(p.total_q) + block_m * (p.batch + 1) + block_m - 1) / block_m * block_m;
   const std::size_t n = static_cast<std::size_t>(p.h) * static_cast<std::size_t>(w.rows);
@@ -52,7 +53,7 @@ inline BwdWorkspaceLayoutSm90 bwd_workspace_layout_sm90(const detail::BwdParams&
   return w;
 }
 
-// Queue the backward on launch.stream (never synchronises, never allocates). kHeadDim is 64 or 128.
+// Queue the backward on launch.stream (never synchronises, never allocates). kHeadDim is 64, 128 or 256.
 template <class T, int kHeadDim>
 void run_bwd_sm90(const detail::BwdParams& params, const BwdLaunch& launch);
 

@@ -120,6 +120,13 @@ __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(tensor_map) : "memory");
 }
 
+// ---- global reductions -------------------------------------------------------------------------
+// dst[0..3] += (a, b, c, d) in L2, one 16-byte vector reduction (sm_90; cuda::atomic_ref has no
+// vector form). dst is 16-byte aligned.
+__device__ __forceinline__ void red_add_v4(float* dst, float a, float b, float c, float d) {
+  asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
+
 // ---- fragments ------------------------------------------------------------------------------------
 // A warpgroup accumulator (64, 8·kNTiles) as the A operand of the next wgmma (P of the forward's
 // P·V, Pᵀ and dSᵀ of the backward's dV and dK): k step kk (16 columns) is accumulator tiles 2·kk

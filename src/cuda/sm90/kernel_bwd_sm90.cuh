@@ -1,10 +1,11 @@
 // The sm90 backward: warp-specialised, TMA + wgmma, three kernels:
 //   1. bwd_preprocess_sm90: per query row D = rowsum(dO∘O) and lse·log2(e) into the workspace,
 //      padded per sequence to whole query blocks (bwd_sm90.hpp); clears the dQ accumulator.
-//   2. bwd_kernel_sm90: one block per (key block of 128, KV head, batch), key blocks fastest. A producer warpgroup (one
-//      thread) loads K and V once, then streams Q, dO, lse and D of every query block of every query
-//      head of the GQA group that sees the keys through a q_stages ring (TMA, mbarriers). Two
-//      consumer warpgroups own 64 keys each:
+//   2. bwd_kernel_sm90: one block per (key block, KV head, batch), key blocks fastest. A producer
+//      warpgroup (one thread) loads K and V once, then streams Q, dO, lse and D of every query block
+//      of every query head of the GQA group that sees the keys through a q_stages ring (TMA,
+//      mbarriers). Up to hdim 128 the two consumer warpgroups own 64 of the block's 128 keys each
+//      (bwd_consumer_key_split):
 //        Sᵀ = K Qᵀ, dPᵀ = V dOᵀ            wgmma, both operands from shared memory
 //        Pᵀ = exp2(Sᵀ·scale·log2 e - lse), dSᵀ = Pᵀ∘(dPᵀ - D)   in registers
 //        dV += Pᵀ dO, dK += dSᵀ Q          wgmma with Pᵀ, dSᵀ from registers; dK, dV stay in fp32
@@ -13,7 +14,8 @@
 //                                          warpgroup a 64-row part of the step's dQ tile (DqSplit)
 //      and each dQ part is staged in shared memory (in the fragments' own order, so that the writes
 //      are conflict-free), from where the producer warpgroup's dQ writer warp adds it to the
-//      accumulator with one bulk reduction (cp.reduce.async.bulk .add.f32, 16 KB).
+//      accumulator with one bulk reduction (cp.reduce.async.bulk .add.f32, 16 KB). At hdim 256
+//      they split the head dim instead (bwd_consumer_head_split, tile_bwd_sm90.hpp says why).
 //   3. bwd_convert_dq_sm90: dq = scale · accumulator in the input dtype, undoing the fragment order.
 #pragma once
 
@@ -164,22 +166,26 @@ struct BwdSmem {
   static constexpr int kBlockM = kTile.block_m, kBlockN = kTile.block_n, kStages = kTile.q_stages;
   static constexpr int kKVElems = kBlockN * kHeadDim;  // (kBlockN, kHeadDim) K or V
   static constexpr int kQElems = kBlockM * kHeadDim;   // (kBlockM, kHeadDim) Q or dO of one stage
-  static constexpr int kSElems = kBlockN * kBlockM;    // (kBlockN, kBlockM) dSᵀ, panels of 64 queries
-  static constexpr int kDqFloats = kBlockM * kHeadDim;
+  static constexpr int kSElems = kBlockN * kBlockM;    // (kBlockN, kBlockM) dSᵀ or Pᵀ, panels of 64 queries
+  static constexpr int kDqFloats = kTile.dq_stage_floats(kHeadDim);
   T* base;
-  float* f32;  // the dQ tile (both halves), then lse (kStages × kBlockM), then D (kStages × kBlockM)
+  float* f32;  // the dQ tile (both parts), then lse (kStages × kBlockM), then D (kStages × kBlockM)
   Barrier* bars;  // kv_full, q_full (kStages), q_empty (kStages)
 
   __device__ __forceinline__ explicit BwdSmem(unsigned char* raw)
       : base(reinterpret_cast<T*>((reinterpret_cast<std::uintptr_t>(raw) + 1023) & ~std::uintptr_t(1023))),
-        f32(reinterpret_cast<float*>(base + 2 * kKVElems + 2 * kStages * kQElems + 2 * kSElems)),
+        f32(reinterpret_cast<float*>(base + 2 * kKVElems + 2 * kStages * kQElems + kTile.score_buffers() * kSElems)),
         bars(reinterpret_cast<Barrier*>(f32 + kDqFloats + 2 * kStages * kBlockM)) {}
   __device__ __forceinline__ T* k() const { return base; }
   __device__ __forceinline__ T* v() const { return base + kKVElems; }
   __device__ __forceinline__ T* q(int stage) const { return base + 2 * kKVElems + stage * kQElems; }
   __device__ __forceinline__ T* dout(int stage) const { return base + 2 * kKVElems + (kStages + stage) * kQElems; }
-  // dSᵀ of step t in buffer t % 2 (see the consumer loop for why two).
+  // dSᵀ of step t in buffer t % 2 (see the consumer loops for why two); with head_split also Pᵀ.
   __device__ __forceinline__ T* ds(int buf) const { return base + 2 * kKVElems + 2 * kStages * kQElems + buf * kSElems; }
+  __device__ __forceinline__ T* pt(int buf) const {
+    static_assert(kTile.head_split, "Pᵀ goes through shared memory only when the consumers split the head dim");
+    return ds(2 + buf);
+  }
   // Consumer w's part of the dQ tile (DqSplit), in fragment order (dq_fragment_index).
   __device__ __forceinline__ float* dq(int consumer) const { return f32 + consumer * (kDqFloats / 2); }
   __device__ __forceinline__ float* lse(int stage) const { return f32 + kDqFloats + stage * kBlockM; }
@@ -311,75 +317,139 @@ __device__ __forceinline__ void dq_writer(const BwdKernelArgsSm90& args, float* 
 
 }  // namespace sm90
 
-template <class T, int kHeadDim>
-__global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
-    bwd_kernel_sm90(const __grid_constant__ BwdKernelArgsSm90 args) {
-  using namespace sm90;
-  using Smem = BwdSmem<T, kHeadDim>;
-  constexpr BwdTileSm90 kTile = Smem::kTile;
-  constexpr int kBlockM = kTile.block_m, kBlockN = kTile.block_n, kStages = kTile.q_stages;
-  constexpr int kSTiles = kBlockM / 8, kDTiles = kHeadDim / 8;
-  constexpr int kPanels = kHeadDim / kPanelCols;
-  static_assert(kHeadDim % kPanelCols == 0 && kBlockM % 64 == 0 && kBlockN == 128, "whole 64-wide panels");
+namespace sm90 {
 
-  const detail::BwdParams& p = args.p;
-  if (BwdWork<kBlockM, kBlockN>(p, blockIdx.x).empty()) return;  // a varlen sequence shorter than this key block
+// Element (r, c) of a tile of `rows` rows stored as 64-column panels (hopper.cuh's layout).
+__device__ __forceinline__ int panel_elem(int rows, int r, int c) {
+  return (c / kPanelCols) * rows * kPanelCols + r * kPanelCols + swizzle_chunk(r, (c % kPanelCols) / 8) * 8 + c % 8;
+}
 
-  extern __shared__ unsigned char smem_raw[];
-  const Smem sm(smem_raw);
-  if (threadIdx.x == 0) sm.init_barriers();
-  __syncthreads();
-
-  const int warpgroup = threadIdx.x / 128;
-  // Each role derives its work after its register reallocation, so that nothing computed before it
-  // (for the other role) is live across it.
-  if (warpgroup == 0) {
-    regs_dealloc<kTile.producer_regs>();
-    if (threadIdx.x / 32 == 1) {
-      dq_writer<kBlockM, kBlockN, kHeadDim>(args, sm.dq(0), threadIdx.x % 32);
-      return;
-    }
-    if (threadIdx.x != 0) return;
-    const BwdWork<kBlockM, kBlockN> w(p, blockIdx.x);
-    const int batch_coord = p.is_varlen() ? 0 : w.b;  // varlen tensors are one batch entry of packed rows
-    prefetch_tensor_map(&args.tm_q);
-    prefetch_tensor_map(&args.tm_do);
-    // K and V once; keys past the sequence belong to the next one (or read as zeros): masked.
-    const int k_row = static_cast<int>(w.si.k_row0 + w.kb);
-    sm.kv_full().arrive_expect_tx(2 * Smem::kKVElems * sizeof(T));
+// The score steps both mainloops share, on a warpgroup's transposed tiles (rows = its 64 keys,
+// columns = kSTiles · 8 queries): Pᵀ = exp2(Sᵀ·scale·log2 e - lse·log2 e), 0 where masked (padding
+// query rows need no test: their lse is +inf); `lse` points at the tile's first query.
+template <int kSTiles>
+__device__ __forceinline__ void probabilities_t(float (&s)[1][kSTiles][4], const float* lse, bool masked, const TileBand& tb,
+                                                int key_row, int lane, float scale_log2) {
+  if (masked) {  // the boundary tiles: masked scores to -inf first (a separate pass needs fewer registers)
 #pragma unroll
-    for (int pn = 0; pn < kPanels; ++pn) {
-      tma_load(sm.k() + pn * kBlockN * kPanelCols, &args.tm_k, pn * kPanelCols, w.kv_head, k_row, batch_coord, sm.kv_full());
-      tma_load(sm.v() + pn * kBlockN * kPanelCols, &args.tm_v, pn * kPanelCols, w.kv_head, k_row, batch_coord, sm.kv_full());
-    }
-    const std::int64_t prow0 = padded_row0<kBlockM>(p, w.b);
-    auto cur = w.first();
-#pragma unroll 1
-    for (int step = 0; step < w.steps(); ++step, w.next(cur)) {
-      const int stage = step % kStages;
-      const std::uint32_t phase = (step / kStages) & 1;
-      const int head = cur.head, m0 = cur.m_block * kBlockM;
-      sm.q_empty(stage).wait(phase ^ 1);
-      Barrier& full = sm.q_full(stage);
-      full.arrive_expect_tx(2 * Smem::kQElems * sizeof(T) + 2 * kBlockM * sizeof(float));
-      const int q_row = static_cast<int>(w.si.q_row0 + m0);
+    for (int nt = 0; nt < kSTiles; ++nt)
 #pragma unroll
-      for (int pn = 0; pn < kPanels; ++pn) {
-        tma_load(sm.q(stage) + pn * kBlockM * kPanelCols, &args.tm_q, pn * kPanelCols, head, q_row, batch_coord, full);
-        tma_load(sm.dout(stage) + pn * kBlockM * kPanelCols, &args.tm_do, pn * kPanelCols, head, q_row, batch_coord, full);
-      }
-      const std::int64_t r = static_cast<std::int64_t>(head) * args.rows + prow0 + m0;
-      ::cuda::ptx::cp_async_bulk(::cuda::ptx::space_cluster, ::cuda::ptx::space_global, sm.lse(stage), args.lse + r,
-                                 kBlockM * sizeof(float), &full.word);
-      ::cuda::ptx::cp_async_bulk(::cuda::ptx::space_cluster, ::cuda::ptx::space_global, sm.dsum(stage), args.dsum + r,
-                                 kBlockM * sizeof(float), &full.word);
-    }
-    return;
+      for (int e = 0; e < 4; ++e)
+        if (!tb.key_visible(8 * nt + 2 * (lane & 3) + (e & 1), key_row + 8 * (e / 2))) s[0][nt][e] = -INFINITY;
   }
+#pragma unroll
+  for (int nt = 0; nt < kSTiles; ++nt) {
+    const float2 l = *reinterpret_cast<const float2*>(lse + 8 * nt + 2 * (lane & 3));
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[0][nt][e] = fast_exp2(fmaf(s[0][nt][e], scale_log2, -(e & 1 ? l.y : l.x)));
+  }
+}
 
-  regs_alloc<kTile.consumer_regs>();
+// dSᵀ = Pᵀ∘(dPᵀ - D), in place of dPᵀ; `dsum` points at the tile's first query.
+template <int kSTiles>
+__device__ __forceinline__ void score_grads_t(float (&dp)[1][kSTiles][4], const float (&p)[1][kSTiles][4], const float* dsum, int lane) {
+#pragma unroll
+  for (int nt = 0; nt < kSTiles; ++nt) {
+    const float2 d = *reinterpret_cast<const float2*>(dsum + 8 * nt + 2 * (lane & 3));
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dp[0][nt][e] = p[0][nt][e] * (dp[0][nt][e] - (e & 1 ? d.y : d.x));
+  }
+}
+
+// A transposed score tile's A fragments (keys × kKSteps · 16 queries, 2-byte pairs) to a (kRows,
+// kBlockM) panel buffer at query column col0, where wgmma reads it (K-major as Pᵀ / dSᵀ, M-major
+// as P / dS). 32-bit stores: the swizzle spreads a warp's 8 rows over the banks.
+template <int kRows, int kKSteps>
+__device__ __forceinline__ void store_scores_t(std::uint32_t buf, const std::uint32_t (&a)[kKSteps][4], int key_row, int col0,
+                                               int lane) {
+#pragma unroll
+  for (int nt = 0; nt < 2 * kKSteps; ++nt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      st_shared_u32(buf + panel_elem(kRows, key_row + 8 * h, col0 + 8 * nt + 2 * (lane & 3)) * 2, a[nt / 2][2 * (nt % 2) + h]);
+}
+
+// dK = scale · Σ dSᵀ Q and dV of a warpgroup's keys (accumulator rows key_row, key_row + 8) and
+// columns [col0, col0 + 8 · kDTiles); rows past the sequence and columns past d are not written.
+template <class T, int kDTiles, class Work>
+__device__ __forceinline__ void store_dkdv(const detail::BwdParams& p, const Work& w, const float (&dk)[1][kDTiles][4],
+                                           const float (&dv)[1][kDTiles][4], int key_row, int col0, int lane) {
+  T* dk_g = static_cast<T*>(p.dk);
+  T* dv_g = static_cast<T*>(p.dv);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = key_row + 8 * h;
+    if (r >= w.keys_valid) continue;
+    const std::int64_t row = w.si.k_row0 + w.kb + r;
+    T* dk_row = dk_g + detail::offset_of(p.dk_stride, w.b, row, w.kv_head);
+    T* dv_row = dv_g + detail::offset_of(p.dv_stride, w.b, row, w.kv_head);
+#pragma unroll
+    for (int nt = 0; nt < kDTiles; ++nt) {
+      const int c = col0 + 8 * nt + 2 * (lane & 3);
+      if (c >= p.d) continue;
+      *reinterpret_cast<std::uint32_t*>(dk_row + c) = pack2<T>(dk[0][nt][2 * h] * p.scale, dk[0][nt][2 * h + 1] * p.scale);
+      *reinterpret_cast<std::uint32_t*>(dv_row + c) = pack2<T>(dv[0][nt][2 * h], dv[0][nt][2 * h + 1]);
+    }
+  }
+}
+
+// Q, dO, lse and D of a stage back to the producer: lane 0 arrives for its warp, so the warp first
+// converges (every lane's lse and D reads before the arrival; racecheck flagged the next bulk copy
+// against them without it) and fences its generic reads against that async-proxy write.
+__device__ __forceinline__ void release_stage(Barrier& empty, int lane) {
+  fence_async_shared();
+  __syncwarp();
+  if (lane == 0) empty.arrive();
+}
+
+// The consumers' walk over a block's steps, as a loop header:
+//   for (ConsumerSteps it(sm, w); it.wait_next(); it.release(lane)) { ... }
+// waits for each step's Q/dO stage and hands it back after the body (which has waited for its
+// wgmmas). (A lambda body made ptxas spill at hdim 64.)
+template <class Smem, class Work>
+struct ConsumerSteps {
+  const Smem& sm;
+  const Work& w;
+  typename Work::Cursor cur;
+  int step = 0;
+  __device__ __forceinline__ ConsumerSteps(const Smem& sm_, const Work& w_) : sm(sm_), w(w_), cur(w_.first()) {}
+  __device__ __forceinline__ int stage() const { return step % Smem::kStages; }
+  __device__ __forceinline__ bool wait_next() {
+    if (step >= w.steps()) return false;
+    sm.q_full(stage()).wait((step / Smem::kStages) & 1);
+    return true;
+  }
+  __device__ __forceinline__ void release(int lane) {
+    release_stage(sm.q_empty(stage()), lane);
+    ++step;
+    w.next(cur);
+  }
+};
+
+// Sᵀ = K Qᵀ and dPᵀ = V dOᵀ of a warpgroup's 64 keys (k, v: their first row in the kKeyRows-row
+// panels) and kN / 2 queries (q, dout: their first row in the kQRows-row panels), two commit
+// groups, both operands K-major from shared memory.
+template <class T, int kHeadDim, int kKeyRows, int kQRows, int kN>
+__device__ __forceinline__ void score_products_t(float (&s)[kN], float (&dp)[kN], std::uint32_t k, std::uint32_t v, std::uint32_t q,
+                                                 std::uint32_t dout) {
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 16; ++ks) wgmma_ss<0, 0>(s, desc_k_major(k, kKeyRows, ks), desc_k_major(q, kQRows, ks), T{}, ks > 0);
+  wgmma_commit();
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 16; ++ks) wgmma_ss<0, 0>(dp, desc_k_major(v, kKeyRows, ks), desc_k_major(dout, kQRows, ks), T{}, ks > 0);
+  wgmma_commit();
+}
+
+// The consumers up to hdim 128: each owns 64 keys of the block's 128.
+template <class T, int kHeadDim>
+__device__ __forceinline__ void bwd_consumer_key_split(const BwdKernelArgsSm90& args, const BwdSmem<T, kHeadDim>& sm, int consumer) {
+  using Smem = BwdSmem<T, kHeadDim>;
+  constexpr int kBlockM = Smem::kBlockM, kBlockN = Smem::kBlockN;
+  constexpr int kSTiles = kBlockM / 8, kDTiles = kHeadDim / 8;
+  static_assert(kHeadDim % kPanelCols == 0 && kBlockM % 64 == 0 && kBlockN == 128, "whole 64-wide panels, 64 keys per consumer");
+  const detail::BwdParams& p = args.p;
   const BwdWork<kBlockM, kBlockN> w(p, blockIdx.x);
-  const int consumer = warpgroup - 1;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   // This warpgroup's keys: rows [64·consumer, 64·consumer + 64) of the K and V panels.
   const std::uint32_t k_addr = smem_addr(sm.k()), v_addr = smem_addr(sm.v()), ds_addr = smem_addr(sm.ds(0));
@@ -399,56 +469,23 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
   float dv[1][kDTiles][4] = {};
   sm.kv_full().wait(0);
 
-  auto cur = w.first();
 #pragma unroll 1
-  for (int step = 0; step < w.steps(); ++step, w.next(cur)) {
-    const int stage = step % kStages;
-    const int m0 = cur.m_block * kBlockM;
-    sm.q_full(stage).wait((step / kStages) & 1);
+  for (ConsumerSteps it(sm, w); it.wait_next(); it.release(lane)) {
+    const int step = it.step, stage = it.stage(), m0 = it.cur.m_block * kBlockM;
     const std::uint32_t q_addr = smem_addr(sm.q(stage)), do_addr = smem_addr(sm.dout(stage));
 
     // Sᵀ (64 keys, kBlockM) = K Qᵀ and dPᵀ = V dOᵀ.
     float s[1][kSTiles][4], dp[1][kSTiles][4];
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kHeadDim / 16; ++ks)
-      wgmma_ss<0, 0>(flat(s), desc_k_major(k_own, kBlockN, ks), desc_k_major(q_addr, kBlockM, ks), T{}, ks > 0);
-    wgmma_commit();
-#pragma unroll
-    for (int ks = 0; ks < kHeadDim / 16; ++ks)
-      wgmma_ss<0, 0>(flat(dp), desc_k_major(v_own, kBlockN, ks), desc_k_major(do_addr, kBlockM, ks), T{}, ks > 0);
-    wgmma_commit();
+    score_products_t<T, kHeadDim, kBlockN, kBlockM>(flat(s), flat(dp), k_own, v_own, q_addr, do_addr);
 
-    // Pᵀ = exp2(Sᵀ·scale·log2 e - lse·log2 e), 0 where masked (padding rows have lse = +inf).
-    const float* lse = sm.lse(stage);
-    const float* dsum = sm.dsum(stage);
     const bool masked = w.band.tile_needs_mask(m0, m0 + kBlockM, w.kb, w.kb + kBlockN, w.si.len_k);
-    // Padding query rows need no test: their lse is +inf.
     const TileBand tb(w.band, m0, w.kb, kBlockM, w.si.len_k - static_cast<int>(w.kb));
     wgmma_wait<1>();
     fence_regs(flat(s));
-    if (masked) {  // the boundary tiles: masked scores to -inf first (a separate pass needs fewer registers)
-#pragma unroll
-      for (int nt = 0; nt < kSTiles; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (!tb.key_visible(8 * nt + 2 * (lane & 3) + (e & 1), key_row + 8 * (e / 2))) s[0][nt][e] = -INFINITY;
-    }
-#pragma unroll
-    for (int nt = 0; nt < kSTiles; ++nt) {
-      const float2 l = *reinterpret_cast<const float2*>(lse + 8 * nt + 2 * (lane & 3));
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[0][nt][e] = fast_exp2(fmaf(s[0][nt][e], p.scale_log2, -(e & 1 ? l.y : l.x)));
-    }
-    // dSᵀ = Pᵀ∘(dPᵀ - D).
+    probabilities_t(s, sm.lse(stage), masked, tb, key_row, lane, p.scale_log2);
     wgmma_wait<0>();
     fence_regs(flat(dp));
-#pragma unroll
-    for (int nt = 0; nt < kSTiles; ++nt) {
-      const float2 d = *reinterpret_cast<const float2*>(dsum + 8 * nt + 2 * (lane & 3));
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dp[0][nt][e] = s[0][nt][e] * (dp[0][nt][e] - (e & 1 ? d.y : d.x));
-    }
+    score_grads_t(dp, s, sm.dsum(stage), lane);
     std::uint32_t pa[kSTiles / 2][4], dsa[kSTiles / 2][4];  // Pᵀ and dSᵀ as A fragments
     p_fragments<T>(pa, s);
     p_fragments<T>(dsa, dp);
@@ -457,14 +494,7 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
     // before the write: the other warpgroup read buffer step % 2 in its dQ of step - 2, which it
     // waited for before it arrived at the barrier of step - 1 that this warpgroup has passed.
     const std::uint32_t ds_buf = ds_addr + (step & 1) * Smem::kSElems * sizeof(T);
-#pragma unroll
-    for (int nt = 0; nt < kSTiles; ++nt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = key_row + 8 * h, c = 8 * nt + 2 * (lane & 3);
-        const int elem = (c / kPanelCols) * kBlockN * kPanelCols + r * kPanelCols + swizzle_chunk(r, (c % kPanelCols) / 8) * 8 + c % 8;
-        st_shared_u32(ds_buf + elem * sizeof(T), dsa[nt / 2][2 * (nt % 2) + h]);
-      }
+    store_scores_t<kBlockN>(ds_buf, dsa, key_row, 0, lane);
 
     // dV += Pᵀ dO (A from registers, B N-major) while the other warpgroup's dSᵀ comes in; then the
     // dQ part (DqSplit: 64 rows) = dS K over the block's 128 keys; then dK += dSᵀ Q, which runs
@@ -505,32 +535,180 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
     wgmma_wait<0>();
     fence_regs(flat(dv));
     fence_regs(flat(dk));
-    // Q, dO, lse and D back to the producer: lane 0 arrives for its warp, so the warp first
-    // converges (every lane's lse and D reads before the arrival; racecheck flagged the next bulk
-    // copy against them without it) and fences its generic reads against that async-proxy write.
+  }
+  store_dkdv<T>(p, w, dk, dv, key_row, 0, lane);
+}
+
+// The consumers at hdim 256 (BwdTileSm90::head_split): 64 keys, 64 queries per step. Consumer w
+// computes Sᵀ and dPᵀ of its 32 queries [32w, 32w + 32) over all 64 keys, and dK, dV of the
+// head-dim half [128w, 128w + 128) over all 64 queries: its own queries' Pᵀ, dSᵀ from registers,
+// the other's from shared memory. dQ (64 queries, its half of the columns) = dS K goes from
+// registers to the accumulator with vector reductions, in the fragment order of the key-split
+// consumers (DqSplit column halves), so that the convert kernel is the same.
+template <class T, int kHeadDim>
+__device__ __forceinline__ void bwd_consumer_head_split(const BwdKernelArgsSm90& args, const BwdSmem<T, kHeadDim>& sm, int consumer) {
+  using Smem = BwdSmem<T, kHeadDim>;
+  constexpr int kBlockM = Smem::kBlockM, kBlockN = Smem::kBlockN;
+  constexpr int kQ = kBlockM / 2, kSTiles = kQ / 8;
+  constexpr int kCols = kHeadDim / 2, kDTiles = kCols / 8;
+  using Split = DqSplit<kBlockM, kHeadDim>;
+  static_assert(kBlockM == 64 && kBlockN == 64 && kCols % kPanelCols == 0 && !Split::kByRows && Split::kCols == kCols,
+                "64 queries and 64 keys per step, whole panels per head-dim half");
+  const detail::BwdParams& p = args.p;
+  const BwdWork<kBlockM, kBlockN> w(p, blockIdx.x);
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const int q_own = kQ * consumer, q_other = kQ - q_own;
+  const int col0 = kCols * consumer;
+  const std::uint32_t k_addr = smem_addr(sm.k()), v_addr = smem_addr(sm.v());
+  const std::uint32_t ds_addr = smem_addr(sm.ds(0)), pt_addr = smem_addr(sm.pt(0));
+  // This warpgroup's head-dim half of Q, dO (B of dK, dV) and K (B of dQ): whole panels further.
+  const std::uint32_t q_cols = (col0 / kPanelCols) * kBlockM * kPanelRowBytes, k_cols = (col0 / kPanelCols) * kBlockN * kPanelRowBytes;
+  const int key_row = 16 * warp + lane / 4;
+
+  float dk[1][kDTiles][4] = {};  // (64 keys, head-dim half), unscaled
+  float dv[1][kDTiles][4] = {};
+  const std::int64_t prow0 = padded_row0<kBlockM>(p, w.b);
+  sm.kv_full().wait(0);
+
+#pragma unroll 1
+  for (ConsumerSteps it(sm, w); it.wait_next(); it.release(lane)) {
+    const int step = it.step, stage = it.stage(), m0 = it.cur.m_block * kBlockM;
+    const std::uint32_t q_addr = smem_addr(sm.q(stage)), do_addr = smem_addr(sm.dout(stage));
+
+    // Sᵀ (64 keys, its 32 queries) = K Qᵀ and dPᵀ = V dOᵀ (32 rows into a panel: whole swizzle atoms).
+    float s[1][kSTiles][4], dp[1][kSTiles][4];
+    score_products_t<T, kHeadDim, kBlockN, kBlockM>(flat(s), flat(dp), k_addr, v_addr, q_addr + q_own * kPanelRowBytes,
+                                                    do_addr + q_own * kPanelRowBytes);
+
+    const bool masked = w.band.tile_needs_mask(m0 + q_own, m0 + q_own + kQ, w.kb, w.kb + kBlockN, w.si.len_k);
+    const TileBand tb(w.band, m0 + q_own, w.kb, kQ, w.si.len_k - static_cast<int>(w.kb));
+    wgmma_wait<1>();
+    fence_regs(flat(s));
+    probabilities_t(s, sm.lse(stage) + q_own, masked, tb, key_row, lane, p.scale_log2);
+    wgmma_wait<0>();
+    fence_regs(flat(dp));
+    score_grads_t(dp, s, sm.dsum(stage) + q_own, lane);
+    std::uint32_t pa[kSTiles / 2][4], dsa[kSTiles / 2][4];
+    p_fragments<T>(pa, s);
+    p_fragments<T>(dsa, dp);
+
+    // Its Pᵀ and dSᵀ columns to shared memory, two buffers each by step parity (the other
+    // warpgroup read buffer step % 2 in step - 2 and waited for those reads before it arrived at
+    // the barrier of step - 1, which this warpgroup has passed).
+    const std::uint32_t buf_off = (step & 1) * Smem::kSElems * sizeof(T);
+    store_scores_t<kBlockN>(pt_addr + buf_off, pa, key_row, q_own, lane);
+    store_scores_t<kBlockN>(ds_addr + buf_off, dsa, key_row, q_own, lane);
+
+    // dV += Pᵀ dO and dK += dSᵀ Q over its own queries, from registers, while the other
+    // warpgroup's columns come in.
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kQ / 16; ++kk) {
+      wgmma_rs<1>(flat(dv), pa[kk], desc_mn_major(do_addr + q_cols, kBlockM, q_own / 16 + kk), T{}, 1);
+      wgmma_rs<1>(flat(dk), dsa[kk], desc_mn_major(q_addr + q_cols, kBlockM, q_own / 16 + kk), T{}, 1);
+    }
+    wgmma_commit();
     fence_async_shared();
-    __syncwarp();
-    if (lane == 0) sm.q_empty(stage).arrive();
+    named_sync(kBarDsFull, 256);
+    // dQ = dS K (A: the whole dSᵀ, M-major; B: its columns of K, N-major), then the other
+    // warpgroup's queries of dV and dK, which run while dQ goes out.
+    float dq[1][kDTiles][4];
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
+      wgmma_ss<1, 1>(flat(dq), desc_mn_major(ds_addr + buf_off, kBlockN, kk), desc_mn_major(k_addr + k_cols, kBlockN, kk), T{}, kk > 0);
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < kQ / 16; ++kk) {
+      const int ks = q_other / 16 + kk;
+      wgmma_ss<0, 1>(flat(dv), desc_k_major(pt_addr + buf_off, kBlockN, ks), desc_mn_major(do_addr + q_cols, kBlockM, ks), T{}, 1);
+      wgmma_ss<0, 1>(flat(dk), desc_k_major(ds_addr + buf_off, kBlockN, ks), desc_mn_major(q_addr + q_cols, kBlockM, ks), T{}, 1);
+    }
+    wgmma_commit();
+    wgmma_wait<1>();  // dQ done
+    fence_regs(flat(dq));
+    float* dq_g = args.dq_acc + (static_cast<std::int64_t>(it.cur.head) * args.rows + prow0 + m0) * kHeadDim;
+#pragma unroll
+    for (int j = 0; j < kDTiles; ++j)
+      red_add_v4(dq_g + ((consumer * kDTiles + j) * 128 + tid) * 4, dq[0][j][0], dq[0][j][1], dq[0][j][2], dq[0][j][3]);
+
+    wgmma_wait<0>();
+    fence_regs(flat(dv));
+    fence_regs(flat(dk));
+  }
+  store_dkdv<T>(p, w, dk, dv, key_row, col0, lane);
+}
+
+}  // namespace sm90
+
+template <class T, int kHeadDim>
+__global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
+    bwd_kernel_sm90(const __grid_constant__ BwdKernelArgsSm90 args) {
+  using namespace sm90;
+  using Smem = BwdSmem<T, kHeadDim>;
+  constexpr BwdTileSm90 kTile = Smem::kTile;
+  constexpr int kBlockM = kTile.block_m, kBlockN = kTile.block_n, kStages = kTile.q_stages;
+  constexpr int kPanels = kHeadDim / kPanelCols;
+
+  const detail::BwdParams& p = args.p;
+  if (BwdWork<kBlockM, kBlockN>(p, blockIdx.x).empty()) return;  // a varlen sequence shorter than this key block
+
+  extern __shared__ unsigned char smem_raw[];
+  const Smem sm(smem_raw);
+  if (threadIdx.x == 0) sm.init_barriers();
+  __syncthreads();
+
+  const int warpgroup = threadIdx.x / 128;
+  // Each role derives its work after its register reallocation, so that nothing computed before it
+  // (for the other role) is live across it.
+  if (warpgroup == 0) {
+    regs_dealloc<kTile.producer_regs>();
+    if constexpr (!kTile.head_split) {
+      if (threadIdx.x / 32 == 1) {
+        dq_writer<kBlockM, kBlockN, kHeadDim>(args, sm.dq(0), threadIdx.x % 32);
+        return;
+      }
+    }
+    if (threadIdx.x != 0) return;
+    const BwdWork<kBlockM, kBlockN> w(p, blockIdx.x);
+    const int batch_coord = p.is_varlen() ? 0 : w.b;  // varlen tensors are one batch entry of packed rows
+    prefetch_tensor_map(&args.tm_q);
+    prefetch_tensor_map(&args.tm_do);
+    // K and V once; keys past the sequence belong to the next one (or read as zeros): masked.
+    const int k_row = static_cast<int>(w.si.k_row0 + w.kb);
+    sm.kv_full().arrive_expect_tx(2 * Smem::kKVElems * sizeof(T));
+#pragma unroll
+    for (int pn = 0; pn < kPanels; ++pn) {
+      tma_load(sm.k() + pn * kBlockN * kPanelCols, &args.tm_k, pn * kPanelCols, w.kv_head, k_row, batch_coord, sm.kv_full());
+      tma_load(sm.v() + pn * kBlockN * kPanelCols, &args.tm_v, pn * kPanelCols, w.kv_head, k_row, batch_coord, sm.kv_full());
+    }
+    const std::int64_t prow0 = padded_row0<kBlockM>(p, w.b);
+    auto cur = w.first();
+#pragma unroll 1
+    for (int step = 0; step < w.steps(); ++step, w.next(cur)) {
+      const int stage = step % kStages;
+      const std::uint32_t phase = (step / kStages) & 1;
+      const int head = cur.head, m0 = cur.m_block * kBlockM;
+      sm.q_empty(stage).wait(phase ^ 1);
+      Barrier& full = sm.q_full(stage);
+      full.arrive_expect_tx(2 * Smem::kQElems * sizeof(T) + 2 * kBlockM * sizeof(float));
+      const int q_row = static_cast<int>(w.si.q_row0 + m0);
+#pragma unroll
+      for (int pn = 0; pn < kPanels; ++pn) {
+        tma_load(sm.q(stage) + pn * kBlockM * kPanelCols, &args.tm_q, pn * kPanelCols, head, q_row, batch_coord, full);
+        tma_load(sm.dout(stage) + pn * kBlockM * kPanelCols, &args.tm_do, pn * kPanelCols, head, q_row, batch_coord, full);
+      }
+      const std::int64_t r = static_cast<std::int64_t>(head) * args.rows + prow0 + m0;
+      ::cuda::ptx::cp_async_bulk(::cuda::ptx::space_cluster, ::cuda::ptx::space_global, sm.lse(stage), args.lse + r,
+                                 kBlockM * sizeof(float), &full.word);
+      ::cuda::ptx::cp_async_bulk(::cuda::ptx::space_cluster, ::cuda::ptx::space_global, sm.dsum(stage), args.dsum + r,
+                                 kBlockM * sizeof(float), &full.word);
+    }
+    return;
   }
 
-  // dK = scale · Σ dSᵀ Q and dV, this warpgroup's 64 keys (rows past the sequence are not written).
-  T* dk_g = static_cast<T*>(p.dk);
-  T* dv_g = static_cast<T*>(p.dv);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = key_row + 8 * h;
-    if (r >= w.keys_valid) continue;
-    const std::int64_t row = w.si.k_row0 + w.kb + r;
-    T* dk_row = dk_g + detail::offset_of(p.dk_stride, w.b, row, w.kv_head);
-    T* dv_row = dv_g + detail::offset_of(p.dv_stride, w.b, row, w.kv_head);
-#pragma unroll
-    for (int nt = 0; nt < kDTiles; ++nt) {
-      const int c = 8 * nt + 2 * (lane & 3);
-      if (c >= p.d) continue;
-      *reinterpret_cast<std::uint32_t*>(dk_row + c) = pack2<T>(dk[0][nt][2 * h] * p.scale, dk[0][nt][2 * h + 1] * p.scale);
-      *reinterpret_cast<std::uint32_t*>(dv_row + c) = pack2<T>(dv[0][nt][2 * h], dv[0][nt][2 * h + 1]);
-    }
-  }
+  regs_alloc<kTile.consumer_regs>();
+  if constexpr (kTile.head_split) bwd_consumer_head_split<T, kHeadDim>(args, sm, warpgroup - 1);
+  else bwd_consumer_key_split<T, kHeadDim>(args, sm, warpgroup - 1);
 }
 
 }  // namespace flashmonoid::cuda

@@ -18,7 +18,7 @@ namespace flashmonoid::cuda {
 
 template <class T, int kHeadDim>
 void run_bwd_sm90(const detail::BwdParams& p, const BwdLaunch& launch) {
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "the sm90 backward takes head-dim buckets 64 and 128");
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "the sm90 backward takes head-dim buckets 64, 128, 256");
   constexpr BwdTileSm90 kTile = bwd_tile_sm90(kHeadDim);
   const BwdWorkspaceLayoutSm90 ws = bwd_workspace_layout_sm90(p);
   if (launch.workspace_bytes < ws.total || (ws.total > 0 && launch.workspace == nullptr))

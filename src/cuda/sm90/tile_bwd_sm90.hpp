@@ -5,29 +5,45 @@
 
 namespace flashmonoid::cuda {
 
-// Two consumer warpgroups of 64 keys each (kBlockN = 128 keys per block). hdim 128 takes 64
-// queries per step: Sᵀ and dPᵀ (64 keys, 64 queries) per warpgroup, dK and dV (64 keys, head dim)
-// in fp32 registers (128 of the 240), dQ (64, head dim) split in two column halves. hdim 64 takes
-// 128 queries (FA3's tile): Sᵀ + dPᵀ are 128 registers, dK + dV 64, dQ (128, 64) split in two row
-// halves; it fits the 240 registers with the mask applied in a pass of its own before the exp.
+// Two consumer warpgroups. Up to hdim 128 they split the keys: 64 each (kBlockN = 128 keys per
+// block), dK and dV of their keys over the whole head dim in fp32 registers. hdim 128 takes 64
+// queries per step: Sᵀ and dPᵀ (64 keys, 64 queries) per warpgroup, dK and dV 128 of the 240
+// registers, dQ (64, head dim) split in two column halves. hdim 64 takes 128 queries (FA3's tile):
+// Sᵀ + dPᵀ are 128 registers, dK + dV 64, dQ (128, 64) split in two row halves; it fits the 240
+// registers with the mask applied in a pass of its own before the exp.
+//
+// hdim 256 (head_split): dK and dV of 64 keys × 256 would be 256 registers per thread, so the
+// consumers split the head dim instead: both own all 64 keys, each dK and dV of one 128-column
+// half (128 registers), and Sᵀ, dPᵀ of one half of the step's 64 queries (N = 32), shared with the
+// other consumer through shared memory (Pᵀ and dSᵀ, two buffers each). dQ goes from registers to
+// the accumulator with vector reductions: a staged (64, 256) fp32 tile would not fit beside K, V
+// and two Q/dO stages (227 KB).
 struct BwdTileSm90 {
   int block_m;    // queries per step
-  int block_n;    // keys per block: 64 per consumer warpgroup
+  int block_n;    // keys per block
   int q_stages;   // Q / dO / lse / D ring depth
   int consumer_regs, producer_regs;
+  bool head_split;
 
   static constexpr int consumers = 2;
   constexpr int threads() const { return 128 * (consumers + 1); }
-  // K, V, q_stages × (Q, dO), two dSᵀ (block_n, block_m) buffers in 2-byte elements; the dQ tile
-  // and q_stages × (lse, D) rows in fp32; the barriers and the 1024-byte alignment of the panels.
+  // 2-byte element buffers of (block_n, block_m): dSᵀ × 2, and with head_split Pᵀ × 2 as well.
+  constexpr int score_buffers() const { return head_split ? 4 : 2; }
+  // fp32 dQ staging tile (block_m, head dim) for the bulk reductions; none with head_split.
+  constexpr int dq_stage_floats(int head_dim) const { return head_split ? 0 : block_m * head_dim; }
+  // K, V, q_stages × (Q, dO), the score buffers in 2-byte elements; the dQ tile and q_stages ×
+  // (lse, D) rows in fp32; the barriers and the 1024-byte alignment of the panels.
   constexpr std::size_t smem_bytes(int head_dim) const {
-    return static_cast<std::size_t>(2 * block_n * head_dim + 2 * q_stages * block_m * head_dim + 2 * block_n * block_m) * 2 +
-           static_cast<std::size_t>(block_m * head_dim + 2 * q_stages * block_m) * 4 + 2048;
+    return static_cast<std::size_t>(2 * block_n * head_dim + 2 * q_stages * block_m * head_dim + score_buffers() * block_n * block_m) * 2 +
+           static_cast<std::size_t>(dq_stage_floats(head_dim) + 2 * q_stages * block_m) * 4 + 2048;
   }
 };
 
 constexpr BwdTileSm90 bwd_tile_sm90(int head_dim_bucket) {
-  return BwdTileSm90{head_dim_bucket <= 64 ? 128 : 64, 128, 2, 240, 24};
+  if (head_dim_bucket > 128) return BwdTileSm90{64, 64, 2, 240, 24, true};
+  return BwdTileSm90{head_dim_bucket <= 64 ? 128 : 64, 128, 2, 240, 24, false};
 }
+
+static_assert(bwd_tile_sm90(256).smem_bytes(256) <= 232448, "hdim 256 fits the H100's 227 KB per block");
 
 }  // namespace flashmonoid::cuda
