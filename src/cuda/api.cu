@@ -282,7 +282,7 @@ std::string bwd_path_why_not_sm90(const detail::BwdParams& p) {
   if (!kBuiltSm90) return "this build has no sm90 kernels (CMAKE_CUDA_ARCHITECTURES without 90)";
   if (compute_major(p.device.index) != 9) return "the sm90 kernels need compute capability 9.x (Hopper)";
   if (!bwd_sm90_eligible(p))
-    return "the sm90 backward runs head dims up to 256 without softcap/ALiBi/dropout or KV caches, deterministic up to 128";
+    return "the sm90 backward runs head dims up to 256 without KV caches, deterministic up to 128, softcap/ALiBi/dropout above 64";
   return "";
 }
 

@@ -17,8 +17,8 @@
 //       softcap derivative d(cap·tanh(x/cap))/dx = 1 - tanh²(x/cap) by which dS is multiplied.
 //   alibi_log2    ALiBi's bias in log2 units from the distance (detail::alibi_bias_at).
 //   dropout_keep_bits / dropout_pair_words   the Philox keep rule (detail::dropout_words) for 32
-//       consecutive keys of a row (the backward's per-tile bit table) or an even/odd key pair
-//       (the forward's fragments); apply_dropout zeroes the forward's dropped P.
+//       consecutive keys of a row (the backward's per-tile bit table, dropout_keep_tile) or an
+//       even/odd key pair (the forward's fragments); apply_dropout zeroes the forward's dropped P.
 //   apply_mask    the forward's per-row form of the band (two compares per element).
 // Forward fragment helpers (ScoreMod::apply, apply_mask, apply_dropout) index query rows through
 // RowCoords (GQA packing) and columns with fragment_col.
@@ -193,6 +193,24 @@ __device__ __forceinline__ std::uint32_t dropout_keep_bits(const detail::FwdPara
     for (int c = 0; c < 4; ++c) bits |= static_cast<std::uint32_t>(r.x[c] >= p.dropout_threshold) << (4 * g + c);
   }
   return bits;
+}
+
+// Dropout keep bits of a backward step's tile (query rows row0.. of one head, keys key0 + 32·w ..)
+// into shared memory: word qr · words + w holds keys key0 + 32·w .. of row row0 + qr (rows past
+// the sequence keep nothing). One Philox call per 4 keys (its 4 words) rather than one per element
+// as a fragment evaluation would need (a lane's fragment holds keys 8 apart). Threads tid of
+// nthreads share the rows · words words.
+__device__ __forceinline__ void dropout_keep_tile(const detail::FwdParams& p, int head, const detail::SeqInfo& si,
+                                                  std::int64_t row0, int rows, std::int64_t key0, int words,
+                                                  std::uint32_t* keep, int tid, int nthreads) {
+#pragma unroll 1
+  for (int word = tid; word < rows * words; word += nthreads) {
+    const int qr = word / words, w = word % words;
+    std::uint32_t bits = 0;
+    if (row0 + qr < si.len_q)
+      bits = dropout_keep_bits(p, detail::dropout_row_id(p, head, si, row0 + qr), static_cast<std::uint32_t>(key0 + 32 * w));
+    keep[word] = bits;
+  }
 }
 
 // The random words of keys j and j + 1 (j even) of row row_id: words j%4 and j%4 + 1 of one

@@ -508,24 +508,6 @@ struct ScoreGrad {
   }
 };
 
-// Dropout keep bits of the step's (kBlockM, kBlockN) tile into shared memory, one Philox call per
-// 4 keys (its 4 words) rather than one per element as a per-fragment evaluation would need (a
-// lane's fragment holds keys 8 apart).
-template <class T, class Tr>
-__device__ __forceinline__ void dropout_keep_tile(const detail::BwdParams& p, const BwdKeyBlock<Tr>& blk,
-                                                  const BwdStep<T, Tr>& st, std::uint32_t* keep, int tid) {
-  constexpr int kKeepWords = Tr::kBlockN / 32;
-#pragma unroll 1
-  for (int word = tid; word < Tr::kBlockM * kKeepWords; word += Tr::kNThreads) {  // 512 words at hdim 64
-    const int qr = word / kKeepWords, w = word % kKeepWords;
-    std::uint32_t bits = 0;
-    if (st.r0 + qr < blk.si.len_q)
-      bits = dropout_keep_bits(p, detail::dropout_row_id(p, st.head, blk.si, st.r0 + qr),
-                               static_cast<std::uint32_t>(blk.kb + 32 * w));
-    keep[qr * kKeepWords + w] = bits;
-  }
-}
-
 // dK and dV of the warp's (kKVWarpN keys, kKVWarpD dims) tile, in fp32 registers for the whole
 // kernel: the key block's sums over every query tile and every query head of the GQA group (so the
 // GQA reduction needs no workspace and no second pass).
@@ -857,7 +839,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     const BwdStep<T, Tr> st(blk, sm, it, stage);
 
     if (p.dropout_p > 0.0f) {
-      dropout_keep_tile(p, blk, st, sm.keep, tid);
+      dropout_keep_tile(p, st.head, blk.si, st.r0, Tr::kBlockM, blk.kb, Tr::kBlockN / 32, sm.keep, tid, Tr::kNThreads);
       __syncthreads();
     }
 

@@ -15,11 +15,12 @@
 
 namespace flashmonoid::cuda {
 
-// Without softcap, ALiBi or dropout, no KV cache, and deterministic only up to hdim 128 (above it
-// dQ is added with unordered vector reductions): the rest runs the sm80 backward.
+// No KV cache, deterministic only up to hdim 128 (above it dQ is added with unordered vector
+// reductions), softcap/ALiBi/dropout above hdim 64 (at 64 the 128-query tile's modifier variant
+// spills): the rest runs the sm80 backward.
 inline bool bwd_sm90_eligible(const detail::BwdParams& p) {
   const bool cache = p.kv.active || p.kv.block_table != nullptr;
-  return p.d <= 256 && !p.score_mods() && !cache && !(p.deterministic && p.d > 128);
+  return p.d <= 256 && !cache && !(p.deterministic && p.d > 128) && !(p.score_mods() && p.d <= 64);
 }
 
 // The workspace, fp32, each part 256-byte aligned. Query rows are padded per sequence to whole

@@ -116,6 +116,13 @@ __device__ __forceinline__ void tma_load(void* smem, const void* tensor_map, int
                                   &bar.word);
 }
 
+// The same for a 3-d tensor map.
+__device__ __forceinline__ void tma_load(void* smem, const void* tensor_map, int c0, int c1, int c2, Barrier& bar) {
+  const std::int32_t coords[3] = {c0, c1, c2};
+  ::cuda::ptx::cp_async_bulk_tensor(::cuda::ptx::space_cluster, ::cuda::ptx::space_global, smem, tensor_map, coords,
+                                  &bar.word);
+}
+
 __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(tensor_map) : "memory");
 }

@@ -37,9 +37,8 @@ namespace flashmonoid::cuda {
 struct BwdKernelArgsSm90 {
   CUtensorMap tm_q, tm_do;  // (d, h, rows, batch), box (64, 1, kBlockM, 1)
   CUtensorMap tm_k, tm_v;   // (d, h_k, rows, batch), box (64, 1, kBlockN, 1)
+  CUtensorMap tm_rows;      // lse·log2(e) and D: (rows, h, 2), box (kBlockM, 1, 2), workspace (bwd_sm90.hpp)
   detail::BwdParams p;
-  const float* lse;   // (h, rows) lse·log2(e), workspace (bwd_sm90.hpp)
-  const float* dsum;  // (h, rows)
   float* dq_acc;      // (h, rows, head-dim bucket) in fragment order per query block
   int* dq_sem;        // (h, rows / kBlockM) key blocks added so far, deterministic mode only
   std::int64_t rows;  // padded query rows per head
@@ -169,13 +168,16 @@ struct BwdSmem {
   static constexpr int kSElems = kBlockN * kBlockM;    // (kBlockN, kBlockM) dSᵀ or Pᵀ, panels of 64 queries
   static constexpr int kDqFloats = kTile.dq_stage_floats(kHeadDim);
   T* base;
-  float* f32;  // the dQ tile (both parts), then lse (kStages × kBlockM), then D (kStages × kBlockM)
+  float* f32;  // the dQ tile (both parts), then per stage lse (kBlockM) and D (kBlockM)
+  static constexpr int kKeepWords = kBlockM * kBlockN / 32;
+  std::uint32_t* keep;  // dropout keep bits of the step (dropout_keep_tile), kBlockN / 32 words per query row
   Barrier* bars;  // kv_full, q_full (kStages), q_empty (kStages)
 
   __device__ __forceinline__ explicit BwdSmem(unsigned char* raw)
       : base(reinterpret_cast<T*>((reinterpret_cast<std::uintptr_t>(raw) + 1023) & ~std::uintptr_t(1023))),
         f32(reinterpret_cast<float*>(base + 2 * kKVElems + 2 * kStages * kQElems + kTile.score_buffers() * kSElems)),
-        bars(reinterpret_cast<Barrier*>(f32 + kDqFloats + 2 * kStages * kBlockM)) {}
+        keep(reinterpret_cast<std::uint32_t*>(f32 + kDqFloats + 2 * kStages * kBlockM)),
+        bars(reinterpret_cast<Barrier*>(keep + kKeepWords)) {}
   __device__ __forceinline__ T* k() const { return base; }
   __device__ __forceinline__ T* v() const { return base + kKVElems; }
   __device__ __forceinline__ T* q(int stage) const { return base + 2 * kKVElems + stage * kQElems; }
@@ -188,8 +190,8 @@ struct BwdSmem {
   }
   // Consumer w's part of the dQ tile (DqSplit), in fragment order (dq_fragment_index).
   __device__ __forceinline__ float* dq(int consumer) const { return f32 + consumer * (kDqFloats / 2); }
-  __device__ __forceinline__ float* lse(int stage) const { return f32 + kDqFloats + stage * kBlockM; }
-  __device__ __forceinline__ float* dsum(int stage) const { return f32 + kDqFloats + (kStages + stage) * kBlockM; }
+  __device__ __forceinline__ float* lse(int stage) const { return f32 + kDqFloats + 2 * stage * kBlockM; }  // 128-byte aligned: a TMA box
+  __device__ __forceinline__ float* dsum(int stage) const { return lse(stage) + kBlockM; }
   __device__ __forceinline__ Barrier& kv_full() const { return bars[0]; }
   __device__ __forceinline__ Barrier& q_full(int stage) const { return bars[1 + stage]; }
   __device__ __forceinline__ Barrier& q_empty(int stage) const { return bars[1 + kStages + stage]; }
@@ -249,9 +251,9 @@ struct BwdWork {
 };
 
 // Named barriers (0 is __syncthreads): the step's dSᵀ tile is written (both consumers, 256
-// threads); consumer w's dQ part in shared memory is free (kBarDqEmpty + w) or written
+// threads); the step's dropout keep bits are written (both consumers); consumer w's dQ part in shared memory is free (kBarDqEmpty + w) or written
 // (kBarDqFull + w), between that consumer and the dQ writer warp (160 threads).
-inline constexpr int kBarDsFull = 1, kBarDqEmpty = 2, kBarDqFull = 4;
+inline constexpr int kBarDsFull = 1, kBarDqEmpty = 2, kBarDqFull = 4, kBarKeep = 6;
 inline constexpr int kDqSyncThreads = 128 + 32;
 
 }  // namespace sm90
@@ -356,6 +358,106 @@ __device__ __forceinline__ void score_grads_t(float (&dp)[1][kSTiles][4], const 
   }
 }
 
+// The score modifiers of a step (kernel variant kScoreMods): softcap and ALiBi as ScoreMod and
+// alibi_log2 define them, dropout by the step's keep-bit tile (keep row r: query r of the step);
+// the sm80 backward's ScoreGrad evaluates the same definitions.
+struct BwdMods {
+  ScoreMod mod;
+  float slope_log2;           // ALiBi slope · log2 e of the step's head (0 without ALiBi)
+  float rescale;              // 1 / (1 - dropout p)
+  const std::uint32_t* keep;  // nullptr without dropout
+  int words;                  // keep words per query row
+
+  __device__ __forceinline__ BwdMods(const detail::BwdParams& p, int b, int head, const std::uint32_t* keep_, int words_)
+      : mod(p), slope_log2(detail::alibi_slope(p, b, head) * kLog2e), rescale(p.dropout_rescale),
+        keep(p.dropout_p > 0.0f ? keep_ : nullptr), words(words_) {}
+  __device__ __forceinline__ bool kept(int q, int k) const { return (keep[q * words + k / 32] >> (k % 32)) & 1u; }
+};
+
+// Both score steps with score modifiers, in one pass once Sᵀ and dPᵀ are in (each element needs
+// its Pᵀ twice, dropped for dV and undropped for dSᵀ: a pass per step kept one of them live across
+// the dPᵀ wait, 328 bytes of spills at hdim 64), each pair packed into the A fragments at once so
+// that its fp32 registers die. On every tile (the band test is per element): pa gets Pᵀ after
+// dropout, dsa dSᵀ = Pᵀ∘(dPᵀ_drop - D)∘(1 - tanh²) (softcap's derivative, 1 without). q0: the
+// tile's first query in the step (keep row).
+template <class T, int kSTiles>
+__device__ __forceinline__ void score_steps_mod_t(const float (&s)[1][kSTiles][4], const float (&dp)[1][kSTiles][4],
+                                                  std::uint32_t (&pa)[kSTiles / 2][4], std::uint32_t (&dsa)[kSTiles / 2][4],
+                                                  const float* lse, const float* dsum, const TileBand& tb, const BwdMods& m,
+                                                  int key_row, int q0, int lane) {
+#pragma unroll
+  for (int nt = 0; nt < kSTiles; ++nt) {
+    const float2 l = *reinterpret_cast<const float2*>(lse + 8 * nt + 2 * (lane & 3));
+    const float2 d = *reinterpret_cast<const float2*>(dsum + 8 * nt + 2 * (lane & 3));
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float pd[2], ds[2];
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int e = 2 * h + c, qi = 8 * nt + 2 * (lane & 3) + c, kj = key_row + 8 * h;
+        float dscore;
+        const float x = m.mod.log2_score(s[0][nt][e], dscore) + alibi_log2(m.slope_log2, tb.alibi_distance(qi, kj));
+        const float pr = tb.key_visible(qi, kj) ? fast_exp2(x - (c ? l.y : l.x)) : 0.0f;
+        float dpv = dp[0][nt][e];
+        pd[c] = pr;
+        if (m.keep != nullptr) {
+          const bool kept = m.kept(q0 + qi, kj);
+          pd[c] = kept ? pr * m.rescale : 0.0f;
+          dpv = kept ? dpv * m.rescale : 0.0f;
+        }
+        ds[c] = pr * (dpv - (c ? d.y : d.x)) * dscore;
+      }
+      pa[nt / 2][2 * (nt % 2) + h] = pack2<T>(pd[0], pd[1]);
+      dsa[nt / 2][2 * (nt % 2) + h] = pack2<T>(ds[0], ds[1]);
+    }
+  }
+}
+
+// Under dropout (kernel variant kMods), both consumers write the step's keep bits before its
+// products (with the accumulators in flight, the Philox registers spilled): the previous step's
+// reads are done, every consumer thread passed them before the dSᵀ barrier of that step.
+template <bool kMods, class Smem>
+__device__ __forceinline__ void keep_tile_step(const detail::BwdParams& p, const Smem& sm,
+                                               const BwdWork<Smem::kBlockM, Smem::kBlockN>& w, int head, int m0) {
+  if constexpr (kMods) {
+    if (p.dropout_p > 0.0f) {
+      dropout_keep_tile(p, head, w.si, m0, Smem::kBlockM, w.kb, Smem::kBlockN / 32, sm.keep, threadIdx.x - 128,
+                        128 * BwdTileSm90::consumers);
+      named_sync(kBarKeep, 128 * BwdTileSm90::consumers);
+    }
+  }
+}
+
+// The two score steps of a warpgroup's tile between its Sᵀ, dPᵀ products (two commit groups) and
+// the dV, dK products: Pᵀ and dSᵀ as A fragments, with or without the score modifiers.
+template <class T, bool kMods, int kSTiles, class Smem>
+__device__ __forceinline__ void score_steps_t(float (&s)[1][kSTiles][4], float (&dp)[1][kSTiles][4], std::uint32_t (&pa)[kSTiles / 2][4],
+                                              std::uint32_t (&dsa)[kSTiles / 2][4], const detail::BwdParams& p, const Smem& sm,
+                                              int stage, const BwdWork<Smem::kBlockM, Smem::kBlockN>& w, int head, int m0, int q0,
+                                              int key_row, int lane) {
+  constexpr int kQueries = kSTiles * 8;
+  const TileBand tb(w.band, m0 + q0, w.kb, kQueries, w.si.len_k - static_cast<int>(w.kb));
+  const float* lse = sm.lse(stage) + q0;
+  const float* dsum = sm.dsum(stage) + q0;
+  if constexpr (kMods) {
+    const BwdMods m(p, w.b, head, sm.keep, Smem::kBlockN / 32);
+    wgmma_wait<0>();
+    fence_regs(flat(s));
+    fence_regs(flat(dp));
+    score_steps_mod_t<T>(s, dp, pa, dsa, lse, dsum, tb, m, key_row, q0, lane);
+  } else {
+    const bool masked = w.band.tile_needs_mask(m0 + q0, m0 + q0 + kQueries, w.kb, w.kb + Smem::kBlockN, w.si.len_k);
+    wgmma_wait<1>();
+    fence_regs(flat(s));
+    probabilities_t(s, lse, masked, tb, key_row, lane, p.scale_log2);
+    wgmma_wait<0>();
+    fence_regs(flat(dp));
+    score_grads_t(dp, s, dsum, lane);
+    p_fragments<T>(pa, s);
+    p_fragments<T>(dsa, dp);
+  }
+}
+
 // A transposed score tile's A fragments (keys × kKSteps · 16 queries, 2-byte pairs) to a (kRows,
 // kBlockM) panel buffer at query column col0, where wgmma reads it (K-major as Pᵀ / dSᵀ, M-major
 // as P / dS). 32-bit stores: the swizzle spreads a warp's 8 rows over the banks.
@@ -442,7 +544,7 @@ __device__ __forceinline__ void score_products_t(float (&s)[kN], float (&dp)[kN]
 }
 
 // The consumers up to hdim 128: each owns 64 keys of the block's 128.
-template <class T, int kHeadDim>
+template <class T, int kHeadDim, bool kMods>
 __device__ __forceinline__ void bwd_consumer_key_split(const BwdKernelArgsSm90& args, const BwdSmem<T, kHeadDim>& sm, int consumer) {
   using Smem = BwdSmem<T, kHeadDim>;
   constexpr int kBlockM = Smem::kBlockM, kBlockN = Smem::kBlockN;
@@ -474,21 +576,13 @@ __device__ __forceinline__ void bwd_consumer_key_split(const BwdKernelArgsSm90& 
     const int step = it.step, stage = it.stage(), m0 = it.cur.m_block * kBlockM;
     const std::uint32_t q_addr = smem_addr(sm.q(stage)), do_addr = smem_addr(sm.dout(stage));
 
+    keep_tile_step<kMods>(p, sm, w, it.cur.head, m0);
     // Sᵀ (64 keys, kBlockM) = K Qᵀ and dPᵀ = V dOᵀ.
     float s[1][kSTiles][4], dp[1][kSTiles][4];
     score_products_t<T, kHeadDim, kBlockN, kBlockM>(flat(s), flat(dp), k_own, v_own, q_addr, do_addr);
 
-    const bool masked = w.band.tile_needs_mask(m0, m0 + kBlockM, w.kb, w.kb + kBlockN, w.si.len_k);
-    const TileBand tb(w.band, m0, w.kb, kBlockM, w.si.len_k - static_cast<int>(w.kb));
-    wgmma_wait<1>();
-    fence_regs(flat(s));
-    probabilities_t(s, sm.lse(stage), masked, tb, key_row, lane, p.scale_log2);
-    wgmma_wait<0>();
-    fence_regs(flat(dp));
-    score_grads_t(dp, s, sm.dsum(stage), lane);
     std::uint32_t pa[kSTiles / 2][4], dsa[kSTiles / 2][4];  // Pᵀ and dSᵀ as A fragments
-    p_fragments<T>(pa, s);
-    p_fragments<T>(dsa, dp);
+    score_steps_t<T, kMods>(s, dp, pa, dsa, p, sm, stage, w, it.cur.head, m0, 0, key_row, lane);
 
     // dSᵀ to shared memory for dQ. Two buffers, by step parity, so that no barrier is needed
     // before the write: the other warpgroup read buffer step % 2 in its dQ of step - 2, which it
@@ -545,7 +639,7 @@ __device__ __forceinline__ void bwd_consumer_key_split(const BwdKernelArgsSm90& 
 // the other's from shared memory. dQ (64 queries, its half of the columns) = dS K goes from
 // registers to the accumulator with vector reductions, in the fragment order of the key-split
 // consumers (DqSplit column halves), so that the convert kernel is the same.
-template <class T, int kHeadDim>
+template <class T, int kHeadDim, bool kMods>
 __device__ __forceinline__ void bwd_consumer_head_split(const BwdKernelArgsSm90& args, const BwdSmem<T, kHeadDim>& sm, int consumer) {
   using Smem = BwdSmem<T, kHeadDim>;
   constexpr int kBlockM = Smem::kBlockM, kBlockN = Smem::kBlockN;
@@ -575,22 +669,14 @@ __device__ __forceinline__ void bwd_consumer_head_split(const BwdKernelArgsSm90&
     const int step = it.step, stage = it.stage(), m0 = it.cur.m_block * kBlockM;
     const std::uint32_t q_addr = smem_addr(sm.q(stage)), do_addr = smem_addr(sm.dout(stage));
 
+    keep_tile_step<kMods>(p, sm, w, it.cur.head, m0);
     // Sᵀ (64 keys, its 32 queries) = K Qᵀ and dPᵀ = V dOᵀ (32 rows into a panel: whole swizzle atoms).
     float s[1][kSTiles][4], dp[1][kSTiles][4];
     score_products_t<T, kHeadDim, kBlockN, kBlockM>(flat(s), flat(dp), k_addr, v_addr, q_addr + q_own * kPanelRowBytes,
                                                     do_addr + q_own * kPanelRowBytes);
 
-    const bool masked = w.band.tile_needs_mask(m0 + q_own, m0 + q_own + kQ, w.kb, w.kb + kBlockN, w.si.len_k);
-    const TileBand tb(w.band, m0 + q_own, w.kb, kQ, w.si.len_k - static_cast<int>(w.kb));
-    wgmma_wait<1>();
-    fence_regs(flat(s));
-    probabilities_t(s, sm.lse(stage) + q_own, masked, tb, key_row, lane, p.scale_log2);
-    wgmma_wait<0>();
-    fence_regs(flat(dp));
-    score_grads_t(dp, s, sm.dsum(stage) + q_own, lane);
     std::uint32_t pa[kSTiles / 2][4], dsa[kSTiles / 2][4];
-    p_fragments<T>(pa, s);
-    p_fragments<T>(dsa, dp);
+    score_steps_t<T, kMods>(s, dp, pa, dsa, p, sm, stage, w, it.cur.head, m0, q_own, key_row, lane);
 
     // Its Pᵀ and dSᵀ columns to shared memory, two buffers each by step parity (the other
     // warpgroup read buffer step % 2 in step - 2 and waited for those reads before it arrived at
@@ -640,7 +726,9 @@ __device__ __forceinline__ void bwd_consumer_head_split(const BwdKernelArgsSm90&
 
 }  // namespace sm90
 
-template <class T, int kHeadDim>
+// kScoreMods: the variant with softcap, ALiBi and dropout (the common one carries none of their
+// registers).
+template <class T, int kHeadDim, bool kScoreMods>
 __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
     bwd_kernel_sm90(const __grid_constant__ BwdKernelArgsSm90 args) {
   using namespace sm90;
@@ -697,18 +785,17 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
         tma_load(sm.q(stage) + pn * kBlockM * kPanelCols, &args.tm_q, pn * kPanelCols, head, q_row, batch_coord, full);
         tma_load(sm.dout(stage) + pn * kBlockM * kPanelCols, &args.tm_do, pn * kPanelCols, head, q_row, batch_coord, full);
       }
-      const std::int64_t r = static_cast<std::int64_t>(head) * args.rows + prow0 + m0;
-      ::cuda::ptx::cp_async_bulk(::cuda::ptx::space_cluster, ::cuda::ptx::space_global, sm.lse(stage), args.lse + r,
-                                 kBlockM * sizeof(float), &full.word);
-      ::cuda::ptx::cp_async_bulk(::cuda::ptx::space_cluster, ::cuda::ptx::space_global, sm.dsum(stage), args.dsum + r,
-                                 kBlockM * sizeof(float), &full.word);
+      // lse and D by a tensor map too: racecheck reported the 1-D bulk copies (cp.async.bulk) into the
+      // stage against the consumers' reads before the q_empty arrival (10 hazards), which the
+      // tensor loads under the same barriers are not.
+      tma_load(sm.lse(stage), &args.tm_rows, static_cast<int>(prow0 + m0), head, 0, full);
     }
     return;
   }
 
   regs_alloc<kTile.consumer_regs>();
-  if constexpr (kTile.head_split) bwd_consumer_head_split<T, kHeadDim>(args, sm, warpgroup - 1);
-  else bwd_consumer_key_split<T, kHeadDim>(args, sm, warpgroup - 1);
+  if constexpr (kTile.head_split) bwd_consumer_head_split<T, kHeadDim, kScoreMods>(args, sm, warpgroup - 1);
+  else bwd_consumer_key_split<T, kHeadDim, kScoreMods>(args, sm, warpgroup - 1);
 }
 
 }  // namespace flashmonoid::cuda

@@ -41,8 +41,6 @@ void run_bwd_sm90(const detail::BwdParams& p, const BwdLaunch& launch) {
   if (p.seqlen_k > 0) {
     BwdKernelArgsSm90 args;
     args.p = p;
-    args.lse = lse;
-    args.dsum = dsum;
     args.dq_acc = dq_acc;
     args.dq_sem = dq_sem;
     args.rows = ws.rows;
@@ -54,9 +52,16 @@ void run_bwd_sm90(const detail::BwdParams& p, const BwdLaunch& launch) {
     args.tm_do = sm90::make_tensor_map(p.dout, p.d, p.h, q_rows, batch, p.do_stride, kTile.block_m);
     args.tm_k = sm90::make_tensor_map(p.k, p.d, p.h_k, k_rows, batch, p.k_stride, kTile.block_n);
     args.tm_v = sm90::make_tensor_map(p.v, p.d, p.h_k, k_rows, batch, p.v_stride, kTile.block_n);
-    auto* kernel = bwd_kernel_sm90<T, kHeadDim>;
+    if (ws.rows > 0x7fffffff) throw Error("q", "the sm90 backward takes at most 2^31 - 1 padded query rows");
+    args.tm_rows = sm90::make_row_terms_map(lse, (ws.dsum - ws.lse) / sizeof(float), p.h, ws.rows, kTile.block_m);
+    // Softcap, ALiBi and dropout are compiled into a second variant so the common one carries none
+    // of their registers (above hdim 64: bwd_sm90_eligible).
+    constexpr bool kModVariant = kHeadDim > 64;
+    const bool mods = kModVariant && p.score_mods();
+    auto* kernel = mods ? bwd_kernel_sm90<T, kHeadDim, kModVariant> : bwd_kernel_sm90<T, kHeadDim, false>;
     constexpr std::size_t kSmem = kTile.smem_bytes(kHeadDim);
-    allow_dynamic_smem<bwd_kernel_sm90<T, kHeadDim>>(kSmem, p.device.index);
+    if (mods) allow_dynamic_smem<bwd_kernel_sm90<T, kHeadDim, kModVariant>>(kSmem, p.device.index);
+    else allow_dynamic_smem<bwd_kernel_sm90<T, kHeadDim, false>>(kSmem, p.device.index);
     // One block per (key block, batch · KV head), key blocks fastest (BwdWork); under a causal mask
     // the first key blocks of a head, which see the most query blocks, start first.
     const std::int64_t blocks = static_cast<std::int64_t>((p.seqlen_k + kTile.block_n - 1) / kTile.block_n) * p.batch * p.h_k;

@@ -48,4 +48,19 @@ CUtensorMap make_tensor_map(const void* base, int d, int heads, std::int64_t row
   return map;
 }
 
+CUtensorMap make_row_terms_map(const float* lse, std::size_t dsum_offset, int heads, std::int64_t rows, int box_rows) {
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(heads), 2};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(rows) * sizeof(float), static_cast<cuuint64_t>(dsum_offset * sizeof(float))};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(box_rows), 1, 2};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  CUtensorMap map;
+  const CUresult r = encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, const_cast<float*>(lse), dims, strides, box, elem_strides,
+                               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw DeviceError("flashmonoid: cuTensorMapEncodeTiled failed (" + std::to_string(static_cast<int>(r)) +
+                      ") for the backward's row terms (" + std::to_string(rows) + " rows)");
+  return map;
+}
+
 }  // namespace flashmonoid::cuda::sm90

@@ -5,6 +5,7 @@
 
 #include <cuda.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "api/params.hpp"
@@ -17,5 +18,10 @@ namespace flashmonoid::cuda::sm90 {
 // of `rows` packed rows.
 CUtensorMap make_tensor_map(const void* base, int d, int heads, std::int64_t rows, int batch,
                             const detail::Strides& st, int box_rows);
+
+// The sm90 backward's per-row fp32 terms: lse (heads, rows) at `lse` and D (heads, rows)
+// `dsum_offset` floats after it, as a 3-d (rows, heads, 2) tensor read in boxes of (box_rows, 1, 2):
+// one load brings a query block's lse and then its D.
+CUtensorMap make_row_terms_map(const float* lse, std::size_t dsum_offset, int heads, std::int64_t rows, int box_rows);
 
 }  // namespace flashmonoid::cuda::sm90

@@ -32,10 +32,11 @@ struct BwdTileSm90 {
   // fp32 dQ staging tile (block_m, head dim) for the bulk reductions; none with head_split.
   constexpr int dq_stage_floats(int head_dim) const { return head_split ? 0 : block_m * head_dim; }
   // K, V, q_stages × (Q, dO), the score buffers in 2-byte elements; the dQ tile and q_stages ×
-  // (lse, D) rows in fp32; the barriers and the 1024-byte alignment of the panels.
+  // (lse, D) rows in fp32; the dropout keep bits of a step (block_m × block_n bits); the barriers
+  // (at most 64 bytes) and the 1024-byte alignment of the panels.
   constexpr std::size_t smem_bytes(int head_dim) const {
     return static_cast<std::size_t>(2 * block_n * head_dim + 2 * q_stages * block_m * head_dim + score_buffers() * block_n * block_m) * 2 +
-           static_cast<std::size_t>(dq_stage_floats(head_dim) + 2 * q_stages * block_m) * 4 + 2048;
+           static_cast<std::size_t>(dq_stage_floats(head_dim) + 2 * q_stages * block_m) * 4 + block_m * block_n / 8 + 1024 + 64;
   }
 };
 
