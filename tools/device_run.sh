@@ -10,8 +10,8 @@
 #   FM_BENCH   0 skips the benchmarks;  FM_PEERS 0 skips the PyTorch peers
 #   FM_ARCH    CUDA architectures to build (default 90: the H100; the library default is 80;90)
 #   FM_CPU     0 skips the CPU backend's suite (both ISAs) and cpu_vs_torch (FM_CPU_THREADS, default 16)
-#   FM_PYTHON  0 skips the Python package steps; FM_TRAIN_STEP 0 the training step, FM_PYBENCH 0 the
-#              python -m flashmonoid.bench plots
+#   FM_PYTHON  0 skips the Python package steps; FM_TRAIN_STEP 0 the training step, FM_MODS_BWD 0 the
+#              score-modifier backward timings, FM_PYBENCH 0 the python -m flashmonoid.bench plots
 #   FM_SANITIZE 0 skips compute-sanitizer; FM_SANITIZE_FWD / _SYNC / _BWD / _KV: gtest filters
 #              (FM_SANITIZE_BWD=none, FM_SANITIZE_KV=none skip those binaries)
 set -uo pipefail
@@ -97,9 +97,10 @@ step "compute-sanitizer (memcheck, racecheck, synccheck) on small cases"
 # score modifiers, varlen (case21). Backward (both families): odd seqlens and varlen, the boundary paths.
 SAN_FWD=${FM_SANITIZE_FWD:-'Grid/CudaForward.*/sm80_case0:Grid/CudaForward.*/sm80_case1:Grid/CudaForward.*/sm80_case3:Grid/CudaForward.*/sm80_case25:Decode/CudaSplitKV.*/case0:CudaDropout.*:CudaMerge.*:Hopper/CudaForward.*/sm90_case0:Hopper/CudaForward.*/sm90_case1:Hopper/CudaForward.*/sm90_case8:Hopper/CudaForward.*/sm90_case9:Hopper/CudaForward.*/sm90_case13:Grid/CudaForward.*/sm90_case21'}
 SAN_SYNC=${FM_SANITIZE_SYNC:-'Hopper/CudaForward.*/sm90_case0:Hopper/CudaForward.*/sm90_case7:Grid/CudaForward.*/sm90_case21'}
-SAN_BWD=${FM_SANITIZE_BWD:-'Path/CudaBackward.SeqlensBothWays/*:Path/CudaBackward.Varlen/*'}
+# sm90 backward: GqaMqa/sm90 has the hdim-256 (head-split) kernel, Dropout/sm90 the modifier variant.
+SAN_BWD=${FM_SANITIZE_BWD:-'Path/CudaBackward.SeqlensBothWays/*:Path/CudaBackward.Varlen/*:Path/CudaBackward.GqaMqa/sm90:Path/CudaBackward.Dropout/sm90'}
 # synccheck of the backward: the sm90 kernel's named barriers and mbarriers.
-SAN_BWD_SYNC=${FM_SANITIZE_BWD_SYNC:-'Path/CudaBackward.SeqlensBothWays/sm90:Path/CudaBackward.CausalAndWindows/sm90'}
+SAN_BWD_SYNC=${FM_SANITIZE_BWD_SYNC:-'Path/CudaBackward.SeqlensBothWays/sm90:Path/CudaBackward.CausalAndWindows/sm90:Path/CudaBackward.GqaMqa/sm90:Path/CudaBackward.Dropout/sm90'}
 # KV cache: out-of-range seqlens / pages / batch indices (clamped, never dereferenced) and pages.
 SAN_KV=${FM_SANITIZE_KV:-'KvCacheCuda.DeviceOnlyValuesOutOfRangeAreClamped:KvCacheCuda.Layouts'}
 for tool in memcheck racecheck synccheck; do
@@ -146,6 +147,12 @@ if [ "${FM_PYTHON:-1}" != 0 ]; then
     (cd /tmp && PYTHONUNBUFFERED=1 timeout 150 python3 "$repo/bench/train_step.py" "$OUT/train_step.json") \
       >"$LOG/train_step.log" 2>&1 || status=1
     tail -12 "$LOG/train_step.log"
+  fi
+  # The backward with softcap / ALiBi / dropout: sm90 against the forced sm80 kernels.
+  if [ "${FM_MODS_BWD:-1}" != 0 ]; then
+    (cd /tmp && PYTHONUNBUFFERED=1 timeout 150 python3 "$repo/bench/mods_bwd.py" "$OUT/mods_bwd.json") \
+      >"$LOG/mods_bwd.log" 2>&1 || status=1
+    tail -12 "$LOG/mods_bwd.log"
   fi
   if [ "${FM_PYBENCH:-1}" != 0 ]; then
     (cd /tmp && PYTHONUNBUFFERED=1 timeout ${FM_PYBENCH_TIMEOUT:-240} python3 -m flashmonoid.bench \
