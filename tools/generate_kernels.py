@@ -12,7 +12,7 @@ HEAD_DIMS = [64, 128, 256]
 KERNELS = {
     ("fwd", "sm80"): ("sm80/launch_fwd_sm80.cuh", "run_fwd_sm80", "(const detail::FwdParams&, const FwdLaunch&)", HEAD_DIMS),
     ("bwd", "sm80"): ("sm80/launch_bwd_sm80.cuh", "run_bwd_sm80", "(const detail::BwdParams&, const BwdLaunch&)", HEAD_DIMS),
-    ("fwd", "sm90"): ("sm90/launch_fwd_sm90.cuh", "run_fwd_sm90", "(const detail::FwdParams&, cudaStream_t)", HEAD_DIMS),
+    ("fwd", "sm90"): ("sm90/launch_fwd_sm90.cuh", "run_fwd_sm90", "(const detail::FwdParams&, const FwdLaunchSm90&)", HEAD_DIMS),
     ("bwd", "sm90"): ("sm90/launch_bwd_sm90.cuh", "run_bwd_sm90", "(const detail::BwdParams&, const BwdLaunch&)", HEAD_DIMS),
 }
 

@@ -162,11 +162,14 @@ std::vector<std::int64_t> parse_list(const char* s) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: %s OUT.json [--seqlens 131072,262144] [--heads 32] [--hdim 128] [--reps 3] [--causal 1,0]\n", argv[0]);
+    std::fprintf(stderr,
+                 "usage: %s OUT.json [--seqlens 131072,262144] [--heads 32] [--hdim 128] [--reps 3] [--causal 1,0] "
+                 "[--sm-margin 0]\n",
+                 argv[0]);
     return 1;
   }
   std::vector<std::int64_t> seqlens{131072, 262144}, causals{1, 0};
-  int heads = 32, hdim = 128, reps = 3;
+  int heads = 32, hdim = 128, reps = 3, sm_margin = 0;
   for (int i = 2; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--seqlens") seqlens = parse_list(argv[i + 1]);
@@ -174,6 +177,7 @@ int main(int argc, char** argv) {
     else if (a == "--hdim") hdim = std::atoi(argv[i + 1]);
     else if (a == "--reps") reps = std::atoi(argv[i + 1]);
     else if (a == "--causal") causals = parse_list(argv[i + 1]);
+    else if (a == "--sm-margin") sm_margin = std::atoi(argv[i + 1]);  // the ring's forwards leave SMs to NCCL
   }
   const fmdist::Comm c = fmdist::init_comm();
   cudaDeviceProp prop;
@@ -246,6 +250,7 @@ int main(int argc, char** argv) {
         fm::Context rctx = ctx;
         rctx.workspace = b.get(wb);
         rctx.workspace_bytes = wb;
+        rctx.sm_margin = sm_margin;
         const std::size_t mem = b.bytes;
         float t[2], quiet[2];
         t[0] = median_ms(s, reps, [&] { ring.forward(q, k, v, o, l, opt, rctx); });
@@ -265,7 +270,7 @@ int main(int argc, char** argv) {
           const float ms = max_over_ranks(t[p], c, s), q_ms = max_over_ranks(quiet[p], c, s);
           record("flashmonoid_ring", p ? "fwd_bwd" : "fwd", S, causal, ms, single[p], std::max(0.0f, ms - q_ms), mem,
                  ", \"ms_without_comm\": " + std::to_string(q_ms) + ", \"layout\": \"" +
-                     (causal ? "zigzag" : "contiguous") + "\"");
+                     (causal ? "zigzag" : "contiguous") + "\", \"sm_margin\": " + std::to_string(sm_margin));
         }
       }
 

@@ -85,6 +85,10 @@ struct Context {
   CudaPath cuda_path = CudaPath::automatic;
   CpuIsa cpu_isa = CpuIsa::best;
   int num_threads = 0;                       // CPU threads; 0 = OpenMP default
+  // Multiprocessors the persistent kernels (the sm90 forward: one block per SM for the whole call)
+  // leave free for kernels running beside them, such as communication overlapped with attention
+  // (FlashAttention-3's sm_margin). 0 = use every SM; at least one SM is always used.
+  int sm_margin = 0;
 };
 
 }  // namespace flashmonoid

@@ -1,4 +1,5 @@
 // Routes validated calls to a backend: the CPU (reference or flash) or CUDA.
+#include <string>
 #include <vector>
 
 #include "api/kvcache_params.hpp"
@@ -31,6 +32,8 @@ void require_supported(const FwdParams& p) {
 }
 
 void run_forward(const FwdParams& p, const Context& ctx) {
+  if (ctx.sm_margin < 0)
+    throw Error("ctx.sm_margin", "must be >= 0 (multiprocessors left free), got " + std::to_string(ctx.sm_margin));
   require_supported(p);
   if (p.device.kind == DeviceKind::cpu) {
     if (ctx.cpu_algorithm == CpuAlgorithm::reference)

@@ -116,11 +116,11 @@ constexpr bool kBuiltSm90 = false;
 #endif
 
 template <class T>
-void run_fwd_hopper(const detail::FwdParams& p, cudaStream_t stream) {
+void run_fwd_hopper(const detail::FwdParams& p, const FwdLaunchSm90& launch) {
 #ifdef FLASHMONOID_WITH_SM90
-  with_head_dim(p.d, [&](auto hd) { run_fwd_sm90<T, decltype(hd)::value>(p, stream); });
+  with_head_dim(p.d, [&](auto hd) { run_fwd_sm90<T, decltype(hd)::value>(p, launch); });
 #else
-  (void)p, (void)stream;
+  (void)p, (void)launch;
 #endif
 }
 
@@ -333,7 +333,8 @@ std::size_t backward_workspace_size(const detail::BwdParams& p) {
 void forward(const detail::FwdParams& p, const Context& ctx) {
   DeviceGuard guard(p.device.index);
   if (forward_path(p, ctx) == KernelArch::sm90) {
-    with_dtype(p.dtype, [&](auto t) { run_fwd_hopper<decltype(t)>(p, static_cast<cudaStream_t>(ctx.stream)); });
+    const FwdLaunchSm90 launch{static_cast<cudaStream_t>(ctx.stream), ctx.sm_margin};
+    with_dtype(p.dtype, [&](auto t) { run_fwd_hopper<decltype(t)>(p, launch); });
     return;
   }
   FwdLaunch launch;

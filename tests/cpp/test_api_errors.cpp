@@ -156,6 +156,20 @@ TEST(ApiErrors, Options) {
   expect_error([&] { c.run(); }, "options.alibi_slopes", "must be (h) = (4) or (b, h) = (2, 4)");
 }
 
+TEST(ApiErrors, ContextSmMargin) {
+  Call c;
+  flashmonoid::Context ctx;
+  ctx.sm_margin = -1;
+  expect_error([&] { flashmonoid::forward(c.pb.q.view, c.pb.k.view, c.pb.v.view, c.out.view, c.lse.view, c.pb.opt, ctx); },
+               "ctx.sm_margin", "must be >= 0");
+  ctx.sm_margin = 4;  // a margin is a CUDA scheduling hint: the CPU runs the call unchanged
+  flashmonoid::forward(c.pb.q.view, c.pb.k.view, c.pb.v.view, c.out.view, c.lse.view, c.pb.opt, ctx);
+  const HostTensor ref_out = c.pb.new_out(), ref_lse = c.pb.new_lse();
+  flashmonoid::forward(c.pb.q.view, c.pb.k.view, c.pb.v.view, ref_out.view, ref_lse.view, c.pb.opt);
+  EXPECT_EQ(c.out.buf, ref_out.buf);
+  EXPECT_EQ(c.lse.buf, ref_lse.buf);
+}
+
 TEST(ApiErrors, OutputAliasingInput) {
   Call c;
   TensorView o = c.out.view;

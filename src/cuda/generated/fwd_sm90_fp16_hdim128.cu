@@ -2,5 +2,5 @@
 #include "sm90/launch_fwd_sm90.cuh"
 
 namespace flashmonoid::cuda {
-template void run_fwd_sm90<__half, 128>(const detail::FwdParams&, cudaStream_t);
+template void run_fwd_sm90<__half, 128>(const detail::FwdParams&, const FwdLaunchSm90&);
 }  // namespace flashmonoid::cuda

@@ -21,9 +21,16 @@ inline bool fwd_sm90_eligible(const detail::FwdParams& p) {
   return p.seqlen_q >= kFwdSm90MinRows && !(p.d > 128 && p.score_mods()) && !cache;
 }
 
-// Queue the forward on `stream` (never synchronises, never allocates). T is __half or
+// How a forward is queued: its stream, and how many multiprocessors the persistent grid leaves free
+// (Context::sm_margin).
+struct FwdLaunchSm90 {
+  cudaStream_t stream = nullptr;
+  int sm_margin = 0;
+};
+
+// Queue the forward on launch.stream (never synchronises, never allocates). T is __half or
 // __nv_bfloat16; kHeadDim is the head-dim bucket (64, 128, 256) that p.d <= kHeadDim pads to.
 template <class T, int kHeadDim>
-void run_fwd_sm90(const detail::FwdParams& p, cudaStream_t stream);
+void run_fwd_sm90(const detail::FwdParams& p, const FwdLaunchSm90& launch);
 
 }  // namespace flashmonoid::cuda

@@ -14,7 +14,7 @@
 namespace flashmonoid::cuda {
 
 template <class T, int kHeadDim, bool kScoreMods>
-void launch_fwd_sm90(const detail::FwdParams& p, cudaStream_t stream) {
+void launch_fwd_sm90(const detail::FwdParams& p, const FwdLaunchSm90& launch) {
   constexpr FwdTileSm90 kTile = fwd_tile_sm90(kHeadDim, kScoreMods);
   FwdKernelArgsSm90 args;
   args.p = p;
@@ -30,25 +30,27 @@ void launch_fwd_sm90(const detail::FwdParams& p, cudaStream_t stream) {
   auto* kernel = fwd_kernel_sm90<T, kHeadDim, kScoreMods>;
   constexpr std::size_t kSmem = kTile.smem_bytes(kHeadDim);
   allow_dynamic_smem<fwd_kernel_sm90<T, kHeadDim, kScoreMods>>(kSmem, p.device.index);
-  // Persistent: one block per multiprocessor (the shared memory admits no second one).
+  // Persistent: one block per multiprocessor (the shared memory admits no second one), less the
+  // caller's margin.
   const int num_sms = device_props(p.device.index).num_sms;
+  const int blocks_max = launch.sm_margin < num_sms ? num_sms - launch.sm_margin : 1;
   const int num_m_blocks = (p.seqlen_q + kTile.block_m() - 1) / kTile.block_m();
   args.work = WorkTiles{num_m_blocks, p.h, p.batch, p.window_right >= 0};
   const int units = args.work.units();
   if (units == 0) return;
-  kernel<<<units < num_sms ? units : num_sms, kTile.threads(), kSmem, stream>>>(args);
+  kernel<<<units < blocks_max ? units : blocks_max, kTile.threads(), kSmem, launch.stream>>>(args);
   FM_CUDA_CHECK_LAUNCH();
 }
 
 // Softcap, ALiBi and dropout are compiled into a second variant so the common path carries none of
 // their registers.
 template <class T, int kHeadDim>
-void run_fwd_sm90(const detail::FwdParams& p, cudaStream_t stream) {
+void run_fwd_sm90(const detail::FwdParams& p, const FwdLaunchSm90& launch) {
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head-dim buckets are 64, 128, 256");
   if constexpr (kHeadDim <= 128) {
-    if (p.score_mods()) return launch_fwd_sm90<T, kHeadDim, true>(p, stream);
+    if (p.score_mods()) return launch_fwd_sm90<T, kHeadDim, true>(p, launch);
   }
-  launch_fwd_sm90<T, kHeadDim, false>(p, stream);  // hdim 256 with modifiers runs on sm80 (fwd_sm90_eligible)
+  launch_fwd_sm90<T, kHeadDim, false>(p, launch);  // hdim 256 with modifiers runs on sm80 (fwd_sm90_eligible)
 }
 
 }  // namespace flashmonoid::cuda
