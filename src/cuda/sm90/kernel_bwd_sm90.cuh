@@ -65,11 +65,13 @@ struct DqSplit {
   static constexpr int kFloats = 64 * kCols;  // one consumer's part
   __host__ __device__ static constexpr int row0(int w) { return kByRows ? 64 * w : 0; }
   __host__ __device__ static constexpr int col0(int w) { return kByRows ? 0 : kCols * w; }
+  // The accumulator block in fragment order: consumer w's part is kCols / 8 float4 per thread,
+  // float4 j of thread t at this index (so that 128 threads' stores are contiguous).
+  __host__ __device__ static constexpr int float4_index(int w, int j, int t) { return (w * (kCols / 8) + j) * 128 + t; }
 };
 
-// Where element (row r, column c) of a (kBlockM, kHeadDim) dQ tile sits in its accumulator block:
-// consumer w's part is kCols / 8 float4 per thread, float4 j of thread t at (w·kCols / 8 + j)·128
-// + t, so that the staging stores are conflict-free. Within a part (local row lr, column lc) the
+// Where element (row r, column c) of a (kBlockM, kHeadDim) dQ tile sits in its accumulator block
+// (DqSplit::float4_index: the staging stores are conflict-free). Within a part (local row lr, column lc) the
 // wgmma accumulator layout: warp lr/16, lane 4·(lr%8) + (lc%8)/2, element (lc&1) + 2·((lr/8)&1)
 // of column tile lc/8.
 template <int kBlockM, int kHeadDim>
@@ -79,7 +81,7 @@ __host__ __device__ __forceinline__ int dq_fragment_index(int r, int c) {
   const int lr = r % 64, lc = c - Split::col0(w);
   const int t = (lr / 16) * 32 + (lr % 8) * 4 + (lc % 8) / 2;
   const int e = (lc & 1) + 2 * ((lr / 8) & 1);
-  return ((w * (Split::kCols / 8) + lc / 8) * 128 + t) * 4 + e;
+  return Split::float4_index(w, lc / 8, t) * 4 + e;
 }
 
 // The row kernels' thread: kHeadDim / 8 lanes (8 columns each) per (query row i, head, batch b),
@@ -507,7 +509,8 @@ __device__ __forceinline__ void release_stage(Barrier& empty, int lane) {
 // The consumers' walk over a block's steps, as a loop header:
 //   for (ConsumerSteps it(sm, w); it.wait_next(); it.release(lane)) { ... }
 // waits for each step's Q/dO stage and hands it back after the body (which has waited for its
-// wgmmas). (A lambda body made ptxas spill at hdim 64.)
+// wgmmas). (A lambda body made ptxas spill at hdim 64; so did the step's prologue, keep bits +
+// products + score steps, as a member shared by both mainloops: 60 bytes. It stays in each.)
 template <class Smem, class Work>
 struct ConsumerSteps {
   const Smem& sm;
@@ -715,7 +718,7 @@ __device__ __forceinline__ void bwd_consumer_head_split(const BwdKernelArgsSm90&
     float* dq_g = args.dq_acc + (static_cast<std::int64_t>(it.cur.head) * args.rows + prow0 + m0) * kHeadDim;
 #pragma unroll
     for (int j = 0; j < kDTiles; ++j)
-      red_add_v4(dq_g + ((consumer * kDTiles + j) * 128 + tid) * 4, dq[0][j][0], dq[0][j][1], dq[0][j][2], dq[0][j][3]);
+      red_add_v4(dq_g + Split::float4_index(consumer, j, tid) * 4, dq[0][j][0], dq[0][j][1], dq[0][j][2], dq[0][j][3]);
 
     wgmma_wait<0>();
     fence_regs(flat(dv));
