@@ -164,14 +164,12 @@ void pack_tile(const BwdParams& p, const BlockGrid& qgrid, PackedQ& pq, std::int
   const std::int64_t r0 = si.q_row0 + i0;
   const int d = p.d, dp = pq.dp;
   // Row-major staging first, (kBlockM, dp) and (d, kBlockM), then the panels.
-  std::vector<float> q(static_cast<std::size_t>(kBlockM) * dp), q_log2(q.size()), dout(q.size()), qt(q.size()),
-      dot(q.size());
+  std::vector<float> q(static_cast<std::size_t>(kBlockM) * dp), dout(q.size()), qt(q.size()), dot(q.size());
   tiles::load_tile(p.q, p.dtype, p.q_stride, b, r0, hq, m, kBlockM, d, dp, p.scale, q.data());
-  tiles::load_tile(p.q, p.dtype, p.q_stride, b, r0, hq, m, kBlockM, d, dp, p.scale_log2, q_log2.data());
   tiles::load_tile(p.dout, p.dtype, p.do_stride, b, r0, hq, m, kBlockM, d, dp, 1.0f, dout.data());
   for (int c = 0; c < d; ++c)
     for (int r = 0; r < kBlockM; ++r) {
-      qt[c * kBlockM + r] = q_log2[r * dp + c];
+      qt[c * kBlockM + r] = q[r * dp + c];
       dot[c * kBlockM + r] = dout[r * dp + c];
     }
   tiles::to_panels(q.data(), kBlockM, dp, dp, pq.panel, pq.q.data() + t * kBlockM * pq.vp);
@@ -183,7 +181,7 @@ void pack_tile(const BwdParams& p, const BlockGrid& qgrid, PackedQ& pq, std::int
   for (int r = 0; r < kBlockM; ++r) {
     if (r < m) {
       const std::int64_t idx = lse_index(p, b, hq, si, i0 + r);
-      lse[r] = p.lse[idx] == -INFINITY ? INFINITY : p.lse[idx] * tiles::Log2Scores::kLog2e;
+      lse[r] = p.lse[idx] == -INFINITY ? INFINITY : p.lse[idx] * tiles::kLog2e;
       tiles::load_row(p.out, p.dtype, offset_of(p.o_stride, b, r0 + r, hq), d, 1.0f, o);
       double acc = 0.0;
       for (int c = 0; c < d; ++c) acc += static_cast<double>(o[c]) * dout[r * dp + c];
@@ -196,19 +194,18 @@ void pack_tile(const BwdParams& p, const BlockGrid& qgrid, PackedQ& pq, std::int
 }
 
 // The gradient of one row of a score tile. Element c is query i, key j = ij(c). On entry s[c] is
-// scale·log2(e)·q·k (log2 units, tiles::Log2Scores) and dp[c] = dO·v; lse[c], dsum[c] are the packed statistics of element c's query row
+// scale·q·k (natural units, tiles::kLog2e) and dp[c] = dO·v; lse[c] (log2 units), dsum[c] are the packed statistics of element c's query row
 // (lse already +inf where the row saw no key); z[c] is keep/(1-p) (0 if dropped) under dropout,
 // z = nullptr without. On return
 //   s[c]  = P·Z                 (Z = z[c], or 1 without dropout): the dV operand
 //   dp[c] = P∘(dP·Z − D) · (1 − tanh²)   (softcap chain rule): the dK / dQ operand (dS).
 // cnt is the number of valid elements; s, dp, th and z have room for round_up(cnt, 8).
 template <class IJ>
-void score_grads(const BwdParams& p, const Kernels& kn, const Band& band, float slope_log2, bool needs_mask, int cnt,
+void score_grads(const BwdParams& p, const Kernels& kn, const Band& band, float slope, bool needs_mask, int cnt,
                  IJ ij, const float* lse, const float* dsum, const float* z, float* s, float* dp, float* th) {
   const bool softcap = p.softcap > 0.0f;
   if (softcap) {
-    const tiles::Log2Scores u(p.softcap);
-    const __m256 inv = _mm256_set1_ps(u.inv_cap), cap = _mm256_set1_ps(u.cap);
+    const __m256 inv = _mm256_set1_ps(1.0f / p.softcap), cap = _mm256_set1_ps(p.softcap);
     for (int c = 0; c < cnt; c += kLanes) {
       const __m256 t = tiles::tanh8(_mm256_mul_ps(_mm256_loadu_ps(s + c), inv));
       _mm256_storeu_ps(th + c, t);
@@ -218,7 +215,7 @@ void score_grads(const BwdParams& p, const Kernels& kn, const Band& band, float 
   if (p.alibi != nullptr)
     for (int c = 0; c < cnt; ++c) {
       auto [i, j] = ij(c);
-      s[c] += detail::alibi_bias(slope_log2, i, j, band.diag);
+      s[c] += detail::alibi_bias(slope, i, j, band.diag);
     }
   if (needs_mask)
     for (int c = 0; c < cnt; ++c) {
@@ -287,7 +284,7 @@ void key_chunk(const BwdParams& p, const Kernels& kn, const PackedKV& kv, const 
     std::fill(ws.dk.begin(), ws.dk.end(), 0.0f);
     std::fill(ws.dv.begin(), ws.dv.end(), 0.0f);
     for (int hq = hk * p.group(); hq < (hk + 1) * p.group(); ++hq) {
-      const float slope_log2 = tiles::Log2Scores::slope(detail::alibi_slope(p, b, hq));
+      const float slope = detail::alibi_slope(p, b, hq);
       for (std::int64_t i0 = 0; i0 < si.len_q; i0 += kBlockM) {
         const int m = static_cast<int>(std::min<std::int64_t>(kBlockM, si.len_q - i0));
         const std::int64_t qtile = (qgrid.first[b] + i0 / kBlockM) * p.h + hq;
@@ -310,7 +307,7 @@ void key_chunk(const BwdParams& p, const Kernels& kn, const PackedKV& kv, const 
           for (int r = 0; r < n; ++r) {
             const std::int64_t j = j0 + r;
             auto ij = [i0, j](int c) { return std::pair<std::int64_t, std::int64_t>{i0 + c, j}; };
-            score_grads(p, kn, band, slope_log2, needs_mask, m, ij, pq.lse_tile(qtile), pq.dsum_tile(qtile),
+            score_grads(p, kn, band, slope, needs_mask, m, ij, pq.lse_tile(qtile), pq.dsum_tile(qtile),
                         p.dropout_p > 0.0f ? ws.zt.data() + r * kBlockM : nullptr, ws.st.data() + r * kBlockM,
                         ws.dpt.data() + r * kBlockM, ws.th.data() + r * kBlockM);
           }

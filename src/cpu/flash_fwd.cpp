@@ -138,17 +138,17 @@ struct Workspace {
         alpha(kBlockM) {}
 };
 
-// Score transforms in the order detail/mask.hpp defines them, in log2 units (tiles::Log2Scores;
-// slope_log2 = ALiBi's slope·log2(e)), on row i (in the sequence) of the tile, keys j0 .. j0 + n;
-// columns [n, kBlockN) become -inf.
-void transform_row(const FwdParams& p, const detail::Band& band, float slope_log2, bool needs_mask, std::int64_t i,
+// Score transforms in the order detail/mask.hpp defines them, in natural units (tiles::kLog2e
+// says why), on row i (in the sequence) of the tile, keys j0 .. j0 + n; columns [n, kBlockN)
+// become -inf.
+void transform_row(const FwdParams& p, const detail::Band& band, float slope, bool needs_mask, std::int64_t i,
                    std::int64_t j0, int n, float* s) {
   if (p.softcap > 0.0f) {
-    const tiles::Log2Scores u(p.softcap);
-    for (int c = 0; c < n; ++c) s[c] = u.cap * std::tanh(s[c] * u.inv_cap);
+    const float inv = 1.0f / p.softcap;
+    for (int c = 0; c < n; ++c) s[c] = p.softcap * std::tanh(s[c] * inv);
   }
   if (p.alibi != nullptr)
-    for (int c = 0; c < n; ++c) s[c] += detail::alibi_bias(slope_log2, i, j0 + c, band.diag);
+    for (int c = 0; c < n; ++c) s[c] += detail::alibi_bias(slope, i, j0 + c, band.diag);
   if (needs_mask)
     for (int c = 0; c < n; ++c)
       if (!band.visible(i, j0 + c)) s[c] = -INFINITY;
@@ -192,9 +192,9 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
   const int d = ws.d, dp = ws.dp;
   const std::int64_t i0 = static_cast<std::int64_t>(it.qb) * kBlockM;
   const int m = static_cast<int>(std::min<std::int64_t>(kBlockM, si.len_q - i0));
-  const float slope_log2 = tiles::Log2Scores::slope(detail::alibi_slope(p, it.b, it.hq));
+  const float slope = detail::alibi_slope(p, it.b, it.hq);
 
-  tiles::load_tile(p.q, p.dtype, p.q_stride, it.b, si.q_row0 + i0, it.hq, m, m, d, d, p.scale_log2, ws.q.data());
+  tiles::load_tile(p.q, p.dtype, p.q_stride, it.b, si.q_row0 + i0, it.hq, m, m, d, d, p.scale, ws.q.data());
   std::fill(ws.o.begin(), ws.o.end(), 0.0f);
   std::fill(ws.state.begin(), ws.state.end(), RowState{});
 
@@ -205,7 +205,7 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
     const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, si.len_k - j0));
     const std::int64_t tile = kv.tile(it.b, j0 / kBlockN, hk, p.h_k);
 
-    // S (m, kBlockN) = (scale·log2(e) · Q) (m, d) · Kᵀ (d, kBlockN): scores in log2 units
+    // S (m, kBlockN) = (scale · Q) (m, d) · Kᵀ (d, kBlockN): scores in natural units
     tiles::gemm_panels(kn.gemm, m, kBlockN, d, ws.q.data(), d, kv.kt_tile(tile), d, kv.panel, ws.s.data(), kBlockN);
 
     const bool needs_mask = band.tile_needs_mask(i0, i0 + m, j0, j0 + n, si.len_k);
@@ -218,18 +218,18 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
       const std::int64_t i = i0 + r;
       tiles::prefetch_l2(kv.v_tile(tile), v_bytes, r, m);
       if (next) tiles::prefetch_l2(kv.kt_tile(tile + p.h_k), kt_bytes, r, m);
-      transform_row(p, band, slope_log2, needs_mask, i, j0, n, s);
+      transform_row(p, band, slope, needs_mask, i, j0, n, s);
       // The tile's partial state is expressed against m_new >= the running state's m, so that
       // merging it is just the rescale of the running state (its own factor is 2^0 = 1): m_new is
       // the tile's max only where that exceeds the running m by more than kLazyRescale, else the
       // running m itself (its factor 1, so O is not rescaled).
-      const float tile_max = kn.row_max(s, kBlockN);
+      const float tile_max = kn.row_max(s, kBlockN) * tiles::kLog2e;  // log2 units, as the state's m
       const float m_new = tile_max > ws.state[r].m + kLazyRescale ? tile_max : ws.state[r].m;
       float sum = 0.0f;
       if (m_new == -INFINITY)
         std::fill(s, s + kBlockN, 0.0f);  // every key so far masked: nothing to add
       else
-        sum = kn.exp2_sub_sum(s, kBlockN, m_new);
+        sum = kn.exp2_sub_sum(s, kBlockN, tiles::kLog2e, m_new);
       float fa, fb;
       ws.state[r] = detail::merge(ws.state[r], RowState{m_new, sum}, &fa, &fb);
       ws.alpha[r] = fa;

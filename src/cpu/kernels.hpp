@@ -26,15 +26,16 @@ struct Kernels {
   GemmFn gemm, gemm_acc, gemm_at, gemm_at_acc;
   // max of x[0, n); n a multiple of 8.
   float (*row_max)(const float* x, int n);
-  // x[c] = 2^(x[c] - sub) for c < n (simd::exp2, x[c] <= sub + 8, n a multiple of 8); returns their
-  // sum. Scores in log2 units (detail/monoid.hpp).
-  float (*exp2_sub_sum)(float* x, int n, float sub);
+  // x[c] = 2^(x[c]·mul - sub) for c < n (one FMA, then simd::exp2; x[c]·mul <= sub + 8, n a
+  // multiple of 8); returns their sum. mul = log2(e) takes natural-unit scores to the log2 units of
+  // the softmax state (detail/monoid.hpp) without rounding the product.
+  float (*exp2_sub_sum)(float* x, int n, float mul, float sub);
   // x[c] *= a for c < n, n a multiple of 8.
   void (*scale_row)(float* x, int n, float a);
   // The backward's score gradients over n elements (a multiple of 8), element c:
-  //   P = 2^(s[c] - lse[c]);  s[c] <- P·z[c];  dp[c] <- P·(dp[c]·z[c] - dsum[c]) · (1 - th[c]²)
-  // with the score s[c] and lse[c] in log2 units (simd::exp2); z = nullptr means z[c] = 1 (no
-  // dropout) and th = nullptr drops the softcap factor.
+  //   P = 2^(s[c]·log2(e) - lse[c]);  s[c] <- P·z[c];  dp[c] <- P·(dp[c]·z[c] - dsum[c]) · (1 - th[c]²)
+  // with the score s[c] in natural units and lse[c] in log2 units (one FMA, then simd::exp2);
+  // z = nullptr means z[c] = 1 (no dropout) and th = nullptr drops the softcap factor.
   void (*softmax_grad)(int n, const float* lse, const float* dsum, const float* z, const float* th, float* s,
                        float* dp);
   // Columns of B one register block of the products holds (16 for AVX2, 32 for AVX-512): callers

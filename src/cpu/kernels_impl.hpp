@@ -105,17 +105,17 @@ float row_max(const float* x, int n) {
 }
 
 template <class V>
-float exp2_sub_sum(float* x, int n, float sub) {
+float exp2_sub_sum(float* x, int n, float mul, float sub) {
   V s{};
   int c = 0;
   for (; c + simd::lanes<V> <= n; c += simd::lanes<V>) {
-    const V e = simd::exp2(simd::loadu<V>(x + c) - sub);
+    const V e = simd::exp2(simd::loadu<V>(x + c) * mul - sub);  // contracted to one FMA (-ffp-contract=fast)
     simd::storeu(x + c, e);
     s += e;
   }
   float r = simd::reduce_sum(s);
   if (c < n) {
-    const f32x8 e = simd::exp2(simd::loadu<f32x8>(x + c) - sub);
+    const f32x8 e = simd::exp2(simd::loadu<f32x8>(x + c) * mul - sub);
     simd::storeu(x + c, e);
     r += simd::reduce_sum(e);
   }
@@ -132,7 +132,7 @@ void scale_row(float* x, int n, float a) {
 template <class V>
 inline void softmax_grad_at(int c, const float* lse, const float* dsum, const float* z, const float* th, float* s,
                             float* dp) {
-  const V prob = simd::exp2(simd::loadu<V>(s + c) - simd::loadu<V>(lse + c));
+  const V prob = simd::exp2(simd::loadu<V>(s + c) * simd::kLog2e - simd::loadu<V>(lse + c));  // one FMA
   const V dsum_v = simd::loadu<V>(dsum + c), dp_v = simd::loadu<V>(dp + c);
   V ds;
   if (z != nullptr) {

@@ -20,6 +20,9 @@ typedef float f32x16 __attribute__((vector_size(64)));
 template <class V>
 constexpr int lanes = static_cast<int>(sizeof(V) / sizeof(float));
 
+// log2(e): natural-unit scores times this are the log2 units of the softmax state.
+constexpr float kLog2e = 1.44269504088896341f;
+
 // The int32 vector of V's shape: what comparisons return and what bit casts go through.
 template <class V>
 using int_of = decltype(V{} < V{});
@@ -78,7 +81,7 @@ inline V exp(V x) {
   x = x > 88.3f ? splat<V>(88.3f) : x;
   // Adding 1.5·2^23 rounds x·log2(e) to the nearest integer, which lands in the low mantissa bits.
   const float shifter = 12582912.0f;
-  const V t = x * 1.44269504088896341f + shifter;
+  const V t = x * kLog2e + shifter;
   const V n = t - shifter;
   // ln2 split in two floats so that n·ln2 is subtracted without losing r's low bits.
   V r = x - n * 0.693147182464599609375f;

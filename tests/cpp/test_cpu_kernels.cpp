@@ -49,7 +49,7 @@ double ulp_error(float y, double r) {
   return std::abs(static_cast<double>(y) - r) / ulp;
 }
 
-// simd::exp2's stated bound (src/cpu/simd.hpp), through exp2_sub_sum with sub = 0: every 97th float
+// simd::exp2's stated bound (src/cpu/simd.hpp), through exp2_sub_sum with mul = 1, sub = 0: every 97th float
 // of [-126, 8] (where 2^x is a normal float, up to the forward's lazy-rescale margin), plus the
 // values it must return exactly.
 TEST(CpuKernels, Exp2WithinOneUlp) {
@@ -60,7 +60,7 @@ TEST(CpuKernels, Exp2WithinOneUlp) {
     auto flush = [&] {
       std::vector<float> y = x;
       y.resize((y.size() + 7) / 8 * 8, 0.0f);
-      t.kn->exp2_sub_sum(y.data(), static_cast<int>(y.size()), 0.0f);
+      t.kn->exp2_sub_sum(y.data(), static_cast<int>(y.size()), 1.0f, 0.0f);
       for (std::size_t i = 0; i < x.size(); ++i) {
         const double e = ulp_error(y[i], std::exp2(static_cast<double>(x[i])));
         if (e > worst) {
@@ -84,7 +84,7 @@ TEST(CpuKernels, Exp2WithinOneUlp) {
 
     float special[16] = {-INFINITY, -1000.0f, -127.0f, -126.5f, 0.0f, -0.0f, -1.0f, -0.5f,
                          -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
-    const float sum = t.kn->exp2_sub_sum(special, 16, 0.0f);
+    const float sum = t.kn->exp2_sub_sum(special, 16, 1.0f, 0.0f);
     EXPECT_EQ(special[0], 0.0f) << t.name;
     EXPECT_EQ(special[1], 0.0f) << t.name;
     EXPECT_EQ(special[2], 0.0f) << t.name;
@@ -94,7 +94,7 @@ TEST(CpuKernels, Exp2WithinOneUlp) {
     EXPECT_EQ(special[6], 0.5f) << t.name;
     EXPECT_NEAR(sum, 2.5 + std::sqrt(0.5), 1e-6) << t.name;
     for (float& v : special) v = NAN;
-    t.kn->exp2_sub_sum(special, 16, 0.0f);
+    t.kn->exp2_sub_sum(special, 16, 1.0f, 0.0f);
     EXPECT_TRUE(std::isnan(special[0]) && std::isnan(special[15])) << t.name;
   }
 }
