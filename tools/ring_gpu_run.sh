@@ -8,17 +8,18 @@
 #     tools/ring_gpu_run.sh build test      # then: tools/ring_gpu_run.sh bench
 # Environment: FM_WORLD (default: number of GPUs), FM_ARCH (default 90), FM_SEQLENS (default
 # 131072,262144), FM_REPS (default 2), FM_CAUSAL (default 1,0), FM_HEADS (32), FM_HDIM (128),
-# FM_SM_MARGIN (default 0: SMs the ring's persistent forwards leave to NCCL, Context::sm_margin),
-# FM_NCCL_DEBUG (default INIT: NCCL_DEBUG=INFO for that subsystem, which names the transport; none
+# FM_SM_MARGIN (default 0: SMs the ring's persistent forwards leave to NCCL, Context::sm_margin; a list
+# times each), FM_PASSES (default fwd,fwd_bwd),
+# FM_NCCL_DEBUG (default INIT,P2P: NCCL_DEBUG=INFO for those subsystems, which name the transport and channels; none
 # turns it off).
 set -uo pipefail
 # NVLink multicast (NVLS) stays off in every process this script starts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if [ "${FM_NCCL_DEBUG:-INIT}" != none ]; then export NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=${FM_NCCL_DEBUG:-INIT}; fi
+if [ "${FM_NCCL_DEBUG:-INIT,P2P}" != none ]; then export NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=${FM_NCCL_DEBUG:-INIT,P2P}; fi
 OUT=${OUT:-$PWD/ring_out}
 LOG=${FM_LOG_DIR:-/tmp/flashmonoid-ring-logs}
 mkdir -p "$OUT" "$LOG"
-BUILD=build-ring
+BUILD=${FM_BUILD_DIR:-build-ring}  # FM_BUILD_DIR: a build made elsewhere (bench stage only)
 WORLD=${FM_WORLD:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 STAGES=${*:-build test python bench}
 status=0
@@ -113,7 +114,7 @@ if has bench; then
   step "benchmark: ring vs single GPU vs all-gather K/V"
   launch ring_bench 580 $BUILD/bench/gpu/flashmonoid-ring-bench "$OUT/ring_bench.json" \
     --seqlens "${FM_SEQLENS:-131072,262144}" --reps "${FM_REPS:-2}" --causal "${FM_CAUSAL:-1,0}" \
-    --heads "${FM_HEADS:-32}" --hdim "${FM_HDIM:-128}" --sm-margin "${FM_SM_MARGIN:-0}" || status=1
+    --heads "${FM_HEADS:-32}" --hdim "${FM_HDIM:-128}" --sm-margin "${FM_SM_MARGIN:-0}" --passes "${FM_PASSES:-fwd,fwd_bwd}" || status=1
   grep -v "NCCL INFO" "$LOG/ring_bench.0.log"
   grep -E "NCCL INFO.*(via|Channel 00)" "$LOG/ring_bench.0.log" | head -4
 fi

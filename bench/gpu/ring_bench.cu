@@ -164,12 +164,13 @@ int main(int argc, char** argv) {
   if (argc < 2) {
     std::fprintf(stderr,
                  "usage: %s OUT.json [--seqlens 131072,262144] [--heads 32] [--hdim 128] [--reps 3] [--causal 1,0] "
-                 "[--sm-margin 0]\n",
+                 "[--sm-margin 0[,16,...]] [--passes fwd,fwd_bwd]\n",
                  argv[0]);
     return 1;
   }
-  std::vector<std::int64_t> seqlens{131072, 262144}, causals{1, 0};
-  int heads = 32, hdim = 128, reps = 3, sm_margin = 0;
+  std::vector<std::int64_t> seqlens{131072, 262144}, causals{1, 0}, sm_margins{0};
+  int heads = 32, hdim = 128, reps = 3;
+  bool passes[2] = {true, true};  // fwd, fwd_bwd
   for (int i = 2; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--seqlens") seqlens = parse_list(argv[i + 1]);
@@ -177,7 +178,12 @@ int main(int argc, char** argv) {
     else if (a == "--hdim") hdim = std::atoi(argv[i + 1]);
     else if (a == "--reps") reps = std::atoi(argv[i + 1]);
     else if (a == "--causal") causals = parse_list(argv[i + 1]);
-    else if (a == "--sm-margin") sm_margin = std::atoi(argv[i + 1]);  // the ring's forwards leave SMs to NCCL
+    else if (a == "--sm-margin") sm_margins = parse_list(argv[i + 1]);  // the ring's forwards leave SMs to NCCL
+    else if (a == "--passes") {
+      const std::string list = std::string(",") + argv[i + 1] + ",";
+      passes[0] = list.find(",fwd,") != std::string::npos;
+      passes[1] = list.find(",fwd_bwd,") != std::string::npos;
+    }
   }
   const fmdist::Comm c = fmdist::init_comm();
   cudaDeviceProp prop;
@@ -206,6 +212,8 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
   };
 
+  // Median of `reps` runs of fn, or nothing when that pass was not asked for.
+  auto timed = [&](int pass, const std::function<void()>& fn) { return passes[pass] ? median_ms(s, reps, fn) : 0.0f; };
   for (std::int64_t S : seqlens)
     for (std::int64_t causal_flag : causals) {
       const bool causal = causal_flag != 0;
@@ -231,16 +239,17 @@ int main(int argc, char** argv) {
         wctx.workspace = b.get(wb);
         wctx.workspace_bytes = wb;
         single_mem = b.bytes;
-        single[0] = median_ms(s, reps, [&] { fm::forward(q, k, v, o, l, opt, ctx); });
-        single[1] = median_ms(s, reps, [&] {
+        single[0] = timed(0, [&] { fm::forward(q, k, v, o, l, opt, ctx); });
+        single[1] = timed(1, [&] {
           fm::forward(q, k, v, o, l, opt, ctx);
           fm::backward(dout, q, k, v, o, l, dq, dk, dv, opt, wctx);
         });
       }
-      single[0] = max_over_ranks(single[0], c, s);
-      single[1] = max_over_ranks(single[1], c, s);
-      record("single_gpu", "fwd", S, causal, single[0], single[0], -1, single_mem, "");
-      record("single_gpu", "fwd_bwd", S, causal, single[1], single[1], -1, single_mem, "");
+      for (int p = 0; p < 2; ++p) {
+        if (!passes[p]) continue;
+        single[p] = max_over_ranks(single[p], c, s);
+        record("single_gpu", p ? "fwd_bwd" : "fwd", S, causal, single[p], single[p], -1, single_mem, "");
+      }
 
       // ---- the ring ----
       {
@@ -250,27 +259,30 @@ int main(int argc, char** argv) {
         fm::Context rctx = ctx;
         rctx.workspace = b.get(wb);
         rctx.workspace_bytes = wb;
-        rctx.sm_margin = sm_margin;
         const std::size_t mem = b.bytes;
-        float t[2], quiet[2];
-        t[0] = median_ms(s, reps, [&] { ring.forward(q, k, v, o, l, opt, rctx); });
-        t[1] = median_ms(s, reps, [&] {
-          ring.forward(q, k, v, o, l, opt, rctx);
-          ring.backward(dout, q, k, v, o, l, dq, dk, dv, opt, rctx);
-        });
         NoTransport none(c.rank, P);
         dist::CudaOps ops(s);
         const dist::RingSchedule sched = dist::make_schedule(P, S, causal ? dist::Layout::zigzag : dist::Layout::contiguous, opt);
-        quiet[0] = median_ms(s, reps, [&] { dist::ring_forward(q, k, v, o, l, opt, sched, none, ops, rctx); });
-        quiet[1] = median_ms(s, reps, [&] {
-          dist::ring_forward(q, k, v, o, l, opt, sched, none, ops, rctx);
-          dist::ring_backward(dout, q, k, v, o, l, dq, dk, dv, opt, sched, none, ops, rctx);
-        });
-        for (int p = 0; p < 2; ++p) {
-          const float ms = max_over_ranks(t[p], c, s), q_ms = max_over_ranks(quiet[p], c, s);
-          record("flashmonoid_ring", p ? "fwd_bwd" : "fwd", S, causal, ms, single[p], std::max(0.0f, ms - q_ms), mem,
-                 ", \"ms_without_comm\": " + std::to_string(q_ms) + ", \"layout\": \"" +
-                     (causal ? "zigzag" : "contiguous") + "\", \"sm_margin\": " + std::to_string(sm_margin));
+        for (const std::int64_t sm_margin : sm_margins) {
+          rctx.sm_margin = static_cast<int>(sm_margin);
+          float t[2], quiet[2];
+          t[0] = timed(0, [&] { ring.forward(q, k, v, o, l, opt, rctx); });
+          t[1] = timed(1, [&] {
+            ring.forward(q, k, v, o, l, opt, rctx);
+            ring.backward(dout, q, k, v, o, l, dq, dk, dv, opt, rctx);
+          });
+          quiet[0] = timed(0, [&] { dist::ring_forward(q, k, v, o, l, opt, sched, none, ops, rctx); });
+          quiet[1] = timed(1, [&] {
+            dist::ring_forward(q, k, v, o, l, opt, sched, none, ops, rctx);
+            dist::ring_backward(dout, q, k, v, o, l, dq, dk, dv, opt, sched, none, ops, rctx);
+          });
+          for (int p = 0; p < 2; ++p) {
+            if (!passes[p]) continue;
+            const float ms = max_over_ranks(t[p], c, s), q_ms = max_over_ranks(quiet[p], c, s);
+            record("flashmonoid_ring", p ? "fwd_bwd" : "fwd", S, causal, ms, single[p], std::max(0.0f, ms - q_ms), mem,
+                   ", \"ms_without_comm\": " + std::to_string(q_ms) + ", \"layout\": \"" +
+                       (causal ? "zigzag" : "contiguous") + "\", \"sm_margin\": " + std::to_string(sm_margin));
+          }
         }
       }
 
@@ -358,15 +370,16 @@ int main(int argc, char** argv) {
           reduce_scatter();
         };
         float t[2];
-        t[0] = median_ms(s, reps, forward);
-        t[1] = median_ms(s, reps, [&] {
+        t[0] = timed(0, forward);
+        t[1] = timed(1, [&] {
           forward();
           backward();
         });
         // Nothing overlaps this baseline's communication: all of it is exposed.
         const float gather_ms = median_ms(s, reps, gather_kv);
-        const float comm[2] = {gather_ms, gather_ms + median_ms(s, reps, reduce_scatter)};
+        const float comm[2] = {gather_ms, gather_ms + timed(1, reduce_scatter)};
         for (int p = 0; p < 2; ++p) {
+          if (!passes[p]) continue;
           const float ms = max_over_ranks(t[p], c, s), exposed = max_over_ranks(comm[p], c, s);
           record("allgather_kv", p ? "fwd_bwd" : "fwd", S, causal, ms, single[p], exposed, mem, "");
         }

@@ -89,6 +89,12 @@ struct Context {
   // leave free for kernels running beside them, such as communication overlapped with attention
   // (FlashAttention-3's sm_margin). 0 = use every SM; at least one SM is always used.
   int sm_margin = 0;
+  // false: the persistent kernels launch one block per work tile instead, so that kernels queued
+  // beside them (on a higher-priority stream) get SMs whenever a block retires rather than when the
+  // whole call ends. The ring (flashmonoid/ring.hpp) turns it off while an exchange is in flight:
+  // with a persistent forward, a rank's NCCL kernel could wait for that forward's end while the
+  // other rank's NCCL kernel held SMs waiting for it (ring forward 0.80 -> see bench/NOTES.md).
+  bool persistent_kernels = true;
 };
 
 }  // namespace flashmonoid

@@ -333,7 +333,7 @@ std::size_t backward_workspace_size(const detail::BwdParams& p) {
 void forward(const detail::FwdParams& p, const Context& ctx) {
   DeviceGuard guard(p.device.index);
   if (forward_path(p, ctx) == KernelArch::sm90) {
-    const FwdLaunchSm90 launch{static_cast<cudaStream_t>(ctx.stream), ctx.sm_margin};
+    const FwdLaunchSm90 launch{static_cast<cudaStream_t>(ctx.stream), ctx.sm_margin, ctx.persistent_kernels};
     with_dtype(p.dtype, [&](auto t) { run_fwd_hopper<decltype(t)>(p, launch); });
     return;
   }

@@ -211,6 +211,9 @@ void ring_forward(const TensorView& q, const TensorView& k, const TensorView& v,
     if (t + 1 < n_steps)
       ticket = transport.start({f.kv[t % 2], d.kv_bytes(schedule.local_len(src), d.dtype)},
                                {f.kv[(t + 1) % 2], d.kv_bytes(schedule.local_len(next_src), d.dtype)}, 1);
+    // While an exchange is in flight the forwards are not persistent, so the communication
+    // stream's kernels get SMs as blocks retire (Context::persistent_kernels).
+    lib.persistent_kernels = ctx.persistent_kernels && ticket < 0;
     const KvShard shard = kv_shard(f.kv[t % 2], d.dtype, d, schedule.local_len(src));
     for (const auto& layer : steps[t].layers) {
       const bool whole = covers_all_rows(layer, d.n);

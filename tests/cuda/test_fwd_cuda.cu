@@ -40,7 +40,10 @@ struct GpuResult {
 
 // Forward through the public API on device copies of pb's inputs. splits: ctx.num_splits
 // (0 = heuristic); the workspace is sized for max(splits, heuristic). path forces a kernel family.
-GpuResult gpu_forward(const Problem& pb, int splits = 0, flashmonoid::CudaPath path = flashmonoid::CudaPath::automatic) {
+// ctx carries the scheduling fields under test (persistent_kernels, sm_margin); workspace, splits and
+// path are set here.
+GpuResult gpu_forward(const Problem& pb, int splits = 0, flashmonoid::CudaPath path = flashmonoid::CudaPath::automatic,
+                      Context ctx = {}) {
   DeviceTensor q(pb.q), k(pb.k), v(pb.v), alibi(pb.alibi), cu_q(pb.cu_q), cu_k(pb.cu_k);
   GpuResult r{pb.new_out(), pb.new_lse()};
   DeviceTensor out(r.out), lse(r.lse);  // NaN-poisoned
@@ -59,7 +62,6 @@ GpuResult gpu_forward(const Problem& pb, int splits = 0, flashmonoid::CudaPath p
     ws = std::max<std::size_t>(ws, static_cast<std::size_t>(splits) * p.h * p.total_q * (p.d + 1) * 4 + 1024);
   }
   DeviceBuffer work(ws);
-  Context ctx;
   ctx.workspace = work.ptr;
   ctx.workspace_bytes = ws;
   ctx.num_splits = splits;
@@ -241,6 +243,40 @@ INSTANTIATE_TEST_SUITE_P(Hopper, CudaForward,
                          ::testing::Combine(::testing::ValuesIn(sm90_grid()),
                                             ::testing::Values(flashmonoid::CudaPath::sm80, flashmonoid::CudaPath::sm90)),
                          path_case_name);
+
+// The sm90 forward's grid: persistent (one block per SM, less ctx.sm_margin) or one block per work
+// unit (ctx.persistent_kernels = false, as the ring runs it beside an exchange). A block computes
+// its tiles the same way wherever they land, so every grid gives the same bits.
+TEST(CudaForwardGrid, PersistentPerTileAndMarginGiveTheSameBits) {
+  SKIP_WITHOUT_GPU();
+  std::vector<Shape> shapes;
+  for (int n = 0; n < 3; ++n) {
+    Shape s;
+    s.b = 2;
+    s.s_q = n == 2 ? 1500 : 700;
+    s.s_k = n == 1 ? 1100 : s.s_q;
+    s.h = 6;
+    s.h_k = n == 0 ? 6 : 2;
+    s.d = n == 0 ? 64 : n == 1 ? 128 : 256;
+    s.dtype = DType::bf16;
+    s.causal = n != 1;
+    shapes.push_back(s);
+  }
+  for (const Shape& s : shapes) {
+    if (!sm90_runs(s)) GTEST_SKIP() << "not an sm90 device";
+    Problem pb(s);
+    const GpuResult base = gpu_forward(pb, 1, flashmonoid::CudaPath::sm90);
+    check_against_reference(pb, base);
+    Context per_tile, margin;
+    per_tile.persistent_kernels = false;
+    margin.sm_margin = 100;
+    for (const Context& ctx : {per_tile, margin}) {
+      const GpuResult g = gpu_forward(pb, 1, flashmonoid::CudaPath::sm90, ctx);
+      EXPECT_TRUE(g.out.buf == base.out.buf) << "out differs, d " << s.d;
+      EXPECT_TRUE(g.lse.buf == base.lse.buf) << "lse differs, d " << s.d;
+    }
+  }
+}
 
 // The automatic choice: sm90 for prefill shapes on Hopper, reported by supports().
 TEST(CudaForwardPath, SupportsNamesThePathThatRuns) {

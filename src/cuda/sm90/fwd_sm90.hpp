@@ -21,11 +21,12 @@ inline bool fwd_sm90_eligible(const detail::FwdParams& p) {
   return p.seqlen_q >= kFwdSm90MinRows && !(p.d > 128 && p.score_mods()) && !cache;
 }
 
-// How a forward is queued: its stream, and how many multiprocessors the persistent grid leaves free
-// (Context::sm_margin).
+// How a forward is queued: its stream, how many multiprocessors the persistent grid leaves free
+// (Context::sm_margin), and whether it is persistent at all (Context::persistent_kernels).
 struct FwdLaunchSm90 {
   cudaStream_t stream = nullptr;
   int sm_margin = 0;
+  bool persistent = true;
 };
 
 // Queue the forward on launch.stream (never synchronises, never allocates). T is __half or

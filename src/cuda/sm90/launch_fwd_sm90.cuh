@@ -4,6 +4,8 @@
 
 #include <cuda_runtime.h>
 
+#include <climits>
+
 #include "common/check.cuh"
 #include "common/device_props.cuh"
 #include "sm90/fwd_sm90.hpp"
@@ -31,9 +33,9 @@ void launch_fwd_sm90(const detail::FwdParams& p, const FwdLaunchSm90& launch) {
   constexpr std::size_t kSmem = kTile.smem_bytes(kHeadDim);
   allow_dynamic_smem<fwd_kernel_sm90<T, kHeadDim, kScoreMods>>(kSmem, p.device.index);
   // Persistent: one block per multiprocessor (the shared memory admits no second one), less the
-  // caller's margin.
+  // caller's margin; otherwise one block per work unit.
   const int num_sms = device_props(p.device.index).num_sms;
-  const int blocks_max = launch.sm_margin < num_sms ? num_sms - launch.sm_margin : 1;
+  const int blocks_max = !launch.persistent ? INT_MAX : launch.sm_margin < num_sms ? num_sms - launch.sm_margin : 1;
   const int num_m_blocks = (p.seqlen_q + kTile.block_m() - 1) / kTile.block_m();
   args.work = WorkTiles{num_m_blocks, p.h, p.batch, p.window_right >= 0};
   const int units = args.work.units();
