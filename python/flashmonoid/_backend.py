@@ -184,9 +184,24 @@ def _stream(x):
     return 0
 
 
+# Context::persistent_kernels for the calls of this process; the ring turns it off around its
+# forwards while an exchange is in flight (distributed.py), so NCCL's kernels get SMs.
+_persistent_kernels = True
+
+
+@contextlib.contextmanager
+def persistent_kernels(on: bool):
+    global _persistent_kernels
+    before, _persistent_kernels = _persistent_kernels, bool(on)
+    try:
+        yield
+    finally:
+        _persistent_kernels = before
+
+
 def context(x, num_splits=0, stream=None):
     return _C.Context(stream=_stream(x) if stream is None else stream, num_splits=num_splits,
-                      cpu_algorithm=_cpu_algorithm, cpu_isa=_cpu_isa)
+                      cpu_algorithm=_cpu_algorithm, cpu_isa=_cpu_isa, persistent_kernels=_persistent_kernels)
 
 
 def _workspace(like, nbytes):

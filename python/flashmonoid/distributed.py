@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _C
+from . import _backend
 from . import torch_ops as _ops
 
 __all__ = ["ring_attention", "shard", "unshard", "gather", "shard_ranges", "default_layout"]
@@ -149,9 +150,14 @@ class _Ring:
     def source_rows(self, step):
         return self.lens[(self.rank - step) % self.world]
 
-    def fwd(self, q, k, v, wl, wr):
-        op = _ops._fwd_impl if _ops._eager(q, k, v) else _ops.fwd
-        return op(q, k, v, self.scale, False, wl, wr, self.softcap, None, 0.0, None, False)
+    def fwd(self, q, k, v, wl, wr, exchanging=False):
+        """While an exchange is in flight (exchanging) an eager call runs the forward kernels
+        non-persistent, so that NCCL's kernels get SMs as blocks retire (Context::persistent_kernels;
+        a traced call keeps the default)."""
+        if _ops._eager(q, k, v):
+            with _backend.persistent_kernels(not exchanging):
+                return _ops._fwd_impl(q, k, v, self.scale, False, wl, wr, self.softcap, None, 0.0, None, False)
+        return _ops.fwd(q, k, v, self.scale, False, wl, wr, self.softcap, None, 0.0, None, False)
 
     def bwd(self, dout, q, k, v, out, lse, wl, wr):
         op = _ops._bwd_impl if _ops._eager(q, k, v) else _ops.bwd
@@ -177,12 +183,12 @@ def _ring_forward(ring: _Ring, q, k, v):
         for layer in layers:
             if len(layer) == 1 and layer[0][0] == 0 and layer[0][1] == n:
                 q0, q1, k0, k1, wl, wr = layer[0]
-                step_out, step_lse = ring.fwd(q, kv[0][:, k0:k1], kv[1][:, k0:k1], wl, wr)
+                step_out, step_lse = ring.fwd(q, kv[0][:, k0:k1], kv[1][:, k0:k1], wl, wr, pending is not None)
             else:  # rows no task covers keep lse = -inf, the identity of merge
                 step_out = torch.zeros_like(q)
                 step_lse = torch.full((q.shape[0], q.shape[2], n), -math.inf, dtype=torch.float32, device=q.device)
                 for q0, q1, k0, k1, wl, wr in layer:
-                    o, lse = ring.fwd(q[:, q0:q1], kv[0][:, k0:k1], kv[1][:, k0:k1], wl, wr)
+                    o, lse = ring.fwd(q[:, q0:q1], kv[0][:, k0:k1], kv[1][:, k0:k1], wl, wr, pending is not None)
                     step_out[:, q0:q1] = o
                     step_lse[..., q0:q1] = lse
             if acc_out is None:

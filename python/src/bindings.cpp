@@ -260,22 +260,26 @@ NB_MODULE(_C, m) {
       .def(
           "__init__",
           [](fm::Context* c, std::uintptr_t stream, int num_splits, fm::CpuAlgorithm cpu_algorithm, fm::CpuIsa cpu_isa,
-             int num_threads) {
+             int num_threads, int sm_margin, bool persistent_kernels) {
             new (c) fm::Context{};
             c->stream = reinterpret_cast<void*>(stream);
             c->num_splits = num_splits;
             c->cpu_algorithm = cpu_algorithm;
             c->cpu_isa = cpu_isa;
             c->num_threads = num_threads;
+            c->sm_margin = sm_margin;
+            c->persistent_kernels = persistent_kernels;
           },
           nb::kw_only(), nb::arg("stream") = 0, nb::arg("num_splits") = 0,
           nb::arg("cpu_algorithm") = fm::CpuAlgorithm::flash, nb::arg("cpu_isa") = fm::CpuIsa::best,
-          nb::arg("num_threads") = 0)
+          nb::arg("num_threads") = 0, nb::arg("sm_margin") = 0, nb::arg("persistent_kernels") = true)
       .def_prop_ro("stream", [](const fm::Context& c) { return reinterpret_cast<std::uintptr_t>(c.stream); })
       .def_rw("num_splits", &fm::Context::num_splits)
       .def_rw("cpu_algorithm", &fm::Context::cpu_algorithm)
       .def_rw("cpu_isa", &fm::Context::cpu_isa)
-      .def_rw("num_threads", &fm::Context::num_threads);
+      .def_rw("num_threads", &fm::Context::num_threads)
+      .def_rw("sm_margin", &fm::Context::sm_margin)
+      .def_rw("persistent_kernels", &fm::Context::persistent_kernels);
 
   m.def(
       "forward",
