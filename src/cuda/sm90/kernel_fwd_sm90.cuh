@@ -345,6 +345,9 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kScoreMods).threads(),
     // O is staged in this warpgroup's own Q rows (its last S product has completed), behind a
     // barrier of its 128 threads only; then the Q buffer goes back to the producer. The fence orders
     // the staging reads before the copy engine's next writes.
+    // With one Q buffer, this barrier orders the last tile's reads of its staged O (other warps' rows)
+    // before these writes where racecheck can see it; the producer's Q load between them already did.
+    if constexpr (kTile.q_stages == 1) named_sync(1 + consumer, 128);
     store_output<T, kHeadDim, 1, 64, 128>(p, blk, we.R0 + 64 * consumer, o, inv_l, lse, erows, sm.q(qpos.slot(), consumer), 16 * warp,
                                           lane, tid, [consumer] { named_sync(1 + consumer, 128); });
     fence_async_shared();
