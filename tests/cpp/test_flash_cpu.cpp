@@ -92,16 +92,20 @@ TEST_P(FlashForward, SixteenLaneKernelsMatchFloat64Reference) {
   expect_forward_close(pb, out, lse);
 }
 
-// Every shape of the grid with bf16 inputs, through the products from bf16 pairs: the emulated
-// AVX512_BF16 table, and the real one where the CPU has it.
+// The kernel tables with products from bf16 pairs: the emulated AVX512_BF16 table, and the real
+// one where the CPU has it.
+std::vector<const flashmonoid::cpu::Kernels*> bf16_tables() {
+  std::vector<const flashmonoid::cpu::Kernels*> t{&flashmonoid::cpu::kernels_avx512_bf16_emulated()};
+  if (flashmonoid::cpu::cpu_has(flashmonoid::cpu::Isa::avx512_bf16)) t.push_back(&flashmonoid::cpu::kernels_avx512_bf16());
+  return t;
+}
+
+// Every shape of the grid with bf16 inputs, through the products from bf16 pairs.
 TEST_P(FlashForward, Bf16ProductsMatchFloat64Reference) {
   Shape s = GetParam();
   s.dtype = DType::bf16;
   Problem pb(s);
-  std::vector<const flashmonoid::cpu::Kernels*> tables{&flashmonoid::cpu::kernels_avx512_bf16_emulated()};
-  if (flashmonoid::cpu::cpu_has(flashmonoid::cpu::Isa::avx512_bf16))
-    tables.push_back(&flashmonoid::cpu::kernels_avx512_bf16());
-  for (const flashmonoid::cpu::Kernels* kn : tables) {
+  for (const flashmonoid::cpu::Kernels* kn : bf16_tables()) {
     SCOPED_TRACE(flashmonoid::cpu::to_string(kn->isa));
     auto [out, lse] = pb.flash(*kn);
     expect_forward_close(pb, out, lse);
@@ -178,6 +182,18 @@ TEST_P(FlashBackward, SixteenLaneKernelsMatchFloat64Reference) {
   Problem pb(GetParam());
   auto [ref_o, ref_l] = pb.reference(Precision::f64);
   expect_backward_close(pb, ref_o, ref_l, pb.flash_backward(ref_o, ref_l, flashmonoid::cpu::kernels_avx512_emulated()));
+}
+
+// Every shape of the backward grid with bf16 inputs, through the products from bf16 pairs.
+TEST_P(FlashBackward, Bf16ProductsMatchFloat64Reference) {
+  Shape s = GetParam();
+  s.dtype = DType::bf16;
+  Problem pb(s);
+  auto [ref_o, ref_l] = pb.reference(Precision::f64);
+  for (const flashmonoid::cpu::Kernels* kn : bf16_tables()) {
+    SCOPED_TRACE(flashmonoid::cpu::to_string(kn->isa));
+    expect_backward_close(pb, ref_o, ref_l, pb.flash_backward(ref_o, ref_l, *kn));
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Grid, FlashBackward, ::testing::ValuesIn(backward_grid()), name_of);
