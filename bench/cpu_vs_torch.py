@@ -11,8 +11,12 @@ into it, and re-runs itself there. flashmonoid: built from this checkout (CPU on
 build-bench/ and imported from there, so the numbers are this tree's; --installed uses an
 importable flashmonoid instead.
 
-Implementations: flashmonoid (the ISA the library picks: AVX-512 where the CPU has it),
-flashmonoid_avx2 (Context cpu_isa = avx2, the fallback), torch_cpu (SDPBackend.FLASH_ATTENTION).
+Implementations: flashmonoid (the ISA the library picks: AVX-512 where the CPU has it, with bf16
+inputs' products from bf16 pairs where it has AVX512_BF16), flashmonoid_avx2 (Context cpu_isa =
+avx2, the fallback), torch_cpu (SDPBackend.FLASH_ATTENTION). The environment variable
+FLASHMONOID_CPU_ISA caps what flashmonoid picks for the whole process (avx512: AVX-512 without the
+bf16 products, to compare them with the fp32 products on one machine); the JSON records it as
+cpu_isa_env.
 Passes: fwd (under no_grad), fwd_bwd (forward and backward through autograd, both libraries).
 FLOPs: 4·b·h·s²·d for the forward, 2.5x that for the backward (fwd_bwd counts 3.5x).
 Records: {impl, pass, dtype, threads, batch, nheads, hdim, seqlen, ms, gflops, cpu}; each
@@ -130,8 +134,9 @@ def main():
     cpu = cpu_model()
     out = args.out or os.path.join(ROOT, "bench", "results", f"cpu_vs_torch_{args.threads}t.json")
     b, h = args.batch, args.nheads
+    isa_env = os.environ.get("FLASHMONOID_CPU_ISA", "")
     print(f"{cpu}, {args.threads} threads, torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), "
-          f"avx512 flags: {' '.join(cpu_flags()) or 'none'}", flush=True)
+          f"avx512 flags: {' '.join(cpu_flags()) or 'none'}, FLASHMONOID_CPU_ISA={isa_env or '(unset)'}", flush=True)
 
     def make_call(impl, pas, q, k, v, dout):
         """q, k, v (b, s, h, d): flashmonoid's layout; torch gets (b, h, s, d) contiguous copies."""
@@ -204,7 +209,7 @@ def main():
                     with open(out, "w") as f:
                         json.dump({"cpu": cpu, "threads": args.threads, "torch": torch.__version__,
                                    "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                                   "cpu_flags": cpu_flags(), "repeats": args.repeats,
+                                   "cpu_flags": cpu_flags(), "cpu_isa_env": isa_env, "repeats": args.repeats,
                                    "timing": "median of interleaved repeats after a warm-up, wall clock",
                                    "records": records}, f, indent=1)
     print(f"wrote {out}")

@@ -68,9 +68,10 @@ enum class CpuAlgorithm : std::uint8_t { flash, reference };
 // `automatic`, the environment variable FLASHMONOID_CUDA_PATH=sm80|sm90 forces it too.
 enum class CudaPath : std::uint8_t { automatic, sm80, sm90 };
 
-// Which instruction set the CPU flash path may use. best: AVX-512 where the CPU has it, else AVX2
-// (the environment variable FLASHMONOID_CPU_ISA=avx2 lowers it to AVX2 for the whole process).
-// avx2: the AVX2 path even on AVX-512 CPUs (tests and benchmarks compare the two).
+// Which instruction set the CPU flash path may use. best: AVX-512 where the CPU has it (with bf16
+// inputs' products from bf16 pairs where it also has AVX512_BF16), else AVX2; the environment
+// variable FLASHMONOID_CPU_ISA=avx2 or =avx512 caps it for the whole process (avx512: no bf16
+// products). avx2: the AVX2 path even on AVX-512 CPUs (tests and benchmarks compare the two).
 enum class CpuIsa : std::uint8_t { best, avx2 };
 
 // Where and how a call runs. The library never synchronises and never allocates device memory:

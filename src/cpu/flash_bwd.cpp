@@ -9,6 +9,11 @@
 // Five block products per tile pair, as FlashAttention-2 with atomic dQ. The earlier version
 // recomputed S and dP in a separate dQ pass (7 products); the partials cost O(chunks·total_q·h·d)
 // memory instead, with the chunk count bounded by kMaxChunks.
+//
+// As in the forward (flash_fwd.cpp), bf16 inputs run the products on bf16 pairs where the kernel
+// table has a bf16 dot product (AVX512_BF16): Q, K, V and dO stay exactly the input, Sᵀ is scaled
+// in fp32 after its product and dK at its store, and P and dS are rounded to bf16 before the
+// products that read them, as the FlashAttention rule's input-precision reference rounds them.
 #include <omp.h>
 
 #include <algorithm>
@@ -78,32 +83,74 @@ std::pair<std::int64_t, std::int64_t> chunk_blocks(const BlockGrid& kgrid, int b
   return {nb * c / used, nb * (c + 1) / used};
 }
 
-// An uninitialised float array. The packed copies and the dQ partials are written in full by the
+// An uninitialised array. The packed copies and the dQ partials are written in full by the
 // workers before anything reads them; std::vector's zero fill of them (24 MiB at s = 1k, d = 128,
 // h = 4) ran on one thread before the parallel region and took every page fault there. Dropping it,
 // with skipping untouched partials, took that shape (causal, 2 threads) from 39.6 to 26.5 ms.
-struct Floats {
-  std::unique_ptr<float[]> p;
-  void resize(std::size_t n) { p = std::make_unique_for_overwrite<float[]>(n); }
-  float* data() { return p.get(); }
-  const float* data() const { return p.get(); }
+template <class T>
+struct Uninit {
+  std::unique_ptr<T[]> p;
+  void resize(std::size_t n) { p = std::make_unique_for_overwrite<T[]>(n); }
+  T* data() { return p.get(); }
+  const T* data() const { return p.get(); }
 };
+using Floats = Uninit<float>;
+using Pairs = Uninit<std::uint32_t>;  // bf16 pairs (src/cpu/simd_bf16.hpp)
 
-// K and V of every (key block, KV head) in fp32, zero-padded (kBlockN, dp) tiles: every product
-// reads them in this layout (Kᵀ and Vᵀ were for the dQ pass that recomputed S and dP). O(total_k·h_k·d)
-// memory, converted once.
+// Whether this call's products run on bf16 pairs.
+bool pair_products(const BwdParams& p, const Kernels& kn) { return p.dtype == DType::bf16 && kn.gemm_bf16 != nullptr; }
+
+// Rows r < n of a bf16 tile (element offset of row r: row(r)), as pairs: along d into (kBlockN, d2)
+// rows (`along`, the A operand of Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ), and across rows into (rows / 2, dp)
+// (`across`, the B operand of products summing over these rows); rows past n are zero.
+template <class Row>
+void pack_pairs(const void* base, Row&& row, int n, int rows, int d, int dp, std::uint32_t* along,
+                std::uint32_t* across) {
+  const auto* x = static_cast<const std::uint16_t*>(base);
+  const int d2 = (d + 1) / 2;
+  if (along != nullptr)
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c < d2; ++c) along[r * d2 + c] = r < n ? tiles::pair_along_row(x + row(r), d, c) : 0u;
+  if (across != nullptr)
+    for (int j = 0; j < rows / 2; ++j) {
+      std::uint32_t* dst = across + static_cast<std::int64_t>(j) * dp;
+      if (2 * j < n)
+        tiles::pairs_across_rows(x + row(2 * j), 2 * j + 1 < n ? x + row(2 * j + 1) : nullptr, d, dp, dst);
+      else
+        std::fill(dst, dst + dp, 0u);
+    }
+}
+
+// K and V of every (key block, KV head), zero-padded: every product reads them in these layouts
+// (Kᵀ and Vᵀ were for the dQ pass that recomputed S and dP). O(total_k·h_k·d) memory, packed once.
+// - fp32 products: k, v (kBlockN, dp) tiles converted to fp32;
+// - bf16 products (`pairs`): k2, v2 (kBlockN, d2) pairs along d, and kx2 (kBlockN / 2, dp), K's
+//   pairs across keys for dQ += dS·K.
 struct PackedKV {
-  int dp = 0;
+  int dp = 0, d2 = 0;
+  bool pairs = false;
   Floats k, v;
+  Pairs k2, v2, kx2;
   const float* k_tile(std::int64_t t) const { return k.data() + t * kBlockN * dp; }
   const float* v_tile(std::int64_t t) const { return v.data() + t * kBlockN * dp; }
+  const std::uint32_t* k2_tile(std::int64_t t) const { return k2.data() + t * kBlockN * d2; }
+  const std::uint32_t* v2_tile(std::int64_t t) const { return v2.data() + t * kBlockN * d2; }
+  const std::uint32_t* kx2_tile(std::int64_t t) const { return kx2.data() + t * kBlockN / 2 * dp; }
 };
 
-void size_packed(const BwdParams& p, const BlockGrid& kgrid, PackedKV& kv) {
+void size_packed(const BwdParams& p, const BlockGrid& kgrid, bool pairs, PackedKV& kv) {
   kv.dp = tiles::round_up(p.d, kLanes);
-  const std::int64_t n_tiles = kgrid.total() * p.h_k;  // tile index: key block · h_k + KV head
-  kv.k.resize(static_cast<std::size_t>(n_tiles) * kBlockN * kv.dp);
-  kv.v.resize(static_cast<std::size_t>(n_tiles) * kBlockN * kv.dp);
+  kv.d2 = (p.d + 1) / 2;
+  kv.pairs = pairs;
+  const auto n_tiles = static_cast<std::size_t>(kgrid.total() * p.h_k);  // tile: key block · h_k + KV head
+  if (pairs) {
+    kv.k2.resize(n_tiles * kBlockN * kv.d2);
+    kv.v2.resize(n_tiles * kBlockN * kv.d2);
+    kv.kx2.resize(n_tiles * kBlockN / 2 * kv.dp);
+  } else {
+    kv.k.resize(n_tiles * kBlockN * kv.dp);
+    kv.v.resize(n_tiles * kBlockN * kv.dp);
+  }
 }
 
 void pack_tile(const BwdParams& p, const BlockGrid& kgrid, PackedKV& kv, std::int64_t t) {
@@ -114,6 +161,14 @@ void pack_tile(const BwdParams& p, const BlockGrid& kgrid, PackedKV& kv, std::in
   const std::int64_t j0 = (block - kgrid.first[b]) * kBlockN;
   const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, si.len_k - j0));
   const std::int64_t r0 = si.k_row0 + j0;
+  if (kv.pairs) {
+    auto k_row = [&](int r) { return offset_of(p.k_stride, b, r0 + r, hk); };
+    auto v_row = [&](int r) { return offset_of(p.v_stride, b, r0 + r, hk); };
+    std::uint32_t* kx2 = kv.kx2.data() + t * kBlockN / 2 * kv.dp;
+    pack_pairs(p.k, k_row, n, kBlockN, p.d, kv.dp, kv.k2.data() + t * kBlockN * kv.d2, kx2);
+    pack_pairs(p.v, v_row, n, kBlockN, p.d, kv.dp, kv.v2.data() + t * kBlockN * kv.d2, nullptr);
+    return;
+  }
   tiles::load_tile(p.k, p.dtype, p.k_stride, b, r0, hk, n, kBlockN, p.d, kv.dp, 1.0f, kv.k.data() + t * kBlockN * kv.dp);
   tiles::load_tile(p.v, p.dtype, p.v_stride, b, r0, hk, n, kBlockN, p.d, kv.dp, 1.0f, kv.v.data() + t * kBlockN * kv.dp);
 }
@@ -125,31 +180,59 @@ void pack_tile(const BwdParams& p, const BlockGrid& kgrid, PackedKV& kv, std::in
 // log2 units (-inf -> +inf so that 2^(s - lse) is exactly 0 for a row that saw no key; padding +inf)
 // and D = rowsum(dO ∘ O) (padding 0). Pass 1 used to repack (and transpose) Q and dO
 // for every (key block, query block) pair: O(N²·d / kBlockN) conversion work, now O(N·d) once.
-// Memory: four fp32 copies of Q's size, O(total_q·h·d) like PackedKV.
+// Memory: four fp32 copies of Q's size, O(total_q·h·d) like PackedKV. For bf16 products
+// (`pairs`) the same four as bf16 pairs, unscaled: qt2, dot2 (d2, kBlockM) pairs along d, q2, dout2
+// (kBlockM / 2, dp) pairs across queries, all as column panels; half the bytes.
 struct PackedQ {
   int d = 0, dp = 0, panel = 0, vp = 0;  // vp: dp rounded up to whole panels
+  int d2 = 0;
+  bool pairs = false;
   Floats qt, dot, q, dout;  // tile index: query block · h + query head
+  Pairs qt2, dot2, q2, dout2;
   Floats lse, dsum;         // (kBlockM) per tile
   const float* qt_tile(std::int64_t t) const { return qt.data() + t * d * kBlockM; }
   const float* dot_tile(std::int64_t t) const { return dot.data() + t * d * kBlockM; }
   const float* q_tile(std::int64_t t) const { return q.data() + t * kBlockM * vp; }
   const float* dout_tile(std::int64_t t) const { return dout.data() + t * kBlockM * vp; }
+  const std::uint32_t* qt2_tile(std::int64_t t) const { return qt2.data() + t * d2 * kBlockM; }
+  const std::uint32_t* dot2_tile(std::int64_t t) const { return dot2.data() + t * d2 * kBlockM; }
+  const std::uint32_t* q2_tile(std::int64_t t) const { return q2.data() + t * kBlockM / 2 * vp; }
+  const std::uint32_t* dout2_tile(std::int64_t t) const { return dout2.data() + t * kBlockM / 2 * vp; }
   const float* lse_tile(std::int64_t t) const { return lse.data() + t * kBlockM; }
   const float* dsum_tile(std::int64_t t) const { return dsum.data() + t * kBlockM; }
 };
 
-void size_packed(const BwdParams& p, const BlockGrid& qgrid, int panel, PackedQ& pq) {
+void size_packed(const BwdParams& p, const BlockGrid& qgrid, int panel, bool pairs, PackedQ& pq) {
   pq.d = p.d;
   pq.dp = tiles::round_up(p.d, kLanes);
+  pq.d2 = (p.d + 1) / 2;
+  pq.pairs = pairs;
   pq.panel = panel;
   pq.vp = tiles::round_up(pq.dp, panel);
-  const std::int64_t n_tiles = qgrid.total() * p.h;
-  pq.qt.resize(static_cast<std::size_t>(n_tiles) * p.d * kBlockM);
-  pq.dot.resize(static_cast<std::size_t>(n_tiles) * p.d * kBlockM);
-  pq.q.resize(static_cast<std::size_t>(n_tiles) * kBlockM * pq.vp);
-  pq.dout.resize(static_cast<std::size_t>(n_tiles) * kBlockM * pq.vp);
-  pq.lse.resize(static_cast<std::size_t>(n_tiles) * kBlockM);
-  pq.dsum.resize(static_cast<std::size_t>(n_tiles) * kBlockM);
+  const auto n_tiles = static_cast<std::size_t>(qgrid.total() * p.h);
+  if (pairs) {
+    for (Pairs* x : {&pq.qt2, &pq.dot2}) x->resize(n_tiles * pq.d2 * kBlockM);
+    for (Pairs* x : {&pq.q2, &pq.dout2}) x->resize(n_tiles * kBlockM / 2 * pq.vp);
+  } else {
+    for (Floats* x : {&pq.qt, &pq.dot}) x->resize(n_tiles * p.d * kBlockM);
+    for (Floats* x : {&pq.q, &pq.dout}) x->resize(n_tiles * kBlockM * pq.vp);
+  }
+  pq.lse.resize(n_tiles * kBlockM);
+  pq.dsum.resize(n_tiles * kBlockM);
+}
+
+// Rows r < m of a bf16 Q-side tensor (element offset of row r: row(r)) as the pairs PackedQ keeps:
+// (d2, kBlockM) pairs along d, transposed (`along_t`), and (kBlockM / 2, dp) pairs across rows
+// (`across`), both then as panels.
+template <class Row>
+void pack_q_pairs(const PackedQ& pq, const void* base, Row&& row, int m, std::uint32_t* along_t, std::uint32_t* across) {
+  std::vector<std::uint32_t> along(static_cast<std::size_t>(kBlockM) * pq.d2), t(along.size()),
+      x(static_cast<std::size_t>(kBlockM) / 2 * pq.dp);
+  pack_pairs(base, row, m, kBlockM, pq.d, pq.dp, along.data(), x.data());
+  for (int c = 0; c < pq.d2; ++c)
+    for (int r = 0; r < kBlockM; ++r) t[c * kBlockM + r] = along[r * pq.d2 + c];
+  tiles::to_panels(t.data(), pq.d2, kBlockM, kBlockM, pq.panel, along_t);
+  tiles::to_panels(x.data(), kBlockM / 2, pq.dp, pq.dp, pq.panel, across);
 }
 
 // Packs tile t (query block t / h, head t % h) and computes its rows' D = Σ_c dO[i, c] · O[i, c],
@@ -163,19 +246,27 @@ void pack_tile(const BwdParams& p, const BlockGrid& qgrid, PackedQ& pq, std::int
   const int m = static_cast<int>(std::min<std::int64_t>(kBlockM, si.len_q - i0));
   const std::int64_t r0 = si.q_row0 + i0;
   const int d = p.d, dp = pq.dp;
-  // Row-major staging first, (kBlockM, dp) and (d, kBlockM), then the panels.
-  std::vector<float> q(static_cast<std::size_t>(kBlockM) * dp), dout(q.size()), qt(q.size()), dot(q.size());
-  tiles::load_tile(p.q, p.dtype, p.q_stride, b, r0, hq, m, kBlockM, d, dp, p.scale, q.data());
+  // Row-major staging first, (kBlockM, dp) and (d, kBlockM), then the panels. dO in fp32 for D below.
+  std::vector<float> dout(static_cast<std::size_t>(kBlockM) * dp);
   tiles::load_tile(p.dout, p.dtype, p.do_stride, b, r0, hq, m, kBlockM, d, dp, 1.0f, dout.data());
-  for (int c = 0; c < d; ++c)
-    for (int r = 0; r < kBlockM; ++r) {
-      qt[c * kBlockM + r] = q[r * dp + c];
-      dot[c * kBlockM + r] = dout[r * dp + c];
-    }
-  tiles::to_panels(q.data(), kBlockM, dp, dp, pq.panel, pq.q.data() + t * kBlockM * pq.vp);
-  tiles::to_panels(dout.data(), kBlockM, dp, dp, pq.panel, pq.dout.data() + t * kBlockM * pq.vp);
-  tiles::to_panels(qt.data(), d, kBlockM, kBlockM, pq.panel, pq.qt.data() + t * d * kBlockM);
-  tiles::to_panels(dot.data(), d, kBlockM, kBlockM, pq.panel, pq.dot.data() + t * d * kBlockM);
+  if (pq.pairs) {
+    pack_q_pairs(pq, p.q, [&](int r) { return offset_of(p.q_stride, b, r0 + r, hq); }, m,
+                 pq.qt2.data() + t * pq.d2 * kBlockM, pq.q2.data() + t * kBlockM / 2 * pq.vp);
+    pack_q_pairs(pq, p.dout, [&](int r) { return offset_of(p.do_stride, b, r0 + r, hq); }, m,
+                 pq.dot2.data() + t * pq.d2 * kBlockM, pq.dout2.data() + t * kBlockM / 2 * pq.vp);
+  } else {
+    std::vector<float> q(dout.size()), qt(dout.size()), dot(dout.size());
+    tiles::load_tile(p.q, p.dtype, p.q_stride, b, r0, hq, m, kBlockM, d, dp, p.scale, q.data());
+    for (int c = 0; c < d; ++c)
+      for (int r = 0; r < kBlockM; ++r) {
+        qt[c * kBlockM + r] = q[r * dp + c];
+        dot[c * kBlockM + r] = dout[r * dp + c];
+      }
+    tiles::to_panels(q.data(), kBlockM, dp, dp, pq.panel, pq.q.data() + t * kBlockM * pq.vp);
+    tiles::to_panels(dout.data(), kBlockM, dp, dp, pq.panel, pq.dout.data() + t * kBlockM * pq.vp);
+    tiles::to_panels(qt.data(), d, kBlockM, kBlockM, pq.panel, pq.qt.data() + t * d * kBlockM);
+    tiles::to_panels(dot.data(), d, kBlockM, kBlockM, pq.panel, pq.dot.data() + t * d * kBlockM);
+  }
   float* lse = pq.lse.data() + t * kBlockM;
   float* dsum = pq.dsum.data() + t * kBlockM;
   for (int r = 0; r < kBlockM; ++r) {
@@ -262,10 +353,62 @@ struct KeyWorkspace {
   std::vector<float> st, dpt, th, zt;  // (kBlockN, kBlockM) Sᵀ -> (P·Z)ᵀ, dPᵀ -> dSᵀ, tanh, dropout Zᵀ
   std::vector<float> dk, dv;           // (kKeyGroup, kBlockN, dp) accumulators
   std::vector<float> row;              // (d) staging row for packing
+  // bf16 products: (P·Z)ᵀ and dSᵀ as pairs along the queries (kBlockN, kBlockM / 2), dS as pairs
+  // along the keys (kBlockM, kBlockN / 2).
+  std::vector<std::uint32_t> pt2, dst2, ds2;
   explicit KeyWorkspace(int d)
       : dp(tiles::round_up(d, kLanes)), st(kBlockN * kBlockM), dpt(st.size()), th(st.size()), zt(st.size()),
-        dk(static_cast<std::size_t>(kKeyGroup) * kBlockN * dp), dv(dk.size()), row(d) {}
+        dk(static_cast<std::size_t>(kKeyGroup) * kBlockN * dp), dv(dk.size()), row(d), pt2(st.size() / 2),
+        dst2(st.size() / 2), ds2(st.size() / 2) {}
 };
+
+// Sᵀ (n, kBlockM) = K (n, d) · (scale·Q)ᵀ (d, kBlockM), natural units, and dPᵀ (n, kBlockM) =
+// V (n, d) · dOᵀ (d, kBlockM) of key tile `tile` and query tile `qtile`. The bf16 products scale
+// Sᵀ in fp32 after its product (Q stays exact).
+void scores_and_dp(const BwdParams& p, const Kernels& kn, const PackedKV& kv, const PackedQ& pq, std::int64_t tile,
+                   std::int64_t qtile, int n, KeyWorkspace& ws) {
+  if (kv.pairs) {
+    tiles::gemm_panels(kn.gemm_bf16, n, kBlockM, kv.d2, kv.k2_tile(tile), kv.d2, pq.qt2_tile(qtile), pq.d2, pq.panel,
+                       ws.st.data(), kBlockM);
+    tiles::gemm_panels(kn.gemm_bf16, n, kBlockM, kv.d2, kv.v2_tile(tile), kv.d2, pq.dot2_tile(qtile), pq.d2,
+                       pq.panel, ws.dpt.data(), kBlockM);
+    for (int r = 0; r < n; ++r) kn.scale_row(ws.st.data() + r * kBlockM, kBlockM, p.scale);
+    return;
+  }
+  tiles::gemm_panels(kn.gemm, n, kBlockM, p.d, kv.k_tile(tile), ws.dp, pq.qt_tile(qtile), p.d, pq.panel, ws.st.data(),
+                     kBlockM);
+  tiles::gemm_panels(kn.gemm, n, kBlockM, p.d, kv.v_tile(tile), ws.dp, pq.dot_tile(qtile), p.d, pq.panel,
+                     ws.dpt.data(), kBlockM);
+}
+
+// dV (n, dp) += (P·Z)ᵀ (n, m) · dO (m, dp);  dK (n, dp) += dSᵀ (n, m) · (scale·Q) (m, dp), for the
+// bf16 products unscaled Q (the scale at dK's store);  the dQ partial (m, dp) += dS (m, n) · K (n, dp),
+// or = on the partial's first product (first_dq); its scale is applied in pass 2.
+void accumulate(const Kernels& kn, const PackedKV& kv, const PackedQ& pq, std::int64_t tile, std::int64_t qtile, int n,
+                int m, float* dv, float* dk, float* dq, bool first_dq, KeyWorkspace& ws) {
+  const int dp = ws.dp;
+  if (!kv.pairs) {
+    tiles::gemm_panels(kn.gemm_acc, n, dp, m, ws.st.data(), kBlockM, pq.dout_tile(qtile), kBlockM, pq.panel, dv, dp);
+    tiles::gemm_panels(kn.gemm_acc, n, dp, m, ws.dpt.data(), kBlockM, pq.q_tile(qtile), kBlockM, pq.panel, dk, dp);
+    // dS read from the dSᵀ tile.
+    (first_dq ? kn.gemm_at : kn.gemm_at_acc)(m, dp, n, ws.dpt.data(), kBlockM, kv.k_tile(tile), dp, dq, dp);
+    return;
+  }
+  // P·Z and dS rounded to bf16 once, as pairs along the queries; dS along the keys is the same bf16
+  // values transposed.
+  constexpr int kM2 = kBlockM / 2, kN2 = kBlockN / 2;
+  for (int r = 0; r < n; ++r) {
+    kn.to_bf16_pairs(ws.st.data() + r * kBlockM, kBlockM, ws.pt2.data() + r * kM2);
+    kn.to_bf16_pairs(ws.dpt.data() + r * kBlockM, kBlockM, ws.dst2.data() + r * kM2);
+  }
+  const int m2 = (m + 1) / 2, n2 = (n + 1) / 2;
+  tiles::gemm_panels(kn.gemm_bf16_acc, n, dp, m2, ws.pt2.data(), kM2, pq.dout2_tile(qtile), kM2, pq.panel, dv, dp);
+  tiles::gemm_panels(kn.gemm_bf16_acc, n, dp, m2, ws.dst2.data(), kM2, pq.q2_tile(qtile), kM2, pq.panel, dk, dp);
+  auto ds_t = [&](int r, int i) { return r < n ? ws.dst2[r * kM2 + i / 2] >> (16 * (i % 2)) & 0xFFFFu : 0u; };
+  for (int i = 0; i < m; ++i)
+    for (int j = 0; j < n2; ++j) ws.ds2[i * kN2 + j] = ds_t(2 * j, i) | ds_t(2 * j + 1, i) << 16;
+  (first_dq ? kn.gemm_bf16 : kn.gemm_bf16_acc)(m, dp, n2, ws.ds2.data(), kN2, kv.kx2_tile(tile), dp, dq, dp);
+}
 
 // dq_part: this chunk's partial dQ, (query tile, kBlockM, dp) tiles indexed like PackedQ; the
 // first product into a tile overwrites it and sets touched[tile], so tiles no key of the chunk sees
@@ -296,12 +439,7 @@ void key_chunk(const BwdParams& p, const Kernels& kn, const PackedKV& kv, const 
           float* dk = ws.dk.data() + (kb - g0) * kv_acc_size;
           float* dv = ws.dv.data() + (kb - g0) * kv_acc_size;
 
-          // Sᵀ (n, kBlockM) = K (n, d) · (scale·log2(e)·Q)ᵀ (d, kBlockM), log2 units;
-          // dPᵀ (n, kBlockM) = V (n, d) · dOᵀ (d, kBlockM)
-          tiles::gemm_panels(kn.gemm, n, kBlockM, d, kv.k_tile(tile), dp, pq.qt_tile(qtile), d, pq.panel, ws.st.data(),
-                             kBlockM);
-          tiles::gemm_panels(kn.gemm, n, kBlockM, d, kv.v_tile(tile), dp, pq.dot_tile(qtile), d, pq.panel,
-                             ws.dpt.data(), kBlockM);
+          scores_and_dp(p, kn, kv, pq, tile, qtile, n, ws);
           const bool needs_mask = band.tile_needs_mask(i0, i0 + m, j0, j0 + n, si.len_k);
           if (p.dropout_p > 0.0f) dropout_tile(p, hq, si, i0, m, j0, n, ws.zt.data());
           for (int r = 0; r < n; ++r) {
@@ -311,28 +449,18 @@ void key_chunk(const BwdParams& p, const Kernels& kn, const PackedKV& kv, const 
                         p.dropout_p > 0.0f ? ws.zt.data() + r * kBlockM : nullptr, ws.st.data() + r * kBlockM,
                         ws.dpt.data() + r * kBlockM, ws.th.data() + r * kBlockM);
           }
-          // dV (n, dp) += (P·Z)ᵀ (n, m) · dO (m, dp);  dK (n, dp) += dSᵀ (n, m) · (scale·Q) (m, dp)
-          tiles::gemm_panels(kn.gemm_acc, n, dp, m, ws.st.data(), kBlockM, pq.dout_tile(qtile), kBlockM, pq.panel, dv,
-                             dp);
-          tiles::gemm_panels(kn.gemm_acc, n, dp, m, ws.dpt.data(), kBlockM, pq.q_tile(qtile), kBlockM, pq.panel, dk,
-                             dp);
-          // dQ partial (m, dp) += dS (m, n) · K (n, dp), dS read from the dSᵀ tile; scale applied in pass 2.
-          float* dq = dq_part + qtile * q_tile_size;
-          if (touched[qtile]) {
-            kn.gemm_at_acc(m, dp, n, ws.dpt.data(), kBlockM, kv.k_tile(tile), dp, dq, dp);
-          } else {
-            kn.gemm_at(m, dp, n, ws.dpt.data(), kBlockM, kv.k_tile(tile), dp, dq, dp);
-            touched[qtile] = 1;
-          }
+          accumulate(kn, kv, pq, tile, qtile, n, m, dv, dk, dq_part + qtile * q_tile_size, !touched[qtile], ws);
+          touched[qtile] = 1;
         }
       }
     }
     for (std::int64_t kb = g0; kb < g1; ++kb) {
       const std::int64_t j0 = kb * kBlockN;
       const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, si.len_k - j0));
-      const float* dk = ws.dk.data() + (kb - g0) * kv_acc_size;
+      float* dk = ws.dk.data() + (kb - g0) * kv_acc_size;
       const float* dv = ws.dv.data() + (kb - g0) * kv_acc_size;
       for (int r = 0; r < n; ++r) {
+        if (kv.pairs) kn.scale_row(dk + r * dp, dp, p.scale);  // Q was packed unscaled
         tiles::store_row(p.dk, p.dtype, offset_of(p.dk_stride, b, si.k_row0 + j0 + r, hk), d, dk + r * dp);
         tiles::store_row(p.dv, p.dtype, offset_of(p.dv_stride, b, si.k_row0 + j0 + r, hk), d, dv + r * dp);
       }
@@ -371,10 +499,11 @@ void reduce_dq(const BwdParams& p, const BlockGrid& kgrid, const BlockGrid& qgri
 void flash_backward(const BwdParams& p, int num_threads, const Kernels& kn) {
   const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
   const BlockGrid qgrid(p, kBlockM, false), kgrid(p, kBlockN, true);
+  const bool pairs = pair_products(p, kn);
   PackedKV kv;
-  size_packed(p, kgrid, kv);
+  size_packed(p, kgrid, pairs, kv);
   PackedQ pq;
-  size_packed(p, qgrid, kn.panel, pq);
+  size_packed(p, qgrid, kn.panel, pairs, pq);
   const std::int64_t n_ktiles = kgrid.total() * p.h_k, n_qtiles = qgrid.total() * p.h;
   const int chunks = chunks_per_entry(p);
   // Chunk c's partial dQ, tiles laid out like PackedQ's; an entry with fewer key blocks than

@@ -1,7 +1,13 @@
 // CPU flash forward: for each (batch, head, block of kBlockM query rows) a fold of the
 // online-softmax monoid (detail/monoid.hpp) over blocks of kBlockN keys. Per thread the only
-// scores alive are one (kBlockM, kBlockN) tile. Extra memory: K and V packed to fp32 once
+// scores alive are one (kBlockM, kBlockN) tile. Extra memory: K and V packed once
 // (O(total_k·h_k·d)) and the per-thread tiles (O(kBlockM·d)).
+//
+// The two block products run on fp32 operands (K, V and Q converted when packed), or, for bf16
+// inputs where the kernel table has a bf16 dot product (AVX512_BF16), on bf16 pairs with fp32
+// accumulation: K, V and Q stay exactly the input, scores are scaled in fp32 after S = QKᵀ, and P is
+// rounded to bf16 before O += P·V, as the FlashAttention rule's input-precision reference rounds it.
+// fp16 inputs stay on the fp32 products: converting them to bf16 would drop 3 mantissa bits.
 #include <omp.h>
 
 #include <algorithm>
@@ -72,71 +78,140 @@ Tasks make_tasks(const FwdParams& p) {
   return t;
 }
 
-// K and V of every (batch, KV head) converted to fp32 once, in the layouts the products read:
-// Kᵀ tiles (d, kBlockN) and V tiles (kBlockN, dp), zero-padded, each stored as column panels of
-// kn.panel columns, panel after panel (a panel is (rows, panel), contiguous). Repacking them for
-// every query block took 40% of the forward's time at d = 64 (perf, s = 4k); packing once costs
-// O(total_k·h_k·d) memory, the O(N·d) that the issue allows, and GQA groups share it.
-// Panels (tiles::to_panels): +4-17% at s = 2k, one thread, over row-major tiles.
+// K and V of every (batch, KV head) packed once, in the layouts the products read, zero-padded,
+// each stored as column panels of kn.panel columns, panel after panel (a panel is (rows, panel),
+// contiguous):
+// - fp32 products: Kᵀ tiles (d, kBlockN) and V tiles (kBlockN, dp), converted to fp32;
+// - bf16 products (`pairs`): Kᵀ tiles (d2, kBlockN) of K's pairs along d and V tiles
+//   (kBlockN / 2, dp) of V's pairs along the keys (tiles::pair_along_row, pairs_across_rows),
+//   half the bytes.
+// Repacking them for every query block took 40% of the forward's time at d = 64 (perf, s = 4k);
+// packing once costs O(total_k·h_k·d) memory, the O(N·d) that the issue allows, and GQA groups
+// share it. Panels (tiles::to_panels): +4-17% at s = 2k, one thread, over row-major tiles.
 struct PackedKV {
   int d = 0, dp = 0, panel = 0, vp = 0;  // vp: dp rounded up to whole panels
+  int d2 = 0;                            // pairs along d: (d + 1) / 2
+  bool pairs = false;
   std::vector<std::int64_t> first;  // (batch + 1) first key block of batch entry b
   // Uninitialised: pack_tile writes every element, so the pages are first touched by the threads
   // that pack them rather than zero-filled by the calling thread before the parallel region
   // (clear_page and page faults: ~3% of a 1-thread call at s = 1k, d = 64; no gain measurable at
-  // 2 threads on the 2-core VM).
+  // 2 threads on the 2-core VM). kt, v for fp32 products, kt2, v2 for bf16 pairs.
   std::unique_ptr<float[]> kt, v;
+  std::unique_ptr<std::uint32_t[]> kt2, v2;
 
   std::int64_t tile(int b, std::int64_t block, int hk, int h_k) const { return (first[b] + block) * h_k + hk; }
-  float* kt_tile(std::int64_t t) const { return kt.get() + t * d * kBlockN; }
-  float* v_tile(std::int64_t t) const { return v.get() + t * kBlockN * vp; }
+  std::int64_t kt_elems() const { return static_cast<std::int64_t>(pairs ? d2 : d) * kBlockN; }
+  std::int64_t v_elems() const { return static_cast<std::int64_t>(pairs ? kBlockN / 2 : kBlockN) * vp; }
+  float* kt_tile(std::int64_t t) const { return kt.get() + t * kt_elems(); }
+  float* v_tile(std::int64_t t) const { return v.get() + t * v_elems(); }
+  std::uint32_t* kt2_tile(std::int64_t t) const { return kt2.get() + t * kt_elems(); }
+  std::uint32_t* v2_tile(std::int64_t t) const { return v2.get() + t * v_elems(); }
+  // Tile t's Kᵀ and V, whichever form they are in, for prefetching (4-byte elements either way).
+  const void* kt_any(std::int64_t t) const { return pairs ? static_cast<const void*>(kt2_tile(t)) : kt_tile(t); }
+  const void* v_any(std::int64_t t) const { return pairs ? static_cast<const void*>(v2_tile(t)) : v_tile(t); }
 };
 
+// Whether this call's products run on bf16 pairs.
+bool pair_products(const FwdParams& p, const Kernels& kn) { return p.dtype == DType::bf16 && kn.gemm_bf16 != nullptr; }
+
 // Sizes kv for p; pack_tile() fills tile t (key block t / h_k, KV head t % h_k).
-void size_packed(const FwdParams& p, int panel, PackedKV& kv) {
+void size_packed(const FwdParams& p, const Kernels& kn, PackedKV& kv) {
   kv.d = p.d;
   kv.dp = tiles::round_up(p.d, kLanes);
-  kv.panel = panel;
-  kv.vp = tiles::round_up(kv.dp, panel);
+  kv.d2 = (p.d + 1) / 2;
+  kv.pairs = pair_products(p, kn);
+  kv.panel = kn.panel;
+  kv.vp = tiles::round_up(kv.dp, kn.panel);
   kv.first.assign(p.batch + 1, 0);
   for (int b = 0; b < p.batch; ++b) kv.first[b + 1] = kv.first[b] + (seq_info(p, b).len_k + kBlockN - 1) / kBlockN;
-  const std::int64_t n_tiles = kv.first.back() * p.h_k;
-  kv.kt = std::make_unique_for_overwrite<float[]>(static_cast<std::size_t>(n_tiles) * p.d * kBlockN);
-  kv.v = std::make_unique_for_overwrite<float[]>(static_cast<std::size_t>(n_tiles) * kBlockN * kv.vp);
+  const auto n_tiles = static_cast<std::size_t>(kv.first.back() * p.h_k);
+  if (kv.pairs) {
+    kv.kt2 = std::make_unique_for_overwrite<std::uint32_t[]>(n_tiles * kv.kt_elems());
+    kv.v2 = std::make_unique_for_overwrite<std::uint32_t[]>(n_tiles * kv.v_elems());
+  } else {
+    kv.kt = std::make_unique_for_overwrite<float[]>(n_tiles * kv.kt_elems());
+    kv.v = std::make_unique_for_overwrite<float[]>(n_tiles * kv.v_elems());
+  }
 }
 
-void pack_tile(const FwdParams& p, PackedKV& kv, std::int64_t t, float* row, float* staging) {
-  const std::int64_t block_global = t / p.h_k;
-  const int hk = static_cast<int>(t % p.h_k);
-  const int b = static_cast<int>(std::upper_bound(kv.first.begin(), kv.first.end(), block_global) - kv.first.begin()) - 1;
-  const SeqInfo si = seq_info(p, b);
-  const std::int64_t j0 = (block_global - kv.first[b]) * kBlockN;
-  const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, si.len_k - j0));
-  // Rows through detail::kv_offset: a KV cache's batch index or block table, when there is one.
-  auto k_row = [&](int r) { return detail::kv_offset(p, p.k_stride, b, si.k_row0 + j0 + r, hk); };
-  auto v_row = [&](int r) { return detail::kv_offset(p, p.v_stride, b, si.k_row0 + j0 + r, hk); };
-  tiles::load_rows_transposed(p.k, p.dtype, k_row, n, p.d, kBlockN, 1.0f, row, staging);
-  tiles::to_panels(staging, p.d, kBlockN, kBlockN, kv.panel, kv.kt_tile(t));
-  tiles::load_rows(p.v, p.dtype, v_row, n, kBlockN, p.d, kv.dp, 1.0f, staging);
-  tiles::to_panels(staging, kBlockN, kv.dp, kv.dp, kv.panel, kv.v_tile(t));
-}
-
-// One thread's tiles. dp = d rounded up to the 8-wide vector.
+// One thread's tiles. dp = d rounded up to the 8-wide vector; d2 = pairs along d. The q2, p2 and
+// staging2 tiles serve bf16 pair products and are empty otherwise, as q and staging are then.
 struct Workspace {
-  int d, dp;
-  std::vector<float> q;   // (kBlockM, d)   scale·log2(e) · Q
+  int d, dp, d2;
+  std::vector<float> q;   // (kBlockM, d)   scale · Q
   std::vector<float> s;   // (kBlockM, kBlockN) scores, then probabilities
   std::vector<float> o;   // (kBlockM, dp)  unnormalised output
   std::vector<float> row;  // (d)       staging row for packing
   std::vector<float> staging;   // (max(d, kBlockN), max(kBlockN, dp))  a K or V tile before to_panels
+  std::vector<std::uint32_t> q2;        // (kBlockM, d2)  Q's pairs along d, unscaled
+  std::vector<std::uint32_t> p2;        // (kBlockM, kBlockN / 2)  P's pairs along the keys
+  std::vector<std::uint32_t> staging2;  // (max(d2, kBlockN / 2), max(kBlockN, dp))  pairs before to_panels
   std::vector<RowState> state;  // (kBlockM)
   std::vector<float> alpha;     // (kBlockM)  rescale of o for the current key block
-  explicit Workspace(int d_)
-      : d(d_), dp(tiles::round_up(d_, kLanes)), q(kBlockM * d), s(kBlockM * kBlockN),
-        o(static_cast<std::size_t>(kBlockM) * dp), row(d_),
-        staging(static_cast<std::size_t>(std::max(d_, kBlockN)) * std::max(kBlockN, dp)), state(kBlockM),
-        alpha(kBlockM) {}
+  Workspace(int d_, bool pairs)
+      : d(d_), dp(tiles::round_up(d_, kLanes)), d2((d_ + 1) / 2), s(kBlockM * kBlockN),
+        o(static_cast<std::size_t>(kBlockM) * dp), row(d_), state(kBlockM), alpha(kBlockM) {
+    if (pairs) {
+      q2.resize(static_cast<std::size_t>(kBlockM) * d2);
+      p2.resize(kBlockM * kBlockN / 2);
+      staging2.resize(static_cast<std::size_t>(std::max(d2, kBlockN / 2)) * std::max(kBlockN, dp));
+    } else {
+      q.resize(static_cast<std::size_t>(kBlockM) * d);
+      staging.resize(static_cast<std::size_t>(std::max(d, kBlockN)) * std::max(kBlockN, dp));
+    }
+  }
 };
+
+// Element offset of row r of K or V in tile t (key block t / h_k, KV head t % h_k), through
+// detail::kv_offset: a KV cache's batch index or block table, when there is one. n: the tile's keys.
+struct TileRows {
+  const FwdParams& p;
+  int b, hk, n;
+  std::int64_t row0;  // the tile's first key, in the entry's rows
+  std::int64_t k(int r) const { return detail::kv_offset(p, p.k_stride, b, row0 + r, hk); }
+  std::int64_t v(int r) const { return detail::kv_offset(p, p.v_stride, b, row0 + r, hk); }
+};
+
+TileRows tile_rows(const FwdParams& p, const PackedKV& kv, std::int64_t t) {
+  const std::int64_t block_global = t / p.h_k;
+  const int b = static_cast<int>(std::upper_bound(kv.first.begin(), kv.first.end(), block_global) - kv.first.begin()) - 1;
+  const SeqInfo si = seq_info(p, b);
+  const std::int64_t j0 = (block_global - kv.first[b]) * kBlockN;
+  return {p, b, static_cast<int>(t % p.h_k), static_cast<int>(std::min<std::int64_t>(kBlockN, si.len_k - j0)),
+          si.k_row0 + j0};
+}
+
+void pack_tile(const FwdParams& p, PackedKV& kv, std::int64_t t, Workspace& ws) {
+  const TileRows rows = tile_rows(p, kv, t);
+  const int n = rows.n;
+  auto k_row = [&](int r) { return rows.k(r); };
+  auto v_row = [&](int r) { return rows.v(r); };
+  if (!kv.pairs) {
+    tiles::load_rows_transposed(p.k, p.dtype, k_row, n, p.d, kBlockN, 1.0f, ws.row.data(), ws.staging.data());
+    tiles::to_panels(ws.staging.data(), p.d, kBlockN, kBlockN, kv.panel, kv.kt_tile(t));
+    tiles::load_rows(p.v, p.dtype, v_row, n, kBlockN, p.d, kv.dp, 1.0f, ws.staging.data());
+    tiles::to_panels(ws.staging.data(), kBlockN, kv.dp, kv.dp, kv.panel, kv.v_tile(t));
+    return;
+  }
+  // Kᵀ pairs (d2, kBlockN): column r holds key r's pairs along d; keys past n are zero.
+  const auto* k = static_cast<const std::uint16_t*>(p.k);
+  std::uint32_t* kt = ws.staging2.data();
+  for (int r = 0; r < kBlockN; ++r)
+    for (int c = 0; c < kv.d2; ++c) kt[c * kBlockN + r] = r < n ? tiles::pair_along_row(k + rows.k(r), p.d, c) : 0u;
+  tiles::to_panels(kt, kv.d2, kBlockN, kBlockN, kv.panel, kv.kt2_tile(t));
+  // V pairs (kBlockN / 2, dp): row j pairs keys 2j and 2j + 1; keys past n are zero.
+  const auto* v = static_cast<const std::uint16_t*>(p.v);
+  for (int j = 0; j < kBlockN / 2; ++j) {
+    const int r0 = 2 * j, r1 = 2 * j + 1;
+    std::uint32_t* dst = ws.staging2.data() + static_cast<std::int64_t>(j) * kv.dp;
+    if (r0 < n)
+      tiles::pairs_across_rows(v + rows.v(r0), r1 < n ? v + rows.v(r1) : nullptr, p.d, kv.dp, dst);
+    else
+      std::fill(dst, dst + kv.dp, 0u);
+  }
+  tiles::to_panels(ws.staging2.data(), kBlockN / 2, kv.dp, kv.dp, kv.panel, kv.v2_tile(t));
+}
 
 // Score transforms in the order detail/mask.hpp defines them, in natural units (tiles::kLog2e
 // says why), on row i (in the sequence) of the tile, keys j0 .. j0 + n; columns [n, kBlockN)
@@ -182,6 +257,43 @@ Item item_at(const Tasks& tasks, std::int64_t t) {
   return {b, static_cast<int>(rest / tasks.blocks[b]), static_cast<int>(rest % tasks.blocks[b])};
 }
 
+// The item's m query rows from row i0 of the entry: scale·Q in fp32 for the fp32 products, Q's
+// pairs along d as they are for the bf16 ones (the scale then goes to the scores, scale_scores).
+void load_q(const FwdParams& p, const PackedKV& kv, const SeqInfo& si, Item it, std::int64_t i0, int m,
+            Workspace& ws) {
+  if (!kv.pairs) {
+    tiles::load_tile(p.q, p.dtype, p.q_stride, it.b, si.q_row0 + i0, it.hq, m, m, p.d, p.d, p.scale, ws.q.data());
+    return;
+  }
+  const auto* q = static_cast<const std::uint16_t*>(p.q);
+  for (int r = 0; r < m; ++r) {
+    const std::uint16_t* row = q + detail::offset_of(p.q_stride, it.b, si.q_row0 + i0 + r, it.hq);
+    for (int c = 0; c < kv.d2; ++c) ws.q2[r * kv.d2 + c] = tiles::pair_along_row(row, p.d, c);
+  }
+}
+
+// S (m, kBlockN) = Q (m, d) · Kᵀ (d, kBlockN) of tile `tile`: scores in natural units for the fp32
+// products (Q holds the scale), unscaled ones for the bf16 products.
+void scores(const Kernels& kn, const PackedKV& kv, std::int64_t tile, int m, Workspace& ws) {
+  if (kv.pairs)
+    tiles::gemm_panels(kn.gemm_bf16, m, kBlockN, kv.d2, ws.q2.data(), kv.d2, kv.kt2_tile(tile), kv.d2, kv.panel,
+                       ws.s.data(), kBlockN);
+  else
+    tiles::gemm_panels(kn.gemm, m, kBlockN, kv.d, ws.q.data(), kv.d, kv.kt_tile(tile), kv.d, kv.panel, ws.s.data(),
+                       kBlockN);
+}
+
+// O (m, dp) += P (m, n) · V (n, dp) of tile `tile`; for the bf16 products P's pairs (ws.p2, rounded
+// by to_bf16_pairs), over the n keys rounded up to a pair (V's padding keys are zero).
+void accumulate(const Kernels& kn, const PackedKV& kv, std::int64_t tile, int m, int n, Workspace& ws) {
+  if (kv.pairs)
+    tiles::gemm_panels(kn.gemm_bf16_acc, m, ws.dp, (n + 1) / 2, ws.p2.data(), kBlockN / 2, kv.v2_tile(tile),
+                       kBlockN / 2, kv.panel, ws.o.data(), ws.dp);
+  else
+    tiles::gemm_panels(kn.gemm_acc, m, ws.dp, n, ws.s.data(), kBlockN, kv.v_tile(tile), kBlockN, kv.panel,
+                       ws.o.data(), ws.dp);
+}
+
 // ws.o, ws.state <- the fold of key blocks [kb_lo, kb_hi) (on the kBlockN grid of entry it.b) into
 // the item's query rows, unnormalised; returns the number of rows m.
 int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it, std::int64_t kb_lo,
@@ -189,12 +301,12 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
   const SeqInfo si = seq_info(p, it.b);
   const detail::Band band = band_of(p, si);
   const int hk = it.hq / p.group();
-  const int d = ws.d, dp = ws.dp;
+  const int dp = ws.dp;
   const std::int64_t i0 = static_cast<std::int64_t>(it.qb) * kBlockM;
   const int m = static_cast<int>(std::min<std::int64_t>(kBlockM, si.len_q - i0));
   const float slope = detail::alibi_slope(p, it.b, it.hq);
 
-  tiles::load_tile(p.q, p.dtype, p.q_stride, it.b, si.q_row0 + i0, it.hq, m, m, d, d, p.scale, ws.q.data());
+  load_q(p, kv, si, it, i0, m, ws);
   std::fill(ws.o.begin(), ws.o.end(), 0.0f);
   std::fill(ws.state.begin(), ws.state.end(), RowState{});
 
@@ -205,19 +317,20 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
     const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, si.len_k - j0));
     const std::int64_t tile = kv.tile(it.b, j0 / kBlockN, hk, p.h_k);
 
-    // S (m, kBlockN) = (scale · Q) (m, d) · Kᵀ (d, kBlockN): scores in natural units
-    tiles::gemm_panels(kn.gemm, m, kBlockN, d, ws.q.data(), d, kv.kt_tile(tile), d, kv.panel, ws.s.data(), kBlockN);
+    scores(kn, kv, tile, m, ws);
 
     const bool needs_mask = band.tile_needs_mask(i0, i0 + m, j0, j0 + n, si.len_k);
     // The K/V tiles of one head (1 MiB at s = 2k, d = 64) exceed L2 and come from L3 for every
     // query block: while the rows' softmax runs, V of this key block and Kᵀ of the next are fetched.
     const bool next = j0 + kBlockN < k_end;
-    const std::int64_t kt_bytes = static_cast<std::int64_t>(d) * kBlockN * 4, v_bytes = kBlockN * kv.vp * 4;
+    const std::int64_t kt_bytes = kv.kt_elems() * 4, v_bytes = kv.v_elems() * 4;
     for (int r = 0; r < m; ++r) {
       float* s = ws.s.data() + r * kBlockN;
       const std::int64_t i = i0 + r;
-      tiles::prefetch_l2(kv.v_tile(tile), v_bytes, r, m);
-      if (next) tiles::prefetch_l2(kv.kt_tile(tile + p.h_k), kt_bytes, r, m);
+      tiles::prefetch_l2(kv.v_any(tile), v_bytes, r, m);
+      if (next) tiles::prefetch_l2(kv.kt_any(tile + p.h_k), kt_bytes, r, m);
+      // The bf16 products' scores are scaled here, in fp32, while the row is in L1 (Q stays exact).
+      if (kv.pairs) kn.scale_row(s, kBlockN, p.scale);
       transform_row(p, band, slope, needs_mask, i, j0, n, s);
       // The tile's partial state is expressed against m_new >= the running state's m, so that
       // merging it is just the rescale of the running state (its own factor is 2^0 = 1): m_new is
@@ -234,11 +347,11 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
       ws.state[r] = detail::merge(ws.state[r], RowState{m_new, sum}, &fa, &fb);
       ws.alpha[r] = fa;
       if (p.dropout_p > 0.0f) apply_dropout(p, detail::dropout_row_id(p, it.hq, si, i), j0, n, s);
+      if (kv.pairs) kn.to_bf16_pairs(s, kBlockN, ws.p2.data() + r * (kBlockN / 2));
     }
     for (int r = 0; r < m; ++r)
       if (ws.alpha[r] != 1.0f) kn.scale_row(ws.o.data() + r * dp, dp, ws.alpha[r]);
-    // O (m, dp) += P (m, n) · V (n, dp)
-    tiles::gemm_panels(kn.gemm_acc, m, dp, n, ws.s.data(), kBlockN, kv.v_tile(tile), kBlockN, kv.panel, ws.o.data(), dp);
+    accumulate(kn, kv, tile, m, n, ws);
   }
   return m;
 }
@@ -298,7 +411,7 @@ void flash_forward(const FwdParams& p, int num_threads, const Kernels& kn) {
   const Tasks tasks = make_tasks(p);
   const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
   PackedKV kv;
-  size_packed(p, kn.panel, kv);
+  size_packed(p, kn, kv);
   const std::int64_t n_tiles = kv.first.back() * p.h_k;
   Partials parts;
   if (tasks.splits > 1) {
@@ -314,9 +427,9 @@ void flash_forward(const FwdParams& p, int num_threads, const Kernels& kn) {
   // 56-80 ms without splits, 72-102 with splits and a barrier), hence the merge by the last task.
 #pragma omp parallel num_threads(threads)
   {
-    Workspace ws(p.d);
+    Workspace ws(p.d, kv.pairs);
 #pragma omp for schedule(static)
-    for (std::int64_t t = 0; t < n_tiles; ++t) pack_tile(p, kv, t, ws.row.data(), ws.staging.data());
+    for (std::int64_t t = 0; t < n_tiles; ++t) pack_tile(p, kv, t, ws);
     // Dynamic: under causal masks a block's work grows with its row index. Splits outermost, so
     // that the first tasks taken cover every item once.
 #pragma omp for schedule(dynamic, 1) nowait

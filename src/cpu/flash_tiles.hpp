@@ -1,6 +1,6 @@
 // Tile vocabulary of the CPU flash path (flash_fwd.cpp, flash_bwd.cpp) that is not ISA-specific:
-// AVX2 helpers for the element-wise work and loaders that turn a strided fp32/fp16/bf16 tile into a
-// dense fp32 tile. The block products and the online-softmax row operations are in the per-ISA
+// AVX2 helpers for the element-wise work, loaders that turn a strided fp32/fp16/bf16 tile into a
+// dense fp32 tile, and the bf16 pairs of the products from bf16 inputs. The block products and the online-softmax row operations are in the per-ISA
 // kernel table (cpu/kernels.hpp). The build targets x86-64-v3 (AVX2 + FMA + F16C).
 #pragma once
 
@@ -62,8 +62,8 @@ inline float hsum(__m256 v) {
 
 // Software prefetch into L2 of slice `part` of `parts` of [p, p + bytes): callers spread one tile's
 // prefetch over the iterations of a loop that runs before the tile is read.
-inline void prefetch_l2(const float* p, std::int64_t bytes, int part, int parts) {
-  const char* c = reinterpret_cast<const char*>(p);
+inline void prefetch_l2(const void* p, std::int64_t bytes, int part, int parts) {
+  const char* c = static_cast<const char*>(p);
   const std::int64_t lines = (bytes + 63) / 64;
   for (std::int64_t l = lines * part / parts; l < lines * (part + 1) / parts; ++l)
     _mm_prefetch(c + l * 64, _MM_HINT_T1);
@@ -129,24 +129,41 @@ inline void load_rows_transposed(const void* base, DType t, RowOffset&& row_offs
 // zeroed. The products' B operands are packed so (panel = Kernels::panel): a row-major tile with
 // rows 256 or 512 B apart put the (K, panel) block a micro-kernel streams its row blocks over into
 // 16 or 8 of L1's 64 sets, where its lines evicted each other.
-inline void to_panels(const float* src, int rows, int cols, int ld, int panel, float* dst) {
+// T is float, or std::uint32_t for bf16 pairs (a pair is one element).
+template <class T>
+inline void to_panels(const T* src, int rows, int cols, int ld, int panel, T* dst) {
   for (int j = 0; j < cols; j += panel)
     for (int r = 0; r < rows; ++r) {
-      const float* in = src + static_cast<std::int64_t>(r) * ld + j;
-      float* out = dst + static_cast<std::int64_t>(j) * rows + r * panel;
+      const T* in = src + static_cast<std::int64_t>(r) * ld + j;
+      T* out = dst + static_cast<std::int64_t>(j) * rows + r * panel;
       const int w = cols - j < panel ? cols - j : panel;
       for (int c = 0; c < w; ++c) out[c] = in[c];
-      for (int c = w; c < panel; ++c) out[c] = 0.0f;
+      for (int c = w; c < panel; ++c) out[c] = T{};
     }
 }
 
 // C (M, N) (+)= A (M, K) · B (K, N), B the first K rows of column panels of (rows, panel)
 // (to_panels): one product per panel, each element summed exactly as by one call over all of B.
-template <class Gemm>
-inline void gemm_panels(Gemm gemm, int M, int N, int K, const float* A, int lda, const float* B, int rows, int panel,
+// T as for to_panels (K then counts pairs).
+template <class Gemm, class T>
+inline void gemm_panels(Gemm gemm, int M, int N, int K, const T* A, int lda, const T* B, int rows, int panel,
                         float* C, int ldc) {
   for (int j = 0; j < N; j += panel)
     gemm(M, N - j < panel ? N - j : panel, K, A, lda, B + static_cast<std::int64_t>(j) * rows, panel, C + j, ldc);
+}
+
+// bf16 pairs (src/cpu/simd_bf16.hpp) for the products from bf16 inputs, the bits copied as they are.
+// Pair j of a row of d bf16 paired along d, (src[2j], src[2j + 1]), the element past an odd d
+// zero: Q as the A operand of S = QKᵀ, K as the columns of its B operand Kᵀ.
+inline std::uint32_t pair_along_row(const std::uint16_t* src, int d, int j) {
+  return src[2 * j] | (2 * j + 1 < d ? static_cast<std::uint32_t>(src[2 * j + 1]) << 16 : 0u);
+}
+
+// dst[c] <- (r0[c], r1[c]) for c < d, zero for c in [d, ld); r1 = nullptr reads zeros: two rows of
+// a bf16 tensor paired across rows (V paired along the keys, the B operand of O += P·V).
+inline void pairs_across_rows(const std::uint16_t* r0, const std::uint16_t* r1, int d, int ld, std::uint32_t* dst) {
+  for (int c = 0; c < d; ++c) dst[c] = r0[c] | (r1 ? static_cast<std::uint32_t>(r1[c]) << 16 : 0u);
+  for (int c = d; c < ld; ++c) dst[c] = 0;
 }
 
 // The row at element `offset` of a tensor of dtype t <- src[0, d) (fp32), rounded to nearest even.

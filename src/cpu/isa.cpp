@@ -2,6 +2,7 @@
 
 #include <cpuid.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 
@@ -23,22 +24,43 @@ bool detect_avx512() {
   return (lo & 0xE6u) == 0xE6u;
 }
 
+// AVX512_BF16: cpuid leaf 7, subleaf 1, EAX bit 5 (subleaf 1 exists where leaf 7 subleaf 0 reports
+// a maximum subleaf of at least 1 in EAX).
+bool detect_avx512_bf16() {
+  unsigned a, b, c, d;
+  if (!detect_avx512() || __get_cpuid_count(7, 0, &a, &b, &c, &d) == 0 || a < 1) return false;
+  __cpuid_count(7, 1, a, b, c, d);
+  return (a & (1u << 5)) != 0;
+}
+
+Isa detect_best() {
+  if (detect_avx512_bf16()) return Isa::avx512_bf16;
+  return detect_avx512() ? Isa::avx512 : Isa::avx2;
+}
+
 Isa read_default() {
-  const Isa best = detect_avx512() ? Isa::avx512 : Isa::avx2;
+  const Isa best = detect_best();
   const char* env = std::getenv("FLASHMONOID_CPU_ISA");
   const std::string want = env ? env : "";
-  if (want.empty() || want == "avx512") return best;
+  if (want.empty() || want == "best" || want == "avx512_bf16") return best;
+  if (want == "avx512") return std::min(best, Isa::avx512);
   if (want == "avx2") return Isa::avx2;
-  throw Error("FLASHMONOID_CPU_ISA", "'" + want + "' is not one of avx2, avx512");
+  throw Error("FLASHMONOID_CPU_ISA", "'" + want + "' is not one of avx2, avx512, avx512_bf16, best");
 }
 
 }  // namespace
 
-const char* to_string(Isa isa) { return isa == Isa::avx512 ? "avx512" : "avx2"; }
+const char* to_string(Isa isa) {
+  switch (isa) {
+    case Isa::avx512: return "avx512";
+    case Isa::avx512_bf16: return "avx512_bf16";
+    default: return "avx2";
+  }
+}
 
 bool cpu_has(Isa isa) {
-  static const bool avx512 = detect_avx512();
-  return isa == Isa::avx2 || avx512;
+  static const Isa best = detect_best();
+  return isa <= best;
 }
 
 Isa default_isa() {

@@ -9,17 +9,20 @@
 
 namespace flashmonoid::cpu {
 
+// Ordered: each needs what the ones before it need.
 // avx2: AVX2 + FMA + F16C (x86-64-v3), the baseline the library is built for.
 // avx512: AVX-512 F, BW, VL and DQ with the OS saving zmm state.
-enum class Isa : std::uint8_t { avx2, avx512 };
+// avx512_bf16: avx512 plus AVX512_BF16 (VDPBF16PS): bf16 inputs' block products from bf16 pairs.
+enum class Isa : std::uint8_t { avx2, avx512, avx512_bf16 };
 
 const char* to_string(Isa isa);
 
 // Whether this CPU can run isa (cpuid once).
 bool cpu_has(Isa isa);
 
-// The best ISA this CPU has, unless FLASHMONOID_CPU_ISA=avx2 forces the fallback ("avx512" or
-// unset: the best available). Any other value throws flashmonoid::Error on first use.
+// The best ISA this CPU has, capped by FLASHMONOID_CPU_ISA when set: avx2 forces the fallback,
+// avx512 the AVX-512 kernels without bf16 products (where the CPU has AVX-512), avx512_bf16 or
+// best the best available. Any other value throws flashmonoid::Error on first use.
 Isa default_isa();
 
 // The ISA a call with this Context::cpu_isa runs.

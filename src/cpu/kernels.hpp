@@ -1,7 +1,8 @@
 // The ISA-specific kernels of the CPU flash path: the block matrix product and the online-softmax
 // row operations. One generic source (kernels_impl.hpp) compiled once per ISA, each copy in its
-// own translation unit: kernels_avx2.cpp (x86-64-v3, runs on every supported CPU) and
-// kernels_avx512.cpp (AVX-512 F/BW/VL/DQ flags, called only where cpuid says so). flash_fwd.cpp and
+// own translation unit: kernels_avx2.cpp (x86-64-v3, runs on every supported CPU),
+// kernels_avx512.cpp (AVX-512 F/BW/VL/DQ flags) and kernels_avx512_bf16.cpp (the same plus
+// AVX512_BF16), the last two called only where cpuid says so. flash_fwd.cpp and
 // flash_bwd.cpp stay x86-64-v3 and reach them through this table, chosen once per call by
 // kernels_for(isa) (src/cpu/isa.hpp).
 //
@@ -12,6 +13,8 @@
 // openblas_set_num_threads(1) process-wide to be called from inside our OpenMP workers.
 #pragma once
 
+#include <cstdint>
+
 #include "cpu/isa.hpp"
 
 namespace flashmonoid::cpu {
@@ -20,6 +23,11 @@ namespace flashmonoid::cpu {
 // (callers pad B's and C's columns). The _acc forms add into C; the _at forms read A stored
 // transposed, element (r, k) at A[k·lda + r].
 using GemmFn = void (*)(int M, int N, int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc);
+// The same product from bf16 pairs (src/cpu/simd_bf16.hpp), fp32 accumulation: A (M×K2) and B
+// (K2×N) of pairs, i.e. 2·K2 bf16 along the summed dimension, A's pairs along its rows and B's down
+// its columns; C fp32. The _acc form adds into C.
+using GemmPairsFn = void (*)(int M, int N, int K2, const std::uint32_t* A, int lda, const std::uint32_t* B, int ldb,
+                             float* C, int ldc);
 
 struct Kernels {
   Isa isa;
@@ -41,6 +49,11 @@ struct Kernels {
   // Columns of B one register block of the products holds (16 for AVX2, 32 for AVX-512): callers
   // that pack B in column panels of this width (flash_fwd.cpp) keep each panel contiguous in L1.
   int panel;
+  // Only where the ISA has a bf16 dot product (VDPBF16PS), else nullptr: the products from bf16
+  // pairs, and pairs[j] <- (bf16(x[2j]), bf16(x[2j + 1])) for 2j < n (n a multiple of 16; round to
+  // nearest even, denormals to zero), which turns the forward's probabilities into an A operand.
+  GemmPairsFn gemm_bf16 = nullptr, gemm_bf16_acc = nullptr;
+  void (*to_bf16_pairs)(const float* x, int n, std::uint32_t* pairs) = nullptr;
 
   template <bool Acc, bool TransA>
   GemmFn gemm_for() const {
@@ -50,8 +63,15 @@ struct Kernels {
 };
 
 const Kernels& kernels_avx2();
-const Kernels& kernels_avx512();  // call only where cpu_has(Isa::avx512)
+const Kernels& kernels_avx512();       // call only where cpu_has(Isa::avx512)
+const Kernels& kernels_avx512_bf16();  // call only where cpu_has(Isa::avx512_bf16)
 
-inline const Kernels& kernels_for(Isa isa) { return isa == Isa::avx512 ? kernels_avx512() : kernels_avx2(); }
+inline const Kernels& kernels_for(Isa isa) {
+  switch (isa) {
+    case Isa::avx512: return kernels_avx512();
+    case Isa::avx512_bf16: return kernels_avx512_bf16();
+    default: return kernels_avx2();
+  }
+}
 
 }  // namespace flashmonoid::cpu

@@ -1,10 +1,11 @@
 // The one source of the CPU kernels (src/cpu/kernels.hpp), generic in the vector type V: included
-// by kernels_avx2.cpp (V = f32x8) and kernels_avx512.cpp (V = f32x16), each compiled with its own
-// flags. Internal linkage throughout, for the reason given in simd.hpp.
+// by kernels_avx2.cpp (V = f32x8), kernels_avx512.cpp and kernels_avx512_bf16.cpp (V = f32x16),
+// each compiled with its own flags. Internal linkage throughout, for the reason given in simd.hpp.
 #pragma once
 
 #include "cpu/kernels.hpp"
 #include "cpu/simd.hpp"
+#include "cpu/simd_bf16.hpp"
 
 namespace flashmonoid::cpu::kernels_impl {
 namespace {
@@ -29,11 +30,42 @@ struct Tile<simd::f32x16> {
   static constexpr int MR = 8, NV = 2;
 };
 
+// What a product's operands hold and what one k step does with them. The micro-kernels below are
+// generic in it, so that fp32 and bf16-pair products share their register blocking and loops.
+// - F32: A and B fp32, one FMA per (row, vector) and k.
+// - Bf16Pairs: A and B bf16 pairs (simd_bf16.hpp), k counting pairs: one VDPBF16PS per
+//   (row, vector) adds two products, A's pair broadcast to every lane.
+struct F32 {
+  using Elem = float;
+  template <class V>
+  static V load_b(const float* p) {
+    return simd::loadu<V>(p);
+  }
+  template <class V>
+  static V madd(V c, float a, V b) {
+    return c + a * b;
+  }
+};
+
+struct Bf16Pairs {
+  using Elem = std::uint32_t;
+  template <class V>
+  static simd::u32_of<V> load_b(const std::uint32_t* p) {
+    simd::u32_of<V> v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+  }
+  template <class V>
+  static V madd(V c, std::uint32_t a, simd::u32_of<V> b) {
+    return simd::dot_bf16_pairs(c, a - simd::u32_of<V>{}, b);
+  }
+};
+
 // GCC 12 keeps c[][] on the stack, storing every accumulator each k step (65 instead of 105
 // GFLOP/s at 96×64×128, AVX2), unless the constant loops are unrolled before scalar replacement:
 // hence the pragmas.
-template <class V, int MR, int NV, bool Acc, bool TransA>
-inline void micro_kernel(int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc) {
+template <class Op, class V, int MR, int NV, bool Acc, bool TransA, class E = typename Op::Elem>
+inline void micro_kernel(int K, const E* A, int lda, const E* B, int ldb, float* C, int ldc) {
   constexpr int L = simd::lanes<V>;
   V c[MR][NV];
 #pragma GCC unroll 16
@@ -41,14 +73,14 @@ inline void micro_kernel(int K, const float* A, int lda, const float* B, int ldb
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) c[r][v] = Acc ? simd::loadu<V>(C + r * ldc + v * L) : V{};
   for (int k = 0; k < K; ++k) {
-    V b[NV];
+    decltype(Op::template load_b<V>(B)) b[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) b[v] = simd::loadu<V>(B + static_cast<std::int64_t>(k) * ldb + v * L);
+    for (int v = 0; v < NV; ++v) b[v] = Op::template load_b<V>(B + static_cast<std::int64_t>(k) * ldb + v * L);
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
-      const float a = TransA ? A[static_cast<std::int64_t>(k) * lda + r] : A[r * lda + k];
+      const E a = TransA ? A[static_cast<std::int64_t>(k) * lda + r] : A[r * lda + k];
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) c[r][v] += a * b[v];
+      for (int v = 0; v < NV; ++v) c[r][v] = Op::madd(c[r][v], a, b[v]);
     }
   }
 #pragma GCC unroll 16
@@ -58,36 +90,36 @@ inline void micro_kernel(int K, const float* A, int lda, const float* B, int ldb
 }
 
 // The last rows of a panel, fewer than a full block: one micro-kernel of exactly that height.
-template <class V, int NV, bool Acc, bool TransA, int MR = Tile<V>::MR - 1>
-inline void rest_rows(int rows, int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc) {
+template <class Op, class V, int NV, bool Acc, bool TransA, int MR = Tile<V>::MR - 1, class E = typename Op::Elem>
+inline void rest_rows(int rows, int K, const E* A, int lda, const E* B, int ldb, float* C, int ldc) {
   if constexpr (MR > 0) {
     if (rows == MR)
-      micro_kernel<V, MR, NV, Acc, TransA>(K, A, lda, B, ldb, C, ldc);
+      micro_kernel<Op, V, MR, NV, Acc, TransA>(K, A, lda, B, ldb, C, ldc);
     else
-      rest_rows<V, NV, Acc, TransA, MR - 1>(rows, K, A, lda, B, ldb, C, ldc);
+      rest_rows<Op, V, NV, Acc, TransA, MR - 1>(rows, K, A, lda, B, ldb, C, ldc);
   }
 }
 
-template <class V, int NV, bool Acc, bool TransA>
-inline void gemm_panel(int M, int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc) {
+template <class Op, class V, int NV, bool Acc, bool TransA, class E = typename Op::Elem>
+inline void gemm_panel(int M, int K, const E* A, int lda, const E* B, int ldb, float* C, int ldc) {
   constexpr int MR = Tile<V>::MR;
   const auto a_rows = [&](int i) { return TransA ? A + i : A + i * lda; };
   int i = 0;
-  for (; i + MR <= M; i += MR) micro_kernel<V, MR, NV, Acc, TransA>(K, a_rows(i), lda, B, ldb, C + i * ldc, ldc);
-  rest_rows<V, NV, Acc, TransA>(M - i, K, a_rows(i), lda, B, ldb, C + i * ldc, ldc);
+  for (; i + MR <= M; i += MR) micro_kernel<Op, V, MR, NV, Acc, TransA>(K, a_rows(i), lda, B, ldb, C + i * ldc, ldc);
+  rest_rows<Op, V, NV, Acc, TransA>(M - i, K, a_rows(i), lda, B, ldb, C + i * ldc, ldc);
 }
 
 // Column panels outermost: one K×(NV·L) panel of B (8 KiB at K = 64, AVX-512) stays in L1 while
 // the row blocks of A stream past it. Columns left over: one vector of V, then one of 8 lanes.
-template <class V, bool Acc, bool TransA>
-void gemm(int M, int N, int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc) {
+template <class Op, class V, bool Acc, bool TransA, class E = typename Op::Elem>
+void gemm(int M, int N, int K, const E* A, int lda, const E* B, int ldb, float* C, int ldc) {
   constexpr int L = simd::lanes<V>, NV = Tile<V>::NV;
   int j = 0;
-  for (; j + NV * L <= N; j += NV * L) gemm_panel<V, NV, Acc, TransA>(M, K, A, lda, B + j, ldb, C + j, ldc);
+  for (; j + NV * L <= N; j += NV * L) gemm_panel<Op, V, NV, Acc, TransA>(M, K, A, lda, B + j, ldb, C + j, ldc);
   if constexpr (NV > 1)
-    for (; j + L <= N; j += L) gemm_panel<V, 1, Acc, TransA>(M, K, A, lda, B + j, ldb, C + j, ldc);
+    for (; j + L <= N; j += L) gemm_panel<Op, V, 1, Acc, TransA>(M, K, A, lda, B + j, ldb, C + j, ldc);
   if constexpr (L > 8)
-    if (j < N) gemm_panel<f32x8, 1, Acc, TransA>(M, K, A, lda, B + j, ldb, C + j, ldc);
+    if (j < N) gemm_panel<Op, f32x8, 1, Acc, TransA>(M, K, A, lda, B + j, ldb, C + j, ldc);
 }
 
 // Row operations over n floats, n a multiple of 8: full vectors of V, then one of 8 lanes.
@@ -157,11 +189,19 @@ void softmax_grad(int n, const float* lse, const float* dsum, const float* z, co
   if (c < n) softmax_grad_at<f32x8>(c, lse, dsum, z, th, s, dp);
 }
 
-template <class V>
+// The table for vectors V; with bf16 products (Bf16 = true, the AVX512_BF16 build) it also has the
+// pair products and the conversion of probabilities to bf16 pairs.
+template <class V, bool Bf16 = false>
 constexpr Kernels make_kernels(Isa isa) {
-  return Kernels{isa,        gemm<V, false, false>, gemm<V, true, false>, gemm<V, false, true>, gemm<V, true, true>,
-                 row_max<V>, exp2_sub_sum<V>,       scale_row<V>,         softmax_grad<V>,
-                 Tile<V>::NV * simd::lanes<V>};
+  Kernels k{isa,        gemm<F32, V, false, false>, gemm<F32, V, true, false>, gemm<F32, V, false, true>,
+            gemm<F32, V, true, true>, row_max<V>, exp2_sub_sum<V>, scale_row<V>, softmax_grad<V>,
+            Tile<V>::NV * simd::lanes<V>};
+  if constexpr (Bf16) {
+    k.gemm_bf16 = gemm<Bf16Pairs, V, false, false>;
+    k.gemm_bf16_acc = gemm<Bf16Pairs, V, true, false>;
+    k.to_bf16_pairs = simd::to_bf16_pairs;
+  }
+  return k;
 }
 
 }  // namespace

@@ -13,6 +13,9 @@ namespace flashmonoid::cpu {
 // src/cpu/kernels_avx512.cpp compiled for AVX2 (tests/cpp/CMakeLists.txt): the 16-lane kernels'
 // source, runnable on any CPU of the build's baseline.
 const Kernels& kernels_avx512_emulated();
+// src/cpu/kernels_avx512_bf16.cpp compiled for AVX2: the same plus the products from bf16 pairs,
+// VDPBF16PS and VCVTNE2PS2BF16 emulated (src/cpu/simd_bf16.hpp).
+const Kernels& kernels_avx512_bf16_emulated();
 }  // namespace flashmonoid::cpu
 
 namespace fmtest {

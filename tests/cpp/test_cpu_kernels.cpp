@@ -1,10 +1,12 @@
 // The per-ISA CPU kernels (src/cpu/kernels.hpp) on their own, every table this CPU can run: the
-// AVX2 one, the 16-lane source emulated on AVX2, and the real AVX-512 one where cpuid has it.
-// Plus the one ISA decision (src/cpu/isa.cpp).
+// AVX2 one, the 16-lane sources emulated on AVX2 (with and without bf16 products), and the real
+// AVX-512 ones where cpuid has them. Plus the one ISA decision (src/cpu/isa.cpp).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <iterator>
 #include <cstring>
 #include <random>
 #include <string>
@@ -25,8 +27,19 @@ struct Table {
 };
 
 std::vector<Table> tables() {
-  std::vector<Table> t{{"avx2", &cpu::kernels_avx2()}, {"avx512_emulated", &cpu::kernels_avx512_emulated()}};
+  std::vector<Table> t{{"avx2", &cpu::kernels_avx2()},
+                       {"avx512_emulated", &cpu::kernels_avx512_emulated()},
+                       {"avx512_bf16_emulated", &cpu::kernels_avx512_bf16_emulated()}};
   if (cpu::cpu_has(cpu::Isa::avx512)) t.push_back({"avx512", &cpu::kernels_avx512()});
+  if (cpu::cpu_has(cpu::Isa::avx512_bf16)) t.push_back({"avx512_bf16", &cpu::kernels_avx512_bf16()});
+  return t;
+}
+
+// The tables with bf16 products.
+std::vector<Table> bf16_tables() {
+  std::vector<Table> t;
+  for (const Table& x : tables())
+    if (x.kn->gemm_bf16 != nullptr) t.push_back(x);
   return t;
 }
 
@@ -99,6 +112,35 @@ TEST(CpuKernels, Exp2WithinOneUlp) {
   }
 }
 
+// A product's outcome against float64: the largest error of C (M×N, leading dimension ldc) from
+// (C0 if acc) + Σ_k term(r, c, k), relative to Σ|terms|, and whether a column past N moved.
+struct Check {
+  double worst = 0.0;
+  bool wrote_past_n = false;
+};
+
+template <class Term>
+Check check_product(int M, int N, int ldc, int terms, bool acc, const std::vector<float>& C,
+                    const std::vector<float>& C0, Term&& term) {
+  Check e;
+  for (int r = 0; r < M; ++r)
+    for (int c = 0; c < ldc; ++c) {
+      const float got = C[r * ldc + c];
+      if (c >= N) {
+        e.wrote_past_n |= bits_of(got) != bits_of(C0[r * ldc + c]);
+        continue;
+      }
+      double ref = acc ? C0[r * ldc + c] : 0.0, mag = std::abs(ref);
+      for (int k = 0; k < terms; ++k) {
+        const double x = term(r, c, k);
+        ref += x;
+        mag += std::abs(x);
+      }
+      e.worst = std::max(e.worst, std::abs(got - ref) / mag);
+    }
+  return e;
+}
+
 // C = A·B in every form (overwrite/accumulate, A plain/transposed) against float64, over shapes
 // that hit every remainder path (rows mod 6 and 8, columns mod 32, 16 and 8); columns past N
 // must stay untouched.
@@ -123,22 +165,11 @@ TEST(CpuKernels, GemmMatchesFloat64) {
             for (float& x : C) x = normal(gen);
             const std::vector<float> C0 = C;
             fn(M, N, K, A.data(), lda, B.data(), ldb, C.data(), ldc);
-            double worst = 0.0;
-            for (int r = 0; r < M; ++r)
-              for (int c = 0; c < ldc; ++c) {
-                const float got = C[r * ldc + c];
-                if (c >= N) {
-                  ASSERT_EQ(bits_of(got), bits_of(C0[r * ldc + c])) << t.name << " wrote past N";
-                  continue;
-                }
-                double ref = acc ? C0[r * ldc + c] : 0.0, mag = std::abs(ref);
-                for (int k = 0; k < K; ++k) {
-                  const double a = trans ? A[k * lda + r] : A[r * lda + k];
-                  ref += a * B[k * ldb + c];
-                  mag += std::abs(a * B[k * ldb + c]);
-                }
-                worst = std::max(worst, std::abs(got - ref) / mag);
-              }
+            const Check e = check_product(M, N, ldc, K, acc, C, C0, [&](int r, int c, int k) {
+              return static_cast<double>(trans ? A[k * lda + r] : A[r * lda + k]) * B[k * ldb + c];
+            });
+            ASSERT_FALSE(e.wrote_past_n) << t.name;
+            const double worst = e.worst;
             // fp32 accumulation of K + 1 terms: relative to Σ|terms|, at most (K + 1)·2^-24.
             ASSERT_LE(worst, (K + 1) * 6e-8) << t.name << " form " << form << " M" << M << " N" << N << " K" << K;
           }
@@ -160,17 +191,136 @@ TEST(CpuKernels, RowMaxAndScale) {
     }
 }
 
+std::uint16_t bf16_bits(float x) { return static_cast<std::uint16_t>(bits_of(x) >> 16); }  // x exact in bf16
+
+std::uint32_t pair(float lo, float hi) { return bf16_bits(lo) | static_cast<std::uint32_t>(bf16_bits(hi)) << 16; }
+
+// The products from bf16 pairs, plain and accumulating, against float64 over shapes that hit every
+// remainder path (rows mod 8, columns mod 32, 16 and 8; odd and even pair counts); columns past N
+// must stay untouched. A (M, K2) pairs along its rows, B (K2, N) pairs down its columns.
+TEST(CpuKernels, Bf16PairGemmMatchesFloat64) {
+  std::mt19937 gen(4321);
+  std::normal_distribution<float> normal;
+  auto bf16_normal = [&] { return flashmonoid::cpu::round_to(DType::bf16, normal(gen)); };
+  const int ms[] = {1, 5, 7, 8, 9, 17, 96};
+  const int ns[] = {8, 16, 24, 32, 40, 72, 128};
+  const int k2s[] = {1, 3, 32, 64};
+  for (const Table& t : bf16_tables())
+    for (bool acc : {false, true}) {
+      const cpu::GemmPairsFn fn = acc ? t.kn->gemm_bf16_acc : t.kn->gemm_bf16;
+      for (int M : ms)
+        for (int N : ns)
+          for (int K2 : k2s) {
+            const int lda = K2 + 3, ldb = N + 5, ldc = N + 8;
+            std::vector<std::uint32_t> A(static_cast<std::size_t>(M) * lda), B(static_cast<std::size_t>(K2) * ldb);
+            std::vector<float> C(static_cast<std::size_t>(M) * ldc);
+            for (auto& x : A) x = pair(bf16_normal(), bf16_normal());
+            for (auto& x : B) x = pair(bf16_normal(), bf16_normal());
+            for (float& x : C) x = normal(gen);
+            const std::vector<float> C0 = C;
+            fn(M, N, K2, A.data(), lda, B.data(), ldb, C.data(), ldc);
+            // Term k: half k % 2 (0 low, 1 high) of pair k / 2.
+            auto half = [](std::uint32_t p, int h) { return static_cast<double>(float_of(h ? p & 0xFFFF0000u : p << 16)); };
+            const Check e = check_product(M, N, ldc, 2 * K2, acc, C, C0, [&](int r, int c, int k) {
+              return half(A[r * lda + k / 2], k % 2) * half(B[k / 2 * ldb + c], k % 2);
+            });
+            ASSERT_FALSE(e.wrote_past_n) << t.name;
+            const double worst = e.worst;
+            // fp32 accumulation of 2·K2 + 1 exact terms: relative to Σ|terms|, at most (2·K2 + 1)·2^-24.
+            ASSERT_LE(worst, (2 * K2 + 1) * 6e-8) << t.name << (acc ? " acc" : "") << " M" << M << " N" << N << " K2" << K2;
+          }
+    }
+}
+
+// One lane of VDPBF16PS through the accumulating product (M = 1, N = 8, K2 = 1): c + a.hi·b.hi +
+// a.lo·b.lo as Intel's pseudo-code defines it (src/cpu/simd_bf16.hpp), on every bf16 table: the
+// emulated one, and the real one where the CPU has AVX512_BF16 (so that a CPU computing it
+// otherwise shows up here, not as a vaguer accuracy loss).
+float dot_lane(const cpu::Kernels& kn, float c, std::uint32_t a, std::uint32_t b) {
+  std::uint32_t bs[8];
+  float cs[8];
+  for (int i = 0; i < 8; ++i) {
+    bs[i] = b;
+    cs[i] = c;
+  }
+  kn.gemm_bf16_acc(1, 8, 1, &a, 1, bs, 8, cs, 8);
+  for (int i = 1; i < 8; ++i) EXPECT_EQ(bits_of(cs[i]), bits_of(cs[0]));
+  return cs[0];
+}
+
+TEST(CpuKernels, Bf16DotFollowsIntelPseudoCode) {
+  const float denormal_bf16 = float_of(0x00010000u);   // the smallest bf16 denormal, 9.2e-41
+  for (const Table& t : bf16_tables()) {
+    const cpu::Kernels& kn = *t.kn;
+    // The high halves' product first, each FMA rounded to nearest even: 2^24 + 2 + 1 ties to
+    // 2^24 + 4, minus 1 stays there (low first would give 2^24 + 2 - 1 -> 2^24, then 2^24 + 1 -> 2^24).
+    EXPECT_EQ(dot_lane(kn, 16777218.0f, pair(-1.0f, 1.0f), pair(1.0f, 1.0f)), 16777220.0f) << t.name;
+    // Exact products, fp32 sums: 3·5 + 0.5·0.25.
+    EXPECT_EQ(dot_lane(kn, 0.0f, pair(0.5f, 3.0f), pair(0.25f, 5.0f)), 15.125f) << t.name;
+    // Denormal bf16 inputs read as zero: 9.2e-41 · 2^100 would be 1.2e-10.
+    EXPECT_EQ(dot_lane(kn, 0.0f, pair(0.0f, denormal_bf16), pair(0.0f, 0x1p100f)), 0.0f) << t.name;
+    EXPECT_EQ(dot_lane(kn, 0.0f, pair(denormal_bf16, 0.0f), pair(0x1p100f, 0.0f)), 0.0f) << t.name;
+    // A denormal accumulator reads as zero: 1e-40 + 2^-63·2^-63 would be 2^-126 + 1e-40.
+    EXPECT_EQ(dot_lane(kn, 1e-40f, pair(0.0f, 0x1p-63f), pair(0.0f, 0x1p-63f)), 0x1p-126f) << t.name;
+    // A denormal result is flushed: 2^-70 · 2^-70 = 2^-140.
+    EXPECT_EQ(dot_lane(kn, 0.0f, pair(0.0f, 0x1p-70f), pair(0.0f, 0x1p-70f)), 0.0f) << t.name;
+    EXPECT_EQ(dot_lane(kn, 0.0f, pair(0x1p-63f, 0.0f), pair(0x1p-63f, 0.0f)), 0x1p-126f) << t.name;  // normal: kept
+    EXPECT_TRUE(std::isnan(dot_lane(kn, 1.0f, pair(NAN, 1.0f), pair(1.0f, 1.0f)))) << t.name;
+    EXPECT_EQ(dot_lane(kn, 1.0f, pair(0.0f, INFINITY), pair(0.0f, 2.0f)), INFINITY) << t.name;
+  }
+}
+
+// P's conversion to bf16 pairs (VCVTNE2PS2BF16): round to nearest even, zero and denormals to zero
+// of their sign, NaN quiet, infinities kept, overflow to infinity; otherwise float_to_bf16's bits.
+TEST(CpuKernels, Bf16PairsOfFloatsFollowIntelPseudoCode) {
+  std::mt19937 gen(77);
+  std::normal_distribution<float> normal;
+  for (const Table& t : bf16_tables()) {
+    for (int n : {16, 32, 48, 128}) {
+      std::vector<float> x(n);
+      for (float& v : x) v = normal(gen) * 8.0f;
+      const float special[] = {1.0f + 0x1p-8f,  1.0f + 3 * 0x1p-8f, -1.0f - 0x1p-8f, 1e-40f,   -1e-40f,  0.0f,
+                               -0.0f,           INFINITY,           -INFINITY,       NAN,      0x1.fffffep127f,
+                               0x1p-126f,       -0x1.0101p-126f};
+      for (std::size_t i = 0; i < std::size(special) && i < x.size(); ++i) x[i] = special[i];
+      std::vector<std::uint32_t> pairs(n / 2);
+      t.kn->to_bf16_pairs(x.data(), n, pairs.data());
+      for (int i = 0; i < n; ++i) {
+        const std::uint16_t got = static_cast<std::uint16_t>(pairs[i / 2] >> (16 * (i % 2)));
+        const std::uint32_t u = bits_of(x[i]);
+        std::uint16_t want = flashmonoid::cpu::float_to_bf16(x[i]);
+        if ((u & 0x7F800000u) == 0) want = static_cast<std::uint16_t>((u >> 16) & 0x8000u);
+        EXPECT_EQ(got, want) << t.name << " n" << n << " x[" << i << "] = " << x[i];
+      }
+      if (n >= 16) {
+        const auto half = [&](int i) { return static_cast<std::uint16_t>(pairs[i / 2] >> (16 * (i % 2))); };
+        EXPECT_EQ(half(0), 0x3F80) << "1 + 2^-8 ties to even (1)";
+        EXPECT_EQ(half(1), 0x3F82) << "1 + 3·2^-8 ties to even (1 + 2^-6)";
+        EXPECT_EQ(half(3), 0x0000) << "denormal to +0";
+        EXPECT_EQ(half(4), 0x8000) << "denormal to -0";
+        EXPECT_EQ(half(10), 0x7F80) << "FLT_MAX rounds to infinity";
+      }
+    }
+  }
+}
+
 TEST(CpuIsa, ContextAndEnvironmentChooseTheIsa) {
   const char* env = std::getenv("FLASHMONOID_CPU_ISA");
-  const bool forced = env != nullptr && std::string(env) == "avx2";
-  const cpu::Isa best = cpu::cpu_has(cpu::Isa::avx512) ? cpu::Isa::avx512 : cpu::Isa::avx2;
-  EXPECT_EQ(cpu::default_isa(), forced ? cpu::Isa::avx2 : best);
+  const std::string want = env != nullptr ? env : "";
+  const cpu::Isa best = cpu::cpu_has(cpu::Isa::avx512_bf16) ? cpu::Isa::avx512_bf16
+                        : cpu::cpu_has(cpu::Isa::avx512)    ? cpu::Isa::avx512
+                                                            : cpu::Isa::avx2;
+  const cpu::Isa expected = want == "avx2" ? cpu::Isa::avx2 : want == "avx512" ? std::min(best, cpu::Isa::avx512) : best;
+  EXPECT_EQ(cpu::default_isa(), expected);
   EXPECT_EQ(cpu::isa_for(flashmonoid::CpuIsa::best), cpu::default_isa());
   EXPECT_EQ(cpu::isa_for(flashmonoid::CpuIsa::avx2), cpu::Isa::avx2);
-  EXPECT_EQ(cpu::kernels_for(cpu::Isa::avx2).isa, cpu::Isa::avx2);
-  if (cpu::cpu_has(cpu::Isa::avx512)) EXPECT_EQ(cpu::kernels_for(cpu::Isa::avx512).isa, cpu::Isa::avx512);
-  std::printf("CPU has AVX-512: %s; default ISA: %s\n", cpu::cpu_has(cpu::Isa::avx512) ? "yes" : "no",
-              cpu::to_string(cpu::default_isa()));
+  for (cpu::Isa isa : {cpu::Isa::avx2, cpu::Isa::avx512, cpu::Isa::avx512_bf16})
+    if (cpu::cpu_has(isa)) {
+      EXPECT_EQ(cpu::kernels_for(isa).isa, isa);
+      EXPECT_EQ(cpu::kernels_for(isa).gemm_bf16 != nullptr, isa == cpu::Isa::avx512_bf16);
+    }
+  std::printf("CPU has AVX-512: %s, AVX512_BF16: %s; default ISA: %s\n", cpu::cpu_has(cpu::Isa::avx512) ? "yes" : "no",
+              cpu::cpu_has(cpu::Isa::avx512_bf16) ? "yes" : "no", cpu::to_string(cpu::default_isa()));
 }
 
 // The public API's Context::cpu_isa reaches the kernels: forcing AVX2 gives exactly the AVX2

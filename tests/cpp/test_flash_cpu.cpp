@@ -2,7 +2,9 @@
 // every option; fp32 within 1e-5 relative, fp16/bf16 within 2x the error of the same math done in
 // that dtype. Outputs are NaN-poisoned before each call so unwritten elements fail. Each grid runs
 // through the public API (the process's ISA: `make test` runs this suite once as detected and once
-// with FLASHMONOID_CPU_ISA=avx2) and with the 16-lane (AVX-512) kernels' source emulated on AVX2.
+// with FLASHMONOID_CPU_ISA=avx2) and with the 16-lane (AVX-512) kernels' source emulated on AVX2;
+// the forward grid also in bf16 through the bf16-pair products (VDPBF16PS emulated, and the real
+// instruction where the CPU has it).
 #include "attention_case.hpp"
 
 namespace fmtest {
@@ -90,6 +92,26 @@ TEST_P(FlashForward, SixteenLaneKernelsMatchFloat64Reference) {
   expect_forward_close(pb, out, lse);
 }
 
+// The kernel tables with products from bf16 pairs: the emulated AVX512_BF16 table, and the real
+// one where the CPU has it.
+std::vector<const flashmonoid::cpu::Kernels*> bf16_tables() {
+  std::vector<const flashmonoid::cpu::Kernels*> t{&flashmonoid::cpu::kernels_avx512_bf16_emulated()};
+  if (flashmonoid::cpu::cpu_has(flashmonoid::cpu::Isa::avx512_bf16)) t.push_back(&flashmonoid::cpu::kernels_avx512_bf16());
+  return t;
+}
+
+// Every shape of the grid with bf16 inputs, through the products from bf16 pairs.
+TEST_P(FlashForward, Bf16ProductsMatchFloat64Reference) {
+  Shape s = GetParam();
+  s.dtype = DType::bf16;
+  Problem pb(s);
+  for (const flashmonoid::cpu::Kernels* kn : bf16_tables()) {
+    SCOPED_TRACE(flashmonoid::cpu::to_string(kn->isa));
+    auto [out, lse] = pb.flash(*kn);
+    expect_forward_close(pb, out, lse);
+  }
+}
+
 std::string name_of(const ::testing::TestParamInfo<Shape>& info) { return "case" + std::to_string(info.index); }
 
 INSTANTIATE_TEST_SUITE_P(Grid, FlashForward, ::testing::ValuesIn(forward_grid()), name_of);
@@ -162,6 +184,18 @@ TEST_P(FlashBackward, SixteenLaneKernelsMatchFloat64Reference) {
   expect_backward_close(pb, ref_o, ref_l, pb.flash_backward(ref_o, ref_l, flashmonoid::cpu::kernels_avx512_emulated()));
 }
 
+// Every shape of the backward grid with bf16 inputs, through the products from bf16 pairs.
+TEST_P(FlashBackward, Bf16ProductsMatchFloat64Reference) {
+  Shape s = GetParam();
+  s.dtype = DType::bf16;
+  Problem pb(s);
+  auto [ref_o, ref_l] = pb.reference(Precision::f64);
+  for (const flashmonoid::cpu::Kernels* kn : bf16_tables()) {
+    SCOPED_TRACE(flashmonoid::cpu::to_string(kn->isa));
+    expect_backward_close(pb, ref_o, ref_l, pb.flash_backward(ref_o, ref_l, *kn));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Grid, FlashBackward, ::testing::ValuesIn(backward_grid()), name_of);
 
 TEST(FlashBackward, DeterministicAcrossRuns) {
@@ -188,7 +222,7 @@ TEST(FlashBackward, DeterministicAcrossRuns) {
 // Both passes' sums run in an order fixed by the shape (the forward's key splits and the
 // backward's key chunks are counted from the shape): the same bits for any thread count, on every
 // kernel table. GQA 3:1, dropout and a window so that several heads per chunk, the mask and the
-// forward's split merge (s_k > 128 with few items) all count.
+// forward's split merge (s_k > 128 with few items) all count; bf16 inputs for the bf16-pair products.
 TEST(FlashCpu, BitIdenticalForAnyThreadCount) {
   Shape s;
   s.b = 1;
@@ -201,15 +235,22 @@ TEST(FlashCpu, BitIdenticalForAnyThreadCount) {
   s.window_left = 200;
   Problem pb(s);
   pb.opt.deterministic = true;
+  s.dtype = DType::bf16;  // for the bf16-pair products
+  Problem pb16(s);
+  pb16.opt.deterministic = true;
   using flashmonoid::cpu::Kernels;
-  for (const Kernels* kn : {&flashmonoid::cpu::kernels_avx2(), &flashmonoid::cpu::kernels_avx512_emulated()}) {
-    auto [o, l] = pb.flash(*kn, 1);
-    auto a = pb.flash_backward(o, l, *kn, 1);
+  const std::pair<const Problem*, const Kernels*> runs[] = {{&pb, &flashmonoid::cpu::kernels_avx2()},
+                                                            {&pb, &flashmonoid::cpu::kernels_avx512_emulated()},
+                                                            {&pb16, &flashmonoid::cpu::kernels_avx512_bf16_emulated()}};
+  for (auto [problem, kn] : runs) {
+    SCOPED_TRACE(flashmonoid::to_string(problem->shape.dtype));
+    auto [o, l] = problem->flash(*kn, 1);
+    auto a = problem->flash_backward(o, l, *kn, 1);
     for (int threads : {2, 3}) {
-      auto [o2, l2] = pb.flash(*kn, threads);
+      auto [o2, l2] = problem->flash(*kn, threads);
       EXPECT_EQ(o.buf, o2.buf) << threads << " threads";
       EXPECT_EQ(l.buf, l2.buf) << threads << " threads";
-      auto b = pb.flash_backward(o, l, *kn, threads);
+      auto b = problem->flash_backward(o, l, *kn, threads);
       EXPECT_EQ(a.dq.buf, b.dq.buf) << threads << " threads";
       EXPECT_EQ(a.dk.buf, b.dk.buf) << threads << " threads";
       EXPECT_EQ(a.dv.buf, b.dv.buf) << threads << " threads";
