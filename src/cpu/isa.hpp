@@ -20,9 +20,10 @@ const char* to_string(Isa isa);
 // Whether this CPU can run isa (cpuid once).
 bool cpu_has(Isa isa);
 
-// The best ISA this CPU has, capped by FLASHMONOID_CPU_ISA when set: avx2 forces the fallback,
-// avx512 the AVX-512 kernels without bf16 products (where the CPU has AVX-512), avx512_bf16 or
-// best the best available. Any other value throws flashmonoid::Error on first use.
+// The ISA calls run by default: the best this CPU has short of avx512_bf16 (measured slower than the
+// fp32 products; isa.cpp), or as FLASHMONOID_CPU_ISA says: avx2 forces the fallback, avx512 and best
+// the AVX-512 kernels without bf16 products (where the CPU has AVX-512), avx512_bf16 the bf16
+// products where the CPU has them. Any other value throws flashmonoid::Error on first use.
 Isa default_isa();
 
 // The ISA a call with this Context::cpu_isa runs.
