@@ -68,10 +68,11 @@ enum class CpuAlgorithm : std::uint8_t { flash, reference };
 // `automatic`, the environment variable FLASHMONOID_CUDA_PATH=sm80|sm90 forces it too.
 enum class CudaPath : std::uint8_t { automatic, sm80, sm90 };
 
-// Which instruction set the CPU flash path may use. best: AVX-512 where the CPU has it (with bf16
-// inputs' products from bf16 pairs where it also has AVX512_BF16), else AVX2; the environment
-// variable FLASHMONOID_CPU_ISA=avx2 or =avx512 caps it for the whole process (avx512: no bf16
-// products). avx2: the AVX2 path even on AVX-512 CPUs (tests and benchmarks compare the two).
+// Which instruction set the CPU flash path may use. best: AVX-512 where the CPU has it, else AVX2;
+// the environment variable FLASHMONOID_CPU_ISA sets it for the whole process: avx2 caps it,
+// avx512_bf16 opts in to bf16 inputs' products from bf16 pairs where the CPU has AVX512_BF16
+// (measured slower than the fp32 products on a Xeon, so not the default). avx2: the AVX2 path even
+// on AVX-512 CPUs (tests and benchmarks compare the two).
 enum class CpuIsa : std::uint8_t { best, avx2 };
 
 // Where and how a call runs. The library never synchronises and never allocates device memory:
@@ -94,7 +95,8 @@ struct Context {
   // beside them (on a higher-priority stream) get SMs whenever a block retires rather than when the
   // whole call ends. The ring (flashmonoid/ring.hpp) turns it off while an exchange is in flight:
   // with a persistent forward, a rank's NCCL kernel could wait for that forward's end while the
-  // other rank's NCCL kernel held SMs waiting for it (ring forward 0.80 -> see bench/NOTES.md).
+  // other rank's NCCL kernel held SMs waiting for it (ring forward efficiency at 256k tokens on 2 x
+  // H200: 0.80 with it on, 1.03 off; bench/NOTES.md).
   bool persistent_kernels = true;
 };
 
