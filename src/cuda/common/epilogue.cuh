@@ -20,6 +20,17 @@ struct BlockRows {
   __device__ __forceinline__ int head(int R) const { return head_base + R % pack; }
 };
 
+// lse of the thread's rows, from one lane of each quad.
+template <int kMTiles>
+__device__ __forceinline__ void store_lse(const detail::FwdParams& p, const BlockRows& blk, const float (&lse)[2 * kMTiles],
+                                          const RowCoords<kMTiles>& rows, int lane) {
+  if ((lane & 3) == 0) {
+#pragma unroll
+    for (int r = 0; r < 2 * kMTiles; ++r)
+      if (rows.valid(r)) p.lse[detail::lse_index(p, blk.batch, rows.head(r), blk.si, rows.i(r))] = lse[r];
+  }
+}
+
 // Normalised O through shared memory (sO: (kBlockM, kHeadDim) swizzled, the Q tile's space), so the
 // global stores are whole 16-byte vectors along the head dim; then lse from one lane of each quad.
 // The kThreads threads that own the kBlockM rows take part, tid being the caller's index among them
@@ -59,11 +70,31 @@ __device__ __forceinline__ void store_output(const detail::FwdParams& p, const B
       *reinterpret_cast<uint4*>(g) = *reinterpret_cast<const uint4*>(sO + swizzled<kHeadDim>(r, c * 8));
     }
   }
-  if ((lane & 3) == 0) {
+  store_lse(p, blk, lse, rows, lane);
+}
+
+// O·(1/l) straight from the accumulators, without shared memory or a barrier: a quad of lanes writes
+// 16 contiguous bytes of a row per 8 columns (4-byte stores). On sm90 this frees the Q buffer after
+// the tile's last S product and measured faster than staging where the consumers' epilogues overlap
+// other warpgroups' products (H100, hdim 64 +2-5%, hdim 256 +2-3%), slower at hdim 128 without
+// ping-pong (-1 to -3%): tile_fwd_sm90.hpp chooses.
+template <class T, int kHeadDim, int kMTiles>
+__device__ __forceinline__ void store_output_regs(const detail::FwdParams& p, const BlockRows& blk,
+                                                  const float (&o)[kMTiles][kHeadDim / 8][4],
+                                                  const float (&inv_l)[2 * kMTiles], const float (&lse)[2 * kMTiles],
+                                                  const RowCoords<kMTiles>& rows, int lane) {
+  T* out = static_cast<T*>(p.out);
 #pragma unroll
-    for (int r = 0; r < 2 * kMTiles; ++r)
-      if (rows.valid(r)) p.lse[detail::lse_index(p, blk.batch, rows.head(r), blk.si, rows.i(r))] = lse[r];
+  for (int r = 0; r < 2 * kMTiles; ++r) {
+    if (!rows.valid(r)) continue;
+    T* g = out + detail::offset_of(p.o_stride, blk.batch, blk.si.q_row0 + rows.i(r), rows.head(r)) + 2 * (lane & 3);
+#pragma unroll
+    for (int di = 0; di < kHeadDim / 8; ++di)
+      if (di * 8 < p.d)
+        *reinterpret_cast<std::uint32_t*>(g + di * 8) =
+            pack2<T>(o[r / 2][di][2 * (r % 2)] * inv_l[r], o[r / 2][di][2 * (r % 2) + 1] * inv_l[r]);
   }
+  store_lse(p, blk, lse, rows, lane);
 }
 
 // Index of (split, head, global query row) in the partial buffers: (num_splits, h, total_q[, d]).

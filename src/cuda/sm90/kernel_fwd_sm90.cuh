@@ -111,7 +111,8 @@ struct RingPos {
 
 // The producer: one thread issues every TMA copy of the block. Per work tile: the first K tile, then
 // Q (into a buffer the consumers have released: with one Q buffer that waits for the previous
-// tile's epilogue, which the K copy need not), then the rest of the K/V ring in visit order.
+// tile's last S product, or its epilogue where O is staged in Q, which the K copy need not), then the
+// rest of the K/V ring in visit order.
 template <class T, int kHeadDim, FwdTileSm90 kTile>
 __device__ __forceinline__ void produce(const FwdKernelArgsSm90& args, const FwdSmem<T, kHeadDim, kTile>& sm,
                                         const WorkTiles& work) {
@@ -319,6 +320,9 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kScoreMods).threads(),
         OnlineSoftmax<1>::rescale(o, factor);
         p_fragments<T>(pa, s);
       }
+      // With direct stores every read of Q is over (the tile's S products have completed): its buffer
+      // goes back to the producer, so the next tile's Q loads under this last P·V and the epilogue.
+      if (kTile.direct_store && lane == 0) sm.q_empty(qpos.slot()).arrive();
       sm.v_full(vpos.slot()).wait(vpos.phase());
       turns.wait();
       wgmma_fence();
@@ -329,6 +333,8 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kScoreMods).threads(),
       fence_regs(flat(o));
       if (lane == 0) sm.v_empty(vpos.slot()).arrive();
       vpos.advance();
+    } else if (kTile.direct_store && lane == 0) {
+      sm.q_empty(qpos.slot()).arrive();
     }
 
     // The epilogue re-derives its rows from the tile index (a few integer operations): kept live
@@ -342,17 +348,21 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kScoreMods).threads(),
 #pragma unroll
       for (int r = 0; r < 2; ++r) inv_l[r] *= p.dropout_rescale;
     }
-    // O is staged in this warpgroup's own Q rows (its last S product has completed), behind a
-    // barrier of its 128 threads only; then the Q buffer goes back to the producer. The fence orders
-    // the staging reads before the copy engine's next writes.
-    // With one Q buffer, this barrier orders the last tile's reads of its staged O (other warps' rows)
-    // before these writes where racecheck can see it; the producer's Q load between them already did.
-    if constexpr (kTile.q_stages == 1) named_sync(1 + consumer, 128);
-    store_output<T, kHeadDim, 1, 64, 128>(p, blk, we.R0 + 64 * consumer, o, inv_l, lse, erows, sm.q(qpos.slot(), consumer), 16 * warp,
-                                          lane, tid, [consumer] { named_sync(1 + consumer, 128); });
-    fence_async_shared();
-    __syncwarp();
-    if (lane == 0) sm.q_empty(qpos.slot()).arrive();
+    if constexpr (kTile.direct_store) {
+      store_output_regs<T, kHeadDim, 1>(p, blk, o, inv_l, lse, erows, lane);
+    } else {
+      // O is staged in this warpgroup's own Q rows (its last S product has completed), behind a
+      // barrier of its 128 threads only; then the Q buffer goes back to the producer. The fence orders
+      // the staging reads before the copy engine's next writes. With one Q buffer, the first barrier
+      // orders the last tile's reads of its staged O (other warps' rows) before these writes where
+      // racecheck can see it (the producer's Q load between them already did).
+      if constexpr (kTile.q_stages == 1) named_sync(1 + consumer, 128);
+      store_output<T, kHeadDim, 1, 64, 128>(p, blk, we.R0 + 64 * consumer, o, inv_l, lse, erows, sm.q(qpos.slot(), consumer),
+                                            16 * warp, lane, tid, [consumer] { named_sync(1 + consumer, 128); });
+      fence_async_shared();
+      __syncwarp();
+      if (lane == 0) sm.q_empty(qpos.slot()).arrive();
+    }
     qpos.advance();
   }
   turns.finish();

@@ -15,6 +15,7 @@ struct FwdTileSm90 {
   int consumer_regs, producer_regs;  // setmaxnreg targets: 128·(producer + consumers·consumer) <= 64K
   int q_stages;  // Q buffers: with 2 the next work tile's Q loads while this one's epilogue runs
   bool pingpong;  // consumers take turns issuing their products (kernel_fwd_sm90.cuh: Turns)
+  bool direct_store;  // O from registers (store_output_regs), Q released after the last S; else staged in Q
 
   constexpr int block_m() const { return 64 * consumers; }
   constexpr int threads() const { return 128 * (consumers + 1); }
@@ -33,12 +34,15 @@ struct FwdTileSm90 {
 // tensor cores idle; 192 keys with 2 consumers measured equal to 128 (within 2%). With score
 // modifiers 3 consumers spilled 208 bytes at 160 registers, so that variant keeps 2.
 // Ping-pong pays where the exponentials are the bottleneck: hdim 64 +5-9% non-causal, +0-10% causal
-// (16k: 548 vs 505, 506 vs 460 TFLOP/s); at hdim 128 it measured 1-5% slower, at 256 within noise.
+// (16k: 548 vs 505, 506 vs 460 TFLOP/s); at hdim 128 where a work tile is short (512-1k keys: +2-7%,
+// 8k within 1%), one warpgroup's first softmax and epilogue running under the other's products.
+// Direct stores (store_output_regs) pay at hdim 64 and 256, not at hdim 128 (epilogue.cuh).
 constexpr FwdTileSm90 fwd_tile_sm90(int head_dim_bucket, bool score_mods) {
   if (head_dim_bucket <= 64)
-    return score_mods ? FwdTileSm90{2, 128, 2, 240, 24, 2, false} : FwdTileSm90{3, 128, 2, 160, 24, 2, true};
-  if (head_dim_bucket <= 128) return {2, 128, 2, 240, 24, 2, false};
-  return {2, 80, 2, 240, 24, 1, false};
+    return score_mods ? FwdTileSm90{2, 128, 2, 240, 24, 2, false, false} : FwdTileSm90{3, 128, 2, 160, 24, 2, true, true};
+  if (head_dim_bucket <= 128)
+    return score_mods ? FwdTileSm90{2, 128, 2, 240, 24, 2, false, false} : FwdTileSm90{2, 128, 2, 240, 24, 2, true, false};
+  return {2, 80, 2, 240, 24, 1, false, true};
 }
 
 }  // namespace flashmonoid::cuda
