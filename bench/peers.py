@@ -8,7 +8,12 @@ ms, tflops | tbps, device}. Usage: peers.py OUT.json
 Environment (to fit a short device lease): FM_PEERS_NO_BWD=1 times the forward only;
 FM_PEERS_IMPLS=torch_flash,torch_cudnn keeps those backends only; FM_PEERS_DECODE_ONLY=1 skips
 the training shapes; cuDNN on issue 10's KV-cache decoding shapes unless FM_PEERS_KVCACHE=0 (main).
-Decoding is timed twice: per call (events) and as CUDA-graph replays (graph)."""
+Decoding is timed twice: per call (events) and as CUDA-graph replays (graph).
+FM_PEERS_INTERLEAVED=1 instead times flashmonoid (the Python package, which must be importable) and
+cuDNN on the training shapes in one process, alternated: per shape, ROUNDS rounds of CALLS calls of
+each timed together behind a sleep kernel (the host's share untimed), the order reversed every round,
+the median round; records carry timing "interleaved". Separate
+processes put the two minutes apart, and cuDNN's own number moved by up to 9% between such runs."""
 import json
 import os
 import sys
@@ -128,6 +133,67 @@ def train(out):
                 del q, k, v, g
 
 
+ROUNDS, CALLS = 7, 5
+
+
+def interleaved(out):
+    import flashmonoid as fm
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            for s in (512, 1024, 2048, 4096, 8192, 16384):
+                b, h = 16384 // s, 2048 // d
+                q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+                           for _ in range(3))
+                g = torch.randn_like(q)
+                flops = 4.0 * b * h * s * s * d / (2 if causal else 1)
+
+                def fm_fwd():
+                    return fm.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
+
+                def cudnn_fwd():
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+                calls = {}
+                for impl, fwd in (("flashmonoid", fm_fwd), ("torch_cudnn", cudnn_fwd)):
+                    o = fwd().transpose(1, 2) if impl == "flashmonoid" else fwd()
+
+                    def run_fwd(fwd=fwd):
+                        with torch.no_grad():
+                            fwd()
+
+                    def run_bwd(o=o):
+                        torch.autograd.grad(o, (q, k, v), g, retain_graph=True)
+                    calls[impl] = {"fwd": run_fwd, "bwd": run_bwd}
+                for pass_ in ("fwd", "bwd"):
+                    times = {impl: [] for impl in calls}
+                    for impl in calls:
+                        for _ in range(WARMUP):
+                            calls[impl][pass_]()
+                    order = list(calls)
+                    for _ in range(ROUNDS):
+                        for impl in order:
+                            torch.cuda.synchronize()
+                            # A 0.5 ms sleep kernel first, so the calls are queued before the first
+                            # event runs and the host's time per call (Python, launches) is not timed.
+                            torch.cuda._sleep(1_000_000)
+                            a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                            a.record()
+                            for _ in range(CALLS):
+                                calls[impl][pass_]()
+                            e.record()
+                            e.synchronize()
+                            times[impl].append(a.elapsed_time(e) / CALLS)
+                        order.reverse()
+                    for impl, t in times.items():
+                        ms = sorted(t)[len(t) // 2]
+                        f = flops * (2.5 if pass_ == "bwd" else 1.0)
+                        out.append(rec(impl, pass_, d, causal, b, h, h, s, s, ms, "tflops", f / ms / 1e9))
+                        out[-1]["timing"] = "interleaved"
+                        print(json.dumps(out[-1]), file=sys.stderr)
+                del q, k, v, g, calls
+
+
 def decode(out):
     h, hk, d = 32, 8, 128
     for b in (1, 8):
@@ -204,6 +270,11 @@ def main():
     """FM_PEERS_KVCACHE: 1 (default) adds the KV-cache decoding shapes, 0 leaves them out, "only"
     runs nothing else (a KV-cache run next to gpu_bench --kvcache-only)."""
     out = []
+    if os.environ.get("FM_PEERS_INTERLEAVED", "0") == "1":
+        interleaved(out)
+        with open(sys.argv[1], "w") as f:
+            json.dump(out, f, indent=1)
+        return
     kv = os.environ.get("FM_PEERS_KVCACHE", "1")
     if kv != "only":
         if os.environ.get("FM_PEERS_DECODE_ONLY", "0") == "0":
