@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """PyTorch SDPA peers (flash = FlashAttention-2, cudnn, efficient) on the shapes of
-bench/gpu/gpu_bench.cu, timed the same way (CUDA events, 3 warm-ups, median of 15; forwards under
+bench/gpu/gpu_bench.cu, timed the same way (CUDA events, 3 warm-ups, median of 15; training shapes
+as queues of calls behind a sleep kernel, so no side's host time is timed; forwards under
 no_grad, the flash backward through its aten op, so that autograd's host work is not timed, as
 flashmonoid's C++ calls have none; cudnn's and efficient's backward through autograd), written as a
 JSON list of records {impl, pass, dtype, hdim, causal, batch, nheads, nheads_k, seqlen_q, seqlen_k,
@@ -49,6 +50,28 @@ def median_ms(fn):
         fn()
     torch.cuda.synchronize()
     return event_ms(fn)
+
+
+def queued_ms(fn, calls):
+    """One sample: `calls` calls queued behind a 0.5 ms sleep kernel between two events, per call, so
+    the host's time per call (Python, autograd, launches) is not timed."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(calls):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / calls
+
+
+def device_ms(fn, calls=4):
+    """Device time per call of a training shape: median of REPS queued_ms samples (gpu_bench.cu's
+    device_ms)."""
+    for _ in range(WARMUP):
+        fn()
+    return sorted(queued_ms(fn, calls) for _ in range(REPS))[REPS // 2]
 
 
 GRAPH_CALLS = 20
@@ -114,14 +137,14 @@ def train(out):
                             # host bookkeeping adds ~35 us per call (0.25 -> 0.29 ms at s = 512, hdim
                             # 128, measured), which flashmonoid's C++ call does not pay.
                             with torch.no_grad():
-                                fwd = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+                                fwd = device_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
                             if WITH_BWD:
                                 direct = flash_backward_direct(q, k, v, g, causal) if impl == "torch_flash" else None
                                 if direct is not None:
-                                    bwd, bwd_timing = median_ms(direct), "direct"
+                                    bwd, bwd_timing = device_ms(direct), "direct"
                                 else:
                                     o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-                                    bwd = median_ms(lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True))
+                                    bwd = device_ms(lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True))
                     except RuntimeError as e:
                         print(f"{impl} d{d} s{s} causal={causal}: {str(e).splitlines()[0]}", file=sys.stderr)
                         continue
@@ -173,17 +196,7 @@ def interleaved(out):
                     order = list(calls)
                     for _ in range(ROUNDS):
                         for impl in order:
-                            torch.cuda.synchronize()
-                            # A 0.5 ms sleep kernel first, so the calls are queued before the first
-                            # event runs and the host's time per call (Python, launches) is not timed.
-                            torch.cuda._sleep(1_000_000)
-                            a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                            a.record()
-                            for _ in range(CALLS):
-                                calls[impl][pass_]()
-                            e.record()
-                            e.synchronize()
-                            times[impl].append(a.elapsed_time(e) / CALLS)
+                            times[impl].append(queued_ms(calls[impl][pass_], CALLS))
                         order.reverse()
                     for impl, t in times.items():
                         ms = sorted(t)[len(t) // 2]
