@@ -1,48 +1,63 @@
 #!/usr/bin/env bash
-# A/B of sm90 forward kernel variants in one device call: "cur" is the working tree's
-# src/cuda/sm90/kernel_fwd_sm90.cuh, each name in FM_VARIANTS a file $FM_VARIANT_DIR/kernel_<name>.cuh
-# (default build-probe/, an ignored folder: pass it in `carry`). Builds once, rebuilds only the forward
-# for each variant, runs the sm90 forward tests (and racecheck with FM_RACE=1) on "cur", then times
-# FM_CASES ("hdim causal seqlen;...") three times per variant, the order reversed each time (clocks
-# drift within a call), and prints medians. Used for the early-S experiment (bench/NOTES.md).
+# A/B of kernel variants in one device call. "cur" is the working tree; each name in FM_VARIANTS is a
+# file $FM_VARIANT_DIR/<name> (default build-probe/, an ignored folder: pass it in `carry`) copied over
+# FM_VARIANT_FILE (default src/cuda/sm90/kernel_fwd_sm90.cuh) for its build. Builds once, rebuilds only
+# the bench for each variant, runs FM_TEST_FILTER of test_fwd_cuda (default: the sm90 forward cases; and
+# racecheck with FM_RACE=1) on "cur", then times every case of FM_CASES ("hdim causal seqlen;...") in one
+# bench process per variant, three rounds with the variant order reversed each round (clocks drift within
+# a call), and prints the medians. FM_BENCH_ARGS: gpu_bench flags (default --no-bwd; "" times the
+# backward too, reported as fwd/bwd).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 B=build-dev
+FILE=${FM_VARIANT_FILE:-src/cuda/sm90/kernel_fwd_sm90.cuh}
 start=$(date +%s)
 cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 >$OUT/build.log 2>&1 &&
   ninja -C $B test_fwd_cuda flashmonoid-gpu-bench >>$OUT/build.log 2>&1 || { tail -30 $OUT/build.log; exit 1; }
 echo "build cur: $(( $(date +%s) - start )) s"; grep -E "[1-9][0-9]* bytes spill" $OUT/build.log | head -3
 cp $B/bench/gpu/flashmonoid-gpu-bench /tmp/bench_cur
-timeout 240 $B/tests/cpp/test_fwd_cuda --gtest_filter='*sm90*:CudaForwardGrid*:CudaForwardPath*' --gtest_brief=1 >$OUT/tests.log 2>&1
-echo "tests rc=$?"; grep -E "FAILED|PASSED|Failure" $OUT/tests.log | head -20
+if [ "${FM_TEST_FILTER:-}" != none ]; then
+  timeout 240 $B/tests/cpp/test_fwd_cuda --gtest_filter="${FM_TEST_FILTER:-*sm90*:CudaForwardGrid*:CudaForwardPath*}" --gtest_brief=1 >$OUT/tests.log 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|PASSED|Failure" $OUT/tests.log | head -20
+fi
 if [ -n "${FM_RACE:-}" ]; then
-  timeout 200 compute-sanitizer --tool racecheck --error-exitcode 3 $B/tests/cpp/test_fwd_cuda --gtest_filter='Hopper/CudaForward.*/sm90_case1:Hopper/CudaForward.*/sm90_case0:CudaForwardGrid*' >$OUT/race.log 2>&1
+  timeout 200 compute-sanitizer --tool racecheck --error-exitcode 3 $B/tests/cpp/test_fwd_cuda --gtest_filter="${FM_RACE_FILTER:-Hopper/CudaForward.*/sm90_case1:Hopper/CudaForward.*/sm90_case0:CudaForwardGrid*}" >$OUT/race.log 2>&1
   echo "racecheck rc=$?"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY" $OUT/race.log | head
 fi
-cp src/cuda/sm90/kernel_fwd_sm90.cuh /tmp/kernel_cur.cuh
-for v in ${FM_VARIANTS}; do
-  cp ${FM_VARIANT_DIR:-build-probe}/kernel_$v.cuh src/cuda/sm90/kernel_fwd_sm90.cuh
+cp $FILE /tmp/variant_cur
+for v in ${FM_VARIANTS:-}; do
+  cp ${FM_VARIANT_DIR:-build-probe}/$v $FILE
   start=$(date +%s)
-  ninja -C $B flashmonoid-gpu-bench >>$OUT/build.log 2>&1 || { tail -30 $OUT/build.log; exit 1; }
-  echo "build $v: $(( $(date +%s) - start )) s"
+  ninja -C $B flashmonoid-gpu-bench >>$OUT/build.log 2>&1 || { tail -30 $OUT/build.log; cp /tmp/variant_cur $FILE; exit 1; }
+  echo "build $v: $(( $(date +%s) - start )) s"; grep -E "[1-9][0-9]* bytes spill" $OUT/build.log | sort -u | head -3
   cp $B/bench/gpu/flashmonoid-gpu-bench /tmp/bench_$v
 done
-cp /tmp/kernel_cur.cuh src/cuda/sm90/kernel_fwd_sm90.cuh
-all="cur ${FM_VARIANTS}"
+cp /tmp/variant_cur $FILE
+all="cur ${FM_VARIANTS:-}"
+args=()
 IFS=';' read -ra cases <<<"${FM_CASES}"
-printf "%-12s" case; for v in $all; do printf " %14s" $v; done; echo
-for c in "${cases[@]}"; do
-  declare -A res=()
-  order="$all"
-  for rep in 1 2 3; do
-    for v in $order; do
-      t=$(timeout 60 /tmp/bench_$v --no-bwd --case $c 2>&1 | grep -o '"impl": "flashmonoid", "pass": "fwd".*"tflops": [0-9.]*' | grep -o '[0-9.]*$' | head -1)
-      res[$v]="${res[$v]:-} ${t:-0}"
-    done
-    order=$(echo $order | awk '{for(i=NF;i>0;i--) printf "%s ", $i}')  # reverse each rep
+for c in "${cases[@]}"; do args+=(--case $c); done
+order="$all"
+for rep in 1 2 3; do
+  for v in $order; do
+    timeout 300 /tmp/bench_$v ${FM_BENCH_ARGS---no-bwd} "${args[@]}" 2>&1 | grep '"impl": "flashmonoid"' |
+      sed "s/^/$v /" >>$OUT/ab_raw.txt
   done
-  printf "%-12s" "$(echo $c | tr ' ' /)"
-  for v in $all; do printf " %14s" "$(echo ${res[$v]} | tr ' ' '\n' | sort -n | sed -n 2p)"; done
-  echo "   ($(for v in $all; do echo -n "$v:${res[$v]} "; done))"
-  unset res
-done | tee $OUT/ab.txt
+  order=$(echo $order | awk '{for(i=NF;i>0;i--) printf "%s ", $i}')
+done
+python3 - "$OUT/ab_raw.txt" $all <<'PY' | tee $OUT/ab.txt
+import json, statistics, sys
+raw, variants = sys.argv[1], sys.argv[2:]
+res = {}
+for line in open(raw):
+    v, rec = line.split(" ", 1)
+    r = json.loads(rec.strip().rstrip(","))
+    key = (r["pass"], r["hdim"], r["causal"], r["seqlen_q"])
+    res.setdefault(key, {}).setdefault(v, []).append(r["tflops"])
+print("%-22s" % "pass/hdim/causal/s" + "".join(" %9s" % v for v in variants) + "   (each round)")
+for key in sorted(res):
+    row = res[key]
+    med = [statistics.median(row[v]) if v in row else 0 for v in variants]
+    print("%-22s" % "/".join(str(k) for k in key) + "".join(" %9.1f" % m for m in med) +
+          "   " + " ".join("%s:%s" % (v, ",".join("%.0f" % x for x in row.get(v, []))) for v in variants))
+PY

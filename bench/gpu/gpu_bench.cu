@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -530,7 +531,7 @@ void write_records(const char* out_path) {
 
 // Usage: flashmonoid-gpu-bench [OUT.json] [--no-bwd] [--with-sm80] [--case HDIM CAUSAL SEQLEN] [--decode-only] [--sweep]
 //        [--kvcache-only | --no-kvcache] [--kvcache-host]
-// --case runs one training shape (for a profiler), --decode-only the decoding shapes, --sweep the
+// --case runs one training shape (for a profiler; repeat it for several, timed in the order given), --decode-only the decoding shapes, --sweep the
 // host cost of single CUDA calls and the decoding shapes over forced split counts, --kvcache-only
 // the device copy and the forward_kvcache decoding shapes (pass "decode"), --no-kvcache all but those,
 // --kvcache-host only the host time of the C++ forward_kvcache (pass "decode_host").
@@ -538,7 +539,7 @@ int main(int argc, char** argv) {
   const std::string dev = device_name();
   const char* out_path = nullptr;
   bool with_bwd = true, decode_only = false, kvcache_only = false, with_kvcache = true, kvcache_host = false;
-  int case_d = 0, case_causal = 0, case_s = 0;
+  std::vector<std::array<int, 3>> cases;  // (hdim, causal, seqlen)
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--no-bwd")) with_bwd = false;
     else if (!std::strcmp(argv[i], "--with-sm80")) g_with_sm80 = true;
@@ -555,14 +556,12 @@ int main(int argc, char** argv) {
       return 0;
     }
     else if (!std::strcmp(argv[i], "--case") && i + 3 < argc) {
-      case_d = std::atoi(argv[i + 1]);
-      case_causal = std::atoi(argv[i + 2]);
-      case_s = std::atoi(argv[i + 3]);
+      cases.push_back({std::atoi(argv[i + 1]), std::atoi(argv[i + 2]), std::atoi(argv[i + 3])});
       i += 3;
     } else out_path = argv[i];
   }
-  if (case_d) {
-    bench_train(case_d, case_causal != 0, case_s, with_bwd, dev);
+  if (!cases.empty()) {
+    for (const auto& c : cases) bench_train(c[0], c[1] != 0, c[2], with_bwd, dev);
     return 0;
   }
   if (kvcache_host) {

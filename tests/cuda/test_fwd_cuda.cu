@@ -216,6 +216,27 @@ std::vector<Shape> sm90_grid() {
       out.push_back(s);
       ++n;
     }
+  // hdim 64 under causal-like masks: the 128-row short_band variant up to 2048 query rows (a window,
+  // GQA, a head dim of 32 inside the bucket, whose TMA store writes half of each box), the 192-row
+  // one above.
+  struct Band {
+    int sq, sk, d, window_left, window_right;  // no window: causal
+  };
+  for (const Band& c : {Band{1031, 1031, 64, -1, -1}, Band{300, 633, 32, -1, -1}, Band{1031, 1100, 64, 90, 17},
+                        Band{2100, 2100, 64, -1, -1}}) {
+    Shape s;
+    s.b = 1;
+    s.s_q = c.sq;
+    s.s_k = c.sk;
+    s.d = c.d;
+    s.h = 6;
+    s.h_k = 3;
+    s.dtype = c.d == 32 ? DType::f16 : DType::bf16;
+    s.causal = c.window_right < 0;
+    s.window_left = c.window_left;
+    s.window_right = c.window_right;
+    out.push_back(s);
+  }
   return out;
 }
 

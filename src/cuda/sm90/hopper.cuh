@@ -123,6 +123,18 @@ __device__ __forceinline__ void tma_load(void* smem, const void* tensor_map, int
                                   &bar.word);
 }
 
+// A TMA tile store of a 4-d box from shared memory (the copy engine reads it after the issuing
+// thread's fence_async_shared-ordered writes), in the issuing thread's bulk group: commit, then
+// wait for the reads before the buffer is written again and for completion before the block exits.
+// Elements outside the tensor (head-dim padding, rows past the end) are not written.
+__device__ __forceinline__ void tma_store(const void* tensor_map, const void* smem, int c0, int c1, int c2, int c3) {
+  const std::int32_t coords[4] = {c0, c1, c2, c3};
+  ::cuda::ptx::cp_async_bulk_tensor(::cuda::ptx::space_global, ::cuda::ptx::space_shared, tensor_map, coords, smem);
+}
+__device__ __forceinline__ void tma_store_commit() { ::cuda::ptx::cp_async_bulk_commit_group(); }
+__device__ __forceinline__ void tma_store_wait_read() { ::cuda::ptx::cp_async_bulk_wait_group_read(::cuda::ptx::n32_t<0>{}); }
+__device__ __forceinline__ void tma_store_wait_all() { ::cuda::ptx::cp_async_bulk_wait_group(::cuda::ptx::n32_t<0>{}); }
+
 __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(tensor_map) : "memory");
 }
@@ -147,6 +159,23 @@ __device__ __forceinline__ void p_fragments(std::uint32_t (&a)[kNTiles / 2][4], 
     a[kk][2] = pack2<T>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
     a[kk][3] = pack2<T>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
   }
+}
+
+// O·(1/l) of a warpgroup's (64, kHeadDim) accumulator into a tile of 128-byte-swizzled panels, the
+// layout a TMA store reads: each warp writes its 16 rows, a quad of lanes one 16-byte chunk of a row
+// per 8 columns, so the 8 rows of a store land in 8 different chunks (no bank conflicts).
+template <class T, int kHeadDim>
+__device__ __forceinline__ void stage_output_panels(T* so, const float (&o)[1][kHeadDim / 8][4], const float (&inv_l)[2],
+                                                    int warp_row0, int lane) {
+  const std::uint32_t base = smem_addr(so);
+#pragma unroll
+  for (int di = 0; di < kHeadDim / 8; ++di)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = warp_row0 + half * 8 + lane / 4, col = di * 8 + 2 * (lane & 3);
+      const int elem = (col / kPanelCols) * 64 * kPanelCols + swizzled<kPanelCols>(row, col % kPanelCols);
+      st_shared_u32(base + 2 * elem, pack2<T>(o[0][di][2 * half] * inv_l[half], o[0][di][2 * half + 1] * inv_l[half]));
+    }
 }
 
 template <int kRows, int kCols>

@@ -32,6 +32,7 @@ struct FwdKernelArgsSm90 {
   CUtensorMap tm_q;  // (d, h, rows, batch), box (64, 1, 64, 1): one panel of one consumer's rows
   CUtensorMap tm_k;  // (d, h_k, rows, batch), box (64, 1, kBlockN, 1)
   CUtensorMap tm_v;
+  CUtensorMap tm_o;  // (d, h, rows, batch), box (64, 1, 64, 1): the TMA store of one consumer's O panel
   detail::FwdParams p;
   WorkTiles work;  // num_m_blocks per (head, batch): ceil(max_seqlen_q / kBlockM)
 };
@@ -44,18 +45,21 @@ struct FwdSmem {
   static constexpr int kQElems = 64 * kHeadDim;             // one consumer's Q rows
   static constexpr int kKVElems = kTile.block_n * kHeadDim;  // one K or V slot
   static constexpr int kQStageElems = kTile.consumers * kQElems;
+  static constexpr int kOElems = kTile.o_rows() * kHeadDim;
   T* base;
   Barrier* bars;  // q_full, q_empty (q_stages each), then k_full, v_full, k_empty, v_empty (stages each)
 
   __device__ __forceinline__ explicit FwdSmem(unsigned char* raw)
       // Panels need 1024-byte alignment for the swizzle atoms; dynamic shared memory guarantees 16.
       : base(reinterpret_cast<T*>((reinterpret_cast<std::uintptr_t>(raw) + 1023) & ~std::uintptr_t(1023))),
-        bars(reinterpret_cast<Barrier*>(base + kTile.q_stages * kQStageElems + 2 * kTile.stages * kKVElems)) {}
+        bars(reinterpret_cast<Barrier*>(base + kTile.q_stages * kQStageElems + 2 * kTile.stages * kKVElems + kOElems)) {}
   // Addresses computed from the slot (an array of slot pointers indexed at run time went to local
   // memory).
   __device__ __forceinline__ T* q(int stage, int consumer) const { return base + stage * kQStageElems + consumer * kQElems; }
   __device__ __forceinline__ T* k(int slot) const { return base + kTile.q_stages * kQStageElems + slot * kKVElems; }
   __device__ __forceinline__ T* v(int slot) const { return k(kTile.stages + slot); }
+  // One consumer's (64, kHeadDim) O tile for the TMA store (FwdStore::tma), after the K/V ring.
+  __device__ __forceinline__ T* o(int consumer) const { return k(2 * kTile.stages) + consumer * kQElems; }
   __device__ __forceinline__ Barrier& q_full(int stage) const { return bars[stage]; }
   __device__ __forceinline__ Barrier& q_empty(int stage) const { return bars[kTile.q_stages + stage]; }
   __device__ __forceinline__ Barrier& k_full(int slot) const { return bars[2 * kTile.q_stages + slot]; }
@@ -111,7 +115,7 @@ struct RingPos {
 
 // The producer: one thread issues every TMA copy of the block. Per work tile: the first K tile, then
 // Q (into a buffer the consumers have released: with one Q buffer that waits for the previous
-// tile's last S product, or its epilogue where O is staged in Q, which the K copy need not), then the
+// tile's last S product, which the K copy need not), then the
 // rest of the K/V ring in visit order.
 template <class T, int kHeadDim, FwdTileSm90 kTile>
 __device__ __forceinline__ void produce(const FwdKernelArgsSm90& args, const FwdSmem<T, kHeadDim, kTile>& sm,
@@ -148,7 +152,7 @@ __device__ __forceinline__ void produce(const FwdKernelArgsSm90& args, const Fwd
                    static_cast<int>(w.si.q_row0 + w.R0 + 64 * c), batch_coord, sm.q_full(qpos.slot()));
       qpos.advance();
     };
-    if (w.tiles.count() == 0) load_q();  // the consumers still stage their (zero) output in it
+    if (w.tiles.count() == 0) load_q();  // the consumers wait for every tile's Q, even one without keys
 #pragma unroll 1
     for (int j = 0; j < w.tiles.count(); ++j) {
       const int row = static_cast<int>(w.si.k_row0 + static_cast<std::int64_t>(w.tiles.hi - 1 - j) * kTile.block_n);
@@ -202,11 +206,12 @@ struct Turns {
   }
 };
 
-template <class T, int kHeadDim, bool kScoreMods>
-__global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kScoreMods).threads(), 1)
+template <class T, int kHeadDim, FwdVariantSm90 kVariant>
+__global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kVariant).threads(), 1)
     fwd_kernel_sm90(const __grid_constant__ FwdKernelArgsSm90 args) {
   using namespace sm90;
-  constexpr FwdTileSm90 kTile = fwd_tile_sm90(kHeadDim, kScoreMods);
+  constexpr FwdTileSm90 kTile = fwd_tile_sm90(kHeadDim, kVariant);
+  constexpr bool kScoreMods = kVariant == FwdVariantSm90::score_mods;
   constexpr int kBlockM = kTile.block_m(), kBlockN = kTile.block_n;
   constexpr int kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8;
   static_assert(kHeadDim % kPanelCols == 0, "head-dim buckets are whole 64-column panels");
@@ -320,9 +325,9 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kScoreMods).threads(),
         OnlineSoftmax<1>::rescale(o, factor);
         p_fragments<T>(pa, s);
       }
-      // With direct stores every read of Q is over (the tile's S products have completed): its buffer
-      // goes back to the producer, so the next tile's Q loads under this last P·V and the epilogue.
-      if (kTile.direct_store && lane == 0) sm.q_empty(qpos.slot()).arrive();
+      // Every read of Q is over (the tile's S products have completed): its buffer goes back to the
+      // producer, so the next tile's Q loads under this last P·V and the epilogue.
+      if (lane == 0) sm.q_empty(qpos.slot()).arrive();
       sm.v_full(vpos.slot()).wait(vpos.phase());
       turns.wait();
       wgmma_fence();
@@ -333,7 +338,7 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kScoreMods).threads(),
       fence_regs(flat(o));
       if (lane == 0) sm.v_empty(vpos.slot()).arrive();
       vpos.advance();
-    } else if (kTile.direct_store && lane == 0) {
+    } else if (lane == 0) {
       sm.q_empty(qpos.slot()).arrive();
     }
 
@@ -348,24 +353,31 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kScoreMods).threads(),
 #pragma unroll
       for (int r = 0; r < 2; ++r) inv_l[r] *= p.dropout_rescale;
     }
-    if constexpr (kTile.direct_store) {
-      store_output_regs<T, kHeadDim, 1>(p, blk, o, inv_l, lse, erows, lane);
-    } else {
-      // O is staged in this warpgroup's own Q rows (its last S product has completed), behind a
-      // barrier of its 128 threads only; then the Q buffer goes back to the producer. The fence orders
-      // the staging reads before the copy engine's next writes. With one Q buffer, the first barrier
-      // orders the last tile's reads of its staged O (other warps' rows) before these writes where
-      // racecheck can see it (the producer's Q load between them already did).
-      if constexpr (kTile.q_stages == 1) named_sync(1 + consumer, 128);
-      store_output<T, kHeadDim, 1, 64, 128>(p, blk, we.R0 + 64 * consumer, o, inv_l, lse, erows, sm.q(qpos.slot(), consumer),
-                                            16 * warp, lane, tid, [consumer] { named_sync(1 + consumer, 128); });
+    if (kTile.store == FwdStore::tma && !p.is_varlen()) {
+      // The previous tile's store has read the O buffer (its issuing thread waits) before anyone
+      // writes it again; the fence makes the writes visible to the copy engine.
+      T* so = sm.o(consumer);
+      if (tid == 0) tma_store_wait_read();
+      named_sync(1 + consumer, 128);
+      stage_output_panels<T, kHeadDim>(so, o, inv_l, 16 * warp, lane);
       fence_async_shared();
-      __syncwarp();
-      if (lane == 0) sm.q_empty(qpos.slot()).arrive();
+      named_sync(1 + consumer, 128);
+      if (tid == 0) {
+#pragma unroll
+        for (int pn = 0; pn < kHeadDim / kPanelCols; ++pn)
+          tma_store(&args.tm_o, so + pn * 64 * kPanelCols, pn * kPanelCols, we.head,
+                    static_cast<int>(we.si.q_row0 + we.R0 + 64 * consumer), we.b);
+        tma_store_commit();
+      }
+      store_lse(p, blk, lse, erows, lane);
+    } else {
+      store_output_regs<T, kHeadDim, 1>(p, blk, o, inv_l, lse, erows, lane);
     }
     qpos.advance();
   }
   turns.finish();
+  // The block's shared memory must outlive the copy engine's reads of the last O tile.
+  if (kTile.store == FwdStore::tma && tid == 0) tma_store_wait_all();
 }
 
 }  // namespace flashmonoid::cuda

@@ -15,9 +15,9 @@
 
 namespace flashmonoid::cuda {
 
-template <class T, int kHeadDim, bool kScoreMods>
+template <class T, int kHeadDim, FwdVariantSm90 kVariant>
 void launch_fwd_sm90(const detail::FwdParams& p, const FwdLaunchSm90& launch) {
-  constexpr FwdTileSm90 kTile = fwd_tile_sm90(kHeadDim, kScoreMods);
+  constexpr FwdTileSm90 kTile = fwd_tile_sm90(kHeadDim, kVariant);
   FwdKernelArgsSm90 args;
   args.p = p;
   const bool varlen = p.is_varlen();
@@ -29,9 +29,11 @@ void launch_fwd_sm90(const detail::FwdParams& p, const FwdLaunchSm90& launch) {
   args.tm_q = sm90::make_tensor_map(p.q, p.d, p.h, q_rows, batch, p.q_stride, 64);
   args.tm_k = sm90::make_tensor_map(p.k, p.d, p.h_k, k_rows, batch, p.k_stride, kTile.block_n);
   args.tm_v = sm90::make_tensor_map(p.v, p.d, p.h_k, k_rows, batch, p.v_stride, kTile.block_n);
-  auto* kernel = fwd_kernel_sm90<T, kHeadDim, kScoreMods>;
+  if constexpr (kTile.store == FwdStore::tma)
+    if (!varlen) args.tm_o = sm90::make_tensor_map(p.out, p.d, p.h, q_rows, batch, p.o_stride, 64);
+  auto* kernel = fwd_kernel_sm90<T, kHeadDim, kVariant>;
   constexpr std::size_t kSmem = kTile.smem_bytes(kHeadDim);
-  allow_dynamic_smem<fwd_kernel_sm90<T, kHeadDim, kScoreMods>>(kSmem, p.device.index);
+  allow_dynamic_smem<fwd_kernel_sm90<T, kHeadDim, kVariant>>(kSmem, p.device.index);
   // Persistent: one block per multiprocessor (the shared memory admits no second one), less the
   // caller's margin; otherwise one block per work unit.
   const int num_sms = device_props(p.device.index).num_sms;
@@ -44,15 +46,18 @@ void launch_fwd_sm90(const detail::FwdParams& p, const FwdLaunchSm90& launch) {
   FM_CUDA_CHECK_LAUNCH();
 }
 
-// Softcap, ALiBi and dropout are compiled into a second variant so the common path carries none of
-// their registers.
+// The one choice among a head-dim bucket's variants (tile_fwd_sm90.hpp).
 template <class T, int kHeadDim>
 void run_fwd_sm90(const detail::FwdParams& p, const FwdLaunchSm90& launch) {
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head-dim buckets are 64, 128, 256");
+  using V = FwdVariantSm90;
   if constexpr (kHeadDim <= 128) {
-    if (p.score_mods()) return launch_fwd_sm90<T, kHeadDim, true>(p, launch);
+    if (p.score_mods()) return launch_fwd_sm90<T, kHeadDim, V::score_mods>(p, launch);
   }
-  launch_fwd_sm90<T, kHeadDim, false>(p, launch);  // hdim 256 with modifiers runs on sm80 (fwd_sm90_eligible)
+  if constexpr (kHeadDim == 64) {
+    if (p.window_right >= 0 && p.seqlen_q <= kShortBandRows) return launch_fwd_sm90<T, kHeadDim, V::short_band>(p, launch);
+  }
+  launch_fwd_sm90<T, kHeadDim, V::plain>(p, launch);  // hdim 256 with modifiers runs on sm80 (fwd_sm90_eligible)
 }
 
 }  // namespace flashmonoid::cuda

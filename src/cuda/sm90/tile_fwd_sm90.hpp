@@ -8,6 +8,22 @@
 
 namespace flashmonoid::cuda {
 
+// How a consumer writes its finished O (64, kHeadDim) (kernel_fwd_sm90.cuh's epilogue); either way
+// its Q buffer goes back to the producer right after the tile's last S product.
+// - tma: normalised into an O buffer of its own (128-byte-swizzled panels) and written by one TMA
+//   tile store per panel; varlen calls store from registers instead (a box's rows past a sequence's
+//   end belong to the next sequence). H200, bf16, against staging O in the Q buffer and storing it
+//   with 16-byte stores: hdim 128 +9% / +4% / +2% at 512 / 1k / 2k keys (500 vs 458 TFLOP/s at 512),
+//   causal +11% / +7% at 512 / 1k; hdim 64 +1-3% over `regs` below 16k.
+// - regs: straight from the accumulators (common/epilogue.cuh: store_output_regs), where shared
+//   memory has no room for an O buffer (hdim 256: Q 64 KB + K/V 160 KB).
+enum class FwdStore { regs, tma };
+
+// The kernel variants of a head-dim bucket: the plain one; one with softcap, ALiBi and dropout
+// compiled in (the plain one carries none of their registers); and, at hdim 64, one of 128-row
+// tiles for causal-like masks up to kShortBandRows query rows (fwd_variant_sm90).
+enum class FwdVariantSm90 { plain, score_mods, short_band };
+
 struct FwdTileSm90 {
   int consumers;  // consumer warpgroups, 64 query rows each (one wgmma M)
   int block_n;    // keys per mainloop step (wgmma N of S = QKᵀ, K of O = PV)
@@ -15,14 +31,16 @@ struct FwdTileSm90 {
   int consumer_regs, producer_regs;  // setmaxnreg targets: 128·(producer + consumers·consumer) <= 64K
   int q_stages;  // Q buffers: with 2 the next work tile's Q loads while this one's epilogue runs
   bool pingpong;  // consumers take turns issuing their products (kernel_fwd_sm90.cuh: Turns)
-  bool direct_store;  // O from registers (store_output_regs), Q released after the last S; else staged in Q
+  FwdStore store;
 
   constexpr int block_m() const { return 64 * consumers; }
   constexpr int threads() const { return 128 * (consumers + 1); }
-  // q_stages Q tiles, then `stages` K tiles and `stages` V tiles, each (rows, head_dim) of 2-byte
-  // elements, plus the barriers and the 1024-byte alignment of the swizzled panels.
+  constexpr int o_rows() const { return store == FwdStore::tma ? block_m() : 0; }
+  // q_stages Q tiles, then `stages` K tiles and `stages` V tiles, then the O tile of a TMA store,
+  // each (rows, head_dim) of 2-byte elements, plus the barriers and the 1024-byte alignment of the
+  // swizzled panels.
   constexpr std::size_t smem_bytes(int head_dim) const {
-    return static_cast<std::size_t>(q_stages * block_m() + 2 * stages * block_n) * head_dim * 2 + 2048;
+    return static_cast<std::size_t>(q_stages * block_m() + 2 * stages * block_n + o_rows()) * head_dim * 2 + 2048;
   }
 };
 
@@ -32,17 +50,20 @@ struct FwdTileSm90 {
 // hdim 64 takes 3 consumers (192 rows, FlashAttention-3's block height): +13-35% over 2 at 1k-16k
 // non-causal on H100 (16k: 523 vs 387 TFLOP/s), where the exponentials of 2 warpgroups left the
 // tensor cores idle; 192 keys with 2 consumers measured equal to 128 (within 2%). With score
-// modifiers 3 consumers spilled 208 bytes at 160 registers, so that variant keeps 2.
+// modifiers 3 consumers spilled 208 bytes at 160 registers, so that variant keeps 2. Under a causal
+// mask a 192-row tile computes more masked scores than a 128-row one (s = 1k: 1.5x the visible ones
+// against 1.12x), which outweighs the third consumer up to 2k rows (short_band, H200: 195 / 275 / 345
+// against 167 / 240 / 333 TFLOP/s at 512 / 1k / 2k; 390 against 411 at 4k).
 // Ping-pong pays where the exponentials are the bottleneck: hdim 64 +5-9% non-causal, +0-10% causal
 // (16k: 548 vs 505, 506 vs 460 TFLOP/s); at hdim 128 where a work tile is short (512-1k keys: +2-7%,
 // 8k within 1%), one warpgroup's first softmax and epilogue running under the other's products.
-// Direct stores (store_output_regs) pay at hdim 64 and 256, not at hdim 128 (epilogue.cuh).
-constexpr FwdTileSm90 fwd_tile_sm90(int head_dim_bucket, bool score_mods) {
-  if (head_dim_bucket <= 64)
-    return score_mods ? FwdTileSm90{2, 128, 2, 240, 24, 2, false, false} : FwdTileSm90{3, 128, 2, 160, 24, 2, true, true};
-  if (head_dim_bucket <= 128)
-    return score_mods ? FwdTileSm90{2, 128, 2, 240, 24, 2, false, false} : FwdTileSm90{2, 128, 2, 240, 24, 2, true, false};
-  return {2, 80, 2, 240, 24, 1, false, true};
+constexpr FwdTileSm90 fwd_tile_sm90(int head_dim_bucket, FwdVariantSm90 variant) {
+  const bool mods = variant == FwdVariantSm90::score_mods;
+  if (head_dim_bucket <= 64 && variant == FwdVariantSm90::plain) return {3, 128, 2, 160, 24, 2, true, FwdStore::tma};
+  if (head_dim_bucket <= 128) return {2, 128, 2, 240, 24, 2, !mods, FwdStore::tma};
+  return {2, 80, 2, 240, 24, 1, false, FwdStore::regs};
 }
+
+inline constexpr int kShortBandRows = 2048;
 
 }  // namespace flashmonoid::cuda
