@@ -24,15 +24,19 @@ if [ -n "${FM_RACE:-}" ]; then
   timeout 200 compute-sanitizer --tool racecheck --error-exitcode 3 $B/tests/cpp/test_fwd_cuda --gtest_filter="${FM_RACE_FILTER:-Hopper/CudaForward.*/sm90_case1:Hopper/CudaForward.*/sm90_case0:CudaForwardGrid*}" >$OUT/race.log 2>&1
   echo "racecheck rc=$?"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY" $OUT/race.log | head
 fi
-cp $FILE /tmp/variant_cur
+# A variant that is a folder holds files at their repository paths, copied over the tree for its build
+# and restored after it (a file variant is copied over FILE).
+VDIR=${FM_VARIANT_DIR:-build-probe}
 for v in ${FM_VARIANTS:-}; do
-  cp ${FM_VARIANT_DIR:-build-probe}/$v $FILE
+  files=$([ -d $VDIR/$v ] && (cd $VDIR/$v && find . -type f) || echo $FILE)
+  for f in $files; do mkdir -p /tmp/ab_orig/$(dirname $f); cp $f /tmp/ab_orig/$f; done
+  if [ -d $VDIR/$v ]; then cp -r $VDIR/$v/. .; else cp $VDIR/$v $FILE; fi
   start=$(date +%s)
-  ninja -C $B flashmonoid-gpu-bench >>$OUT/build.log 2>&1 || { tail -30 $OUT/build.log; cp /tmp/variant_cur $FILE; exit 1; }
+  ninja -C $B flashmonoid-gpu-bench >>$OUT/build.log 2>&1 || { tail -30 $OUT/build.log; for f in $files; do cp /tmp/ab_orig/$f $f; done; exit 1; }
   echo "build $v: $(( $(date +%s) - start )) s"; grep -E "[1-9][0-9]* bytes spill" $OUT/build.log | sort -u | head -3
   cp $B/bench/gpu/flashmonoid-gpu-bench /tmp/bench_$v
+  for f in $files; do cp /tmp/ab_orig/$f $f; done
 done
-cp /tmp/variant_cur $FILE
 all="cur ${FM_VARIANTS:-}"
 args=()
 IFS=';' read -ra cases <<<"${FM_CASES}"

@@ -20,6 +20,10 @@ __device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
 __device__ __forceinline__ void st_shared_u32(std::uint32_t addr, std::uint32_t v) {
   asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
+// A 16-byte store of four floats to a 16-byte-aligned shared-memory address.
+__device__ __forceinline__ void st_shared_v4(std::uint32_t addr, float a, float b, float c, float d) {
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
 
 // Two floats -> one register of two T (low half = x), round to nearest.
 template <class T> __device__ __forceinline__ std::uint32_t pack2(float x, float y) {

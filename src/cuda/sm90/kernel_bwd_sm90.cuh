@@ -176,7 +176,7 @@ struct BwdSmem {
   Barrier* bars;  // kv_full, q_full (kStages), q_empty (kStages)
 
   __device__ __forceinline__ explicit BwdSmem(unsigned char* raw)
-      : base(reinterpret_cast<T*>((reinterpret_cast<std::uintptr_t>(raw) + 1023) & ~std::uintptr_t(1023))),
+      : base(reinterpret_cast<T*>(align_smem_1024(raw))),
         f32(reinterpret_cast<float*>(base + 2 * kKVElems + 2 * kStages * kQElems + kTile.score_buffers() * kSElems)),
         keep(reinterpret_cast<std::uint32_t*>(f32 + kDqFloats + 2 * kStages * kBlockM)),
         bars(reinterpret_cast<Barrier*>(keep + kKeepWords)) {}
@@ -621,11 +621,10 @@ __device__ __forceinline__ void bwd_consumer_key_split(const BwdKernelArgsSm90& 
 
     // The dQ part to the dQ writer warp (in fragment order, conflict-free), once it has handed the
     // buffer back.
-    float* dq_s = sm.dq(consumer);
+    const std::uint32_t dq_s = smem_addr(sm.dq(consumer));
     named_sync(kBarDqEmpty + consumer, kDqSyncThreads);
 #pragma unroll
-    for (int j = 0; j < kDqN / 8; ++j)
-      *reinterpret_cast<float4*>(dq_s + (j * 128 + tid) * 4) = make_float4(dq[0][j][0], dq[0][j][1], dq[0][j][2], dq[0][j][3]);
+    for (int j = 0; j < kDqN / 8; ++j) st_shared_v4(dq_s + (j * 128 + tid) * 16, dq[0][j][0], dq[0][j][1], dq[0][j][2], dq[0][j][3]);
     fence_async_shared();
     named_arrive(kBarDqFull + consumer, kDqSyncThreads);
 

@@ -50,8 +50,10 @@ struct FwdSmem {
   Barrier* bars;  // q_full, q_empty (q_stages each), then k_full, v_full, k_empty, v_empty (stages each)
 
   __device__ __forceinline__ explicit FwdSmem(unsigned char* raw)
-      // Panels need 1024-byte alignment for the swizzle atoms; dynamic shared memory guarantees 16.
-      : base(reinterpret_cast<T*>((reinterpret_cast<std::uintptr_t>(raw) + 1023) & ~std::uintptr_t(1023))),
+      // Aligned as a generic pointer, unlike the backward's (align_smem_1024): every access here goes
+      // through smem_addr or TMA anyway, and with a shared-space base ptxas spilled 4 bytes at hdim 256.
+      : base(reinterpret_cast<T*>((reinterpret_cast<std::uintptr_t>(raw) + kSwizzleAtomBytes - 1) &
+                                  ~std::uintptr_t(kSwizzleAtomBytes - 1))),
         bars(reinterpret_cast<Barrier*>(base + kTile.q_stages * kQStageElems + 2 * kTile.stages * kKVElems + kOElems)) {}
   // Addresses computed from the slot (an array of slot pointers indexed at run time went to local
   // memory).
