@@ -3,7 +3,7 @@
 # file $FM_VARIANT_DIR/<name> (default build-probe/, an ignored folder: pass it in `carry`) copied over
 # FM_VARIANT_FILE (default src/cuda/sm90/kernel_fwd_sm90.cuh) for its build. Builds once, rebuilds only
 # the bench for each variant, runs FM_TEST_FILTER of test_fwd_cuda (default: the sm90 forward cases; and
-# racecheck with FM_RACE=1) on "cur", then times every case of FM_CASES ("hdim causal seqlen;...") in one
+# racecheck with FM_RACE=1; FM_TEST_BIN, FM_SANITIZER_TOOL pick others) on "cur", then times every case of FM_CASES ("hdim causal seqlen;...") in one
 # bench process per variant, three rounds with the variant order reversed each round (clocks drift within
 # a call), and prints the medians. FM_BENCH_ARGS: gpu_bench flags (default --no-bwd; "" times the
 # backward too, reported as fwd/bwd).
@@ -13,15 +13,15 @@ B=build-dev
 FILE=${FM_VARIANT_FILE:-src/cuda/sm90/kernel_fwd_sm90.cuh}
 start=$(date +%s)
 cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 >$OUT/build.log 2>&1 &&
-  ninja -C $B test_fwd_cuda flashmonoid-gpu-bench >>$OUT/build.log 2>&1 || { tail -30 $OUT/build.log; exit 1; }
+  ninja -C $B ${FM_TEST_BIN:-test_fwd_cuda} flashmonoid-gpu-bench >>$OUT/build.log 2>&1 || { tail -30 $OUT/build.log; exit 1; }
 echo "build cur: $(( $(date +%s) - start )) s"; grep -E "[1-9][0-9]* bytes spill" $OUT/build.log | head -3
 cp $B/bench/gpu/flashmonoid-gpu-bench /tmp/bench_cur
 if [ "${FM_TEST_FILTER:-}" != none ]; then
-  timeout 240 $B/tests/cpp/test_fwd_cuda --gtest_filter="${FM_TEST_FILTER:-*sm90*:CudaForwardGrid*:CudaForwardPath*}" --gtest_brief=1 >$OUT/tests.log 2>&1
+  timeout 240 $B/tests/cpp/${FM_TEST_BIN:-test_fwd_cuda} --gtest_filter="${FM_TEST_FILTER:-*sm90*:CudaForwardGrid*:CudaForwardPath*}" --gtest_brief=1 >$OUT/tests.log 2>&1
   echo "tests rc=$?"; grep -E "FAILED|PASSED|Failure" $OUT/tests.log | head -20
 fi
 if [ -n "${FM_RACE:-}" ]; then
-  timeout 200 compute-sanitizer --tool racecheck --error-exitcode 3 $B/tests/cpp/test_fwd_cuda --gtest_filter="${FM_RACE_FILTER:-Hopper/CudaForward.*/sm90_case1:Hopper/CudaForward.*/sm90_case0:CudaForwardGrid*}" >$OUT/race.log 2>&1
+  timeout 200 compute-sanitizer --tool ${FM_SANITIZER_TOOL:-racecheck} --error-exitcode 3 $B/tests/cpp/${FM_TEST_BIN:-test_fwd_cuda} --gtest_filter="${FM_RACE_FILTER:-Hopper/CudaForward.*/sm90_case1:Hopper/CudaForward.*/sm90_case0:CudaForwardGrid*}" >$OUT/race.log 2>&1
   echo "racecheck rc=$?"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY" $OUT/race.log | head
 fi
 # A variant that is a folder holds files at their repository paths, copied over the tree for its build

@@ -736,6 +736,7 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
   using namespace sm90;
   using Smem = BwdSmem<T, kHeadDim>;
   constexpr BwdTileSm90 kTile = Smem::kTile;
+  static_assert(kTile.registers_fit(), "setmaxnreg targets exceed the block's launch registers");
   constexpr int kBlockM = kTile.block_m, kBlockN = kTile.block_n, kStages = kTile.q_stages;
   constexpr int kPanels = kHeadDim / kPanelCols;
 

@@ -214,6 +214,7 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kVariant).threads(), 1
   using namespace sm90;
   constexpr FwdTileSm90 kTile = fwd_tile_sm90(kHeadDim, kVariant);
   constexpr bool kScoreMods = kVariant == FwdVariantSm90::score_mods;
+  static_assert(kTile.registers_fit(), "setmaxnreg targets exceed the block's launch registers");
   constexpr int kBlockM = kTile.block_m(), kBlockN = kTile.block_n;
   constexpr int kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8;
   static_assert(kHeadDim % kPanelCols == 0, "head-dim buckets are whole 64-column panels");

@@ -35,6 +35,12 @@ struct FwdTileSm90 {
 
   constexpr int block_m() const { return 64 * consumers; }
   constexpr int threads() const { return 128 * (consumers + 1); }
+  // setmaxnreg moves registers between the warpgroups of a block; the targets must fit what the
+  // block was launched with (65536 / threads per thread, ptxas rounds to 8), or the consumers'
+  // increase waits forever (a backward with 32 producer registers hung on the H200).
+  constexpr bool registers_fit() const {
+    return 128 * (producer_regs + consumers * consumer_regs) <= 65536 / threads() / 8 * 8 * threads();
+  }
   constexpr int o_rows() const { return store == FwdStore::tma ? block_m() : 0; }
   // q_stages Q tiles, then `stages` K tiles and `stages` V tiles, then the O tile of a TMA store,
   // each (rows, head_dim) of 2-byte elements, plus the barriers and the 1024-byte alignment of the
