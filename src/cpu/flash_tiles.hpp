@@ -6,6 +6,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -60,14 +61,22 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Software prefetch into L2 of slice `part` of `parts` of [p, p + bytes): callers spread one tile's
-// prefetch over the iterations of a loop that runs before the tile is read.
-inline void prefetch_l2(const void* p, std::int64_t bytes, int part, int parts) {
-  const char* c = static_cast<const char*>(p);
-  const std::int64_t lines = (bytes + 63) / 64;
-  for (std::int64_t l = lines * part / parts; l < lines * (part + 1) / parts; ++l)
-    _mm_prefetch(c + l * 64, _MM_HINT_T1);
-}
+// Software prefetch into L2 of [p, p + bytes) in `parts` slices: callers spread one tile's prefetch
+// over the iterations of a loop that runs before the tile is read, slice(i) in iteration i. The
+// slice size is computed once (64-bit divisions per slice cost ~3% of the forward's time).
+class PrefetchL2 {
+ public:
+  PrefetchL2(const void* p, std::int64_t bytes, int parts)
+      : p_(static_cast<const char*>(p)), lines_((bytes + 63) / 64), per_((lines_ + parts - 1) / parts) {}
+  void slice(int i) const {
+    const std::int64_t end = std::min(lines_, (i + 1) * per_);
+    for (std::int64_t l = i * per_; l < end; ++l) _mm_prefetch(p_ + l * 64, _MM_HINT_T1);
+  }
+
+ private:
+  const char* p_;
+  std::int64_t lines_, per_;
+};
 
 // dst[c] = mul · src[c] for c < d, src a row of dtype t; fp16 via F16C (exact, like half_to_float).
 inline void load_row(const void* base, DType t, std::int64_t offset, int d, float mul, float* dst) {

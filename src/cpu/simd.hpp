@@ -14,6 +14,8 @@
 namespace flashmonoid::cpu::simd {
 namespace {
 
+typedef float f32x2 __attribute__((vector_size(8)));
+typedef float f32x4 __attribute__((vector_size(16)));
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x16 __attribute__((vector_size(64)));
 
@@ -50,21 +52,34 @@ inline V vmax(V a, V b) {
   return a > b ? a : b;
 }
 
-template <class V>
-inline float reduce_max(V v) {
-  float m = v[0];
-  for (int i = 1; i < lanes<V>; ++i) m = v[i] > m ? v[i] : m;
-  return m;
+// The lower (H = 0) or upper (H = 1) half of v, in registers (shuffles, no trip through memory).
+template <int H, class V>
+inline auto half(V v) {
+  constexpr int o = H * lanes<V> / 2;
+  if constexpr (lanes<V> == 16) return __builtin_shufflevector(v, v, o, o + 1, o + 2, o + 3, o + 4, o + 5, o + 6, o + 7);
+  else if constexpr (lanes<V> == 8) return __builtin_shufflevector(v, v, o, o + 1, o + 2, o + 3);
+  else if constexpr (lanes<V> == 4) return __builtin_shufflevector(v, v, o, o + 1);
+  else return v[o];
 }
 
-// Pairwise, so that the order of the additions is a fixed tree for each width.
+// Halving trees, lane i with lane i + lanes/2 at each level: a fixed order of operations for each
+// width. (A scalar loop over the lanes, or a trip through memory, was a 15-deep chain of scalar
+// maxima per row and store-forwarding stalls: the forward's rows spent as long reducing as in the
+// exponential.)
+template <class V>
+inline float reduce_max(V v) {
+  if constexpr (lanes<V> == 1) {
+    return v;
+  } else {
+    const auto lo = half<0>(v), hi = half<1>(v);
+    return reduce_max(hi > lo ? hi : lo);
+  }
+}
+
 template <class V>
 inline float reduce_sum(V v) {
-  float t[lanes<V>];
-  storeu(t, v);
-  for (int w = lanes<V> / 2; w >= 1; w /= 2)
-    for (int i = 0; i < w; ++i) t[i] += t[i + w];
-  return t[0];
+  if constexpr (lanes<V> == 1) return v;
+  else return reduce_sum(half<0>(v) + half<1>(v));
 }
 
 // exp(x) per lane, within 1 ulp of the exact value over [-87.3, 88.3] (every 97th float of that
