@@ -126,8 +126,10 @@ inline V exp(V x) {
 template <class V>
 inline V exp2(V x) {
   using I = int_of<V>;
-  // Written so that a NaN x compares false and passes through.
-  x = x < -127.0f ? splat<V>(-127.0f) : x;
+  // vmax(-127, x): a NaN x compares false and passes through; written as (c > x ? c : x), GCC
+  // emits one vmaxps where (x < c ? c : x) gave a compare and a blend (AVX-512: a compare into a
+  // mask register and a masked move).
+  x = vmax(splat<V>(-127.0f), x);
   // Adding 1.5·2^23 rounds x to the nearest integer n, which lands in the low mantissa bits; the
   // extra 127 biases it, so that t's bits shifted left by 23 are those of the float 2^n.
   const float shifter = 12582912.0f + 127.0f;
