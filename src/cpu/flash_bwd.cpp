@@ -257,11 +257,8 @@ void pack_tile(const BwdParams& p, const BlockGrid& qgrid, PackedQ& pq, std::int
   } else {
     std::vector<float> q(dout.size()), qt(dout.size()), dot(dout.size());
     tiles::load_tile(p.q, p.dtype, p.q_stride, b, r0, hq, m, kBlockM, d, dp, p.scale, q.data());
-    for (int c = 0; c < d; ++c)
-      for (int r = 0; r < kBlockM; ++r) {
-        qt[c * kBlockM + r] = q[r * dp + c];
-        dot[c * kBlockM + r] = dout[r * dp + c];
-      }
+    tiles::transpose(q.data(), kBlockM, d, dp, qt.data(), kBlockM);
+    tiles::transpose(dout.data(), kBlockM, d, dp, dot.data(), kBlockM);
     tiles::to_panels(q.data(), kBlockM, dp, dp, pq.panel, pq.q.data() + t * kBlockM * pq.vp);
     tiles::to_panels(dout.data(), kBlockM, dp, dp, pq.panel, pq.dout.data() + t * kBlockM * pq.vp);
     tiles::to_panels(qt.data(), d, kBlockM, kBlockM, pq.panel, pq.qt.data() + t * d * kBlockM);

@@ -142,7 +142,7 @@ struct Workspace {
   std::vector<float> q;   // (kBlockM, d)   scale · Q
   std::vector<float> s;   // (kBlockM, kBlockN) scores, then probabilities
   std::vector<float> o;   // (kBlockM, dp)  unnormalised output
-  std::vector<float> row;  // (d)       staging row for packing
+  std::vector<float> row;  // (8, d)    staging rows for packing Kᵀ (tiles::load_rows_transposed)
   std::vector<float> staging;   // (max(d, kBlockN), max(kBlockN, dp))  a K or V tile before to_panels
   std::vector<std::uint32_t> q2;        // (kBlockM, d2)  Q's pairs along d, unscaled
   std::vector<std::uint32_t> p2;        // (kBlockM, kBlockN / 2)  P's pairs along the keys
@@ -152,7 +152,7 @@ struct Workspace {
   std::vector<float> m_run, sums;  // (kBlockM)  Kernels::softmax_rows' running maxima and row sums
   Workspace(int d_, bool pairs)
       : d(d_), dp(tiles::round_up(d_, kLanes)), d2((d_ + 1) / 2), s(kBlockM * kBlockN),
-        o(static_cast<std::size_t>(kBlockM) * dp), row(d_), state(kBlockM), alpha(kBlockM),
+        o(static_cast<std::size_t>(kBlockM) * dp), row(static_cast<std::size_t>(8) * d_), state(kBlockM), alpha(kBlockM),
         m_run(kBlockM), sums(kBlockM) {
     if (pairs) {
       q2.resize(static_cast<std::size_t>(kBlockM) * d2);
