@@ -8,6 +8,8 @@
 // keep its AVX-512 copy for everybody and the library would fault on AVX2-only CPUs.
 #pragma once
 
+#include <immintrin.h>
+
 #include <cstdint>
 #include <cstring>
 
@@ -47,8 +49,18 @@ inline V splat(float x) {
   return x - V{};
 }
 
+// a > b ? a : b per lane (b where either is NaN): x86's maxps, one instruction. GCC turns the
+// expression into a compare and a blend (AVX-512: a compare into a mask and a masked move) in some
+// contexts (simd::exp2's clamp), hence the intrinsics where the width has one; same results.
 template <class V>
 inline V vmax(V a, V b) {
+#ifdef __AVX512F__
+  // The all-lanes mask form: _mm512_max_ps passes an undefined source that GCC 12 warns about.
+  if constexpr (lanes<V> == 16) return _mm512_mask_max_ps(a, static_cast<__mmask16>(0xFFFF), a, b);
+#endif
+#ifdef __AVX__
+  if constexpr (lanes<V> == 8) return _mm256_max_ps(a, b);
+#endif
   return a > b ? a : b;
 }
 
@@ -126,9 +138,7 @@ inline V exp(V x) {
 template <class V>
 inline V exp2(V x) {
   using I = int_of<V>;
-  // vmax(-127, x): a NaN x compares false and passes through; written as (c > x ? c : x), GCC
-  // emits one vmaxps where (x < c ? c : x) gave a compare and a blend (AVX-512: a compare into a
-  // mask register and a masked move).
+  // vmax(-127, x): a NaN x compares false and passes through.
   x = vmax(splat<V>(-127.0f), x);
   // Adding 1.5·2^23 rounds x to the nearest integer n, which lands in the low mantissa bits; the
   // extra 127 biases it, so that t's bits shifted left by 23 are those of the float 2^n.
