@@ -125,8 +125,9 @@ void gemm(int M, int N, int K, const E* A, int lda, const E* B, int ldb, float* 
 // Row operations over n floats, n a multiple of 8: full vectors of V, then one of 8 lanes.
 // R rows of softmax_rows at once, interleaved: one row's chain (max over its vectors, the
 // reduction, the new max, the exponentials, their running sum, its reduction) is ~170 cycles of
-// latency against ~70 of work on 128 columns at 16 lanes, and the rows are independent. Each row's
-// arithmetic is the same in any group size.
+// latency against ~70 of work on 128 columns at 16 lanes, and the rows are independent: 4 rows at
+// a time took a 16×128 tile from 5.1 to 3.6 ns per zmm vector and the forward at d = 64 from 77-80
+// to 72 ms (s = 2k, one thread, Xeon). Each row's arithmetic is the same in any group size.
 template <class V, int R>
 inline void softmax_row_group(float* s, int n, float mul, float lazy, float* m_run, float* sums) {
   constexpr int L = simd::lanes<V>;
