@@ -61,7 +61,9 @@ def ensure_torch():
         pass
     venv = os.path.join(ROOT, ".venv-bench")
     py = os.path.join(venv, "bin", "python")
-    if os.path.realpath(sys.executable) == os.path.realpath(py):
+    # sys.prefix, not the executable's real path: a venv's python is often a link to the very
+    # interpreter that created it.
+    if os.path.realpath(sys.prefix) == os.path.realpath(venv):
         sys.exit("torch is not importable even in .venv-bench; see the pip output above")
     if not os.path.exists(py):
         subprocess.check_call([sys.executable, "-m", "venv", venv])

@@ -15,6 +15,7 @@
 // in fp32 after its product and dK at its store, and P and dS are rounded to bf16 before the
 // products that read them, as the FlashAttention rule's input-precision reference rounds them.
 #include <omp.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -36,9 +37,9 @@ using detail::SeqInfo;
 using tiles::kLanes;
 
 // 64×64 tiles: per thread four (64, 64) score tiles (64 KiB) and the dK, dV accumulators of
-// kKeyGroup key blocks (256 KiB at d = 128), inside the 1 MiB L2. A sweep of 48×96, 96×48, 96×96
-// and 64×128 (s = 2k at d = 64 and 128, s = 1k causal at d = 128; 2 threads) found none faster
-// than 64×64 by more than the machine's ±10% noise in every case.
+// key_group() key blocks (256 KiB at d = 128 for 4 of them), inside the 1 MiB L2. A sweep of
+// 48×96, 96×48, 96×96 and 64×128 (s = 2k at d = 64 and 128, s = 1k causal at d = 128; 2 threads)
+// found none faster than 64×64 by more than the machine's ±10% noise in every case.
 constexpr int kBlockM = 64;  // query rows per tile
 constexpr int kBlockN = 64;  // keys per tile
 static_assert(kBlockM % 32 == 0 && kBlockN % 16 == 0,
@@ -257,11 +258,8 @@ void pack_tile(const BwdParams& p, const BlockGrid& qgrid, PackedQ& pq, std::int
   } else {
     std::vector<float> q(dout.size()), qt(dout.size()), dot(dout.size());
     tiles::load_tile(p.q, p.dtype, p.q_stride, b, r0, hq, m, kBlockM, d, dp, p.scale, q.data());
-    for (int c = 0; c < d; ++c)
-      for (int r = 0; r < kBlockM; ++r) {
-        qt[c * kBlockM + r] = q[r * dp + c];
-        dot[c * kBlockM + r] = dout[r * dp + c];
-      }
+    tiles::transpose(q.data(), kBlockM, d, dp, qt.data(), kBlockM);
+    tiles::transpose(dout.data(), kBlockM, d, dp, dot.data(), kBlockM);
     tiles::to_panels(q.data(), kBlockM, dp, dp, pq.panel, pq.q.data() + t * kBlockM * pq.vp);
     tiles::to_panels(dout.data(), kBlockM, dp, dp, pq.panel, pq.dout.data() + t * kBlockM * pq.vp);
     tiles::to_panels(qt.data(), d, kBlockM, kBlockM, pq.panel, pq.qt.data() + t * d * kBlockM);
@@ -340,25 +338,33 @@ bool tile_visible(const Band& band, std::int64_t i0, int m, std::int64_t j0, int
 }
 
 // Pass 1: dK, dV of the key blocks of chunk c of batch entry b and KV head hk, and that chunk's
-// partial dQ for every query head of the group. Key blocks are taken kKeyGroup at a time, the
+// partial dQ for every query head of the group. Key blocks are taken key_group() at a time, the
 // query tiles outside them, so that each query tile's four packed operands and its dQ partial are
 // read from memory once per group instead of once per key block: at s = 4k, d = 64 one head's
 // Q-side tiles (4 MiB) and partials (1 MiB) no longer fit the 1 MiB-per-core L2 and streamed from L3
 // for every key block. The sums keep their order: each dK/dV row still adds (head, query tile) in
-// order, each dQ partial still adds key blocks in ascending order.
-constexpr int kKeyGroup = 4;
+// order, each dQ partial still adds key blocks in ascending order, so the group size does not change
+// the bits. 4 key blocks (dK, dV accumulators 256 KiB at d = 128) where L2 is under 2 MiB; 8 where it
+// is 2 MiB or more: on the Xeon VM of issue 13's session 6 (2 MiB L2) the backward at s = 8k,
+// d = 128, 2 threads ran 2617-2692 ms with 4 and 2463-2637 with 8 (three alternated rounds), and
+// no slower at s = 1k-4k or d = 64.
+int key_group() {
+  static const int group = sysconf(_SC_LEVEL2_CACHE_SIZE) >= (2L << 20) ? 8 : 4;
+  return group;
+}
 
 struct KeyWorkspace {
   int dp;
   std::vector<float> st, dpt, th, zt;  // (kBlockN, kBlockM) Sᵀ -> (P·Z)ᵀ, dPᵀ -> dSᵀ, tanh, dropout Zᵀ
-  std::vector<float> dk, dv;           // (kKeyGroup, kBlockN, dp) accumulators
+  int group;                           // key blocks per group, key_group()
+  std::vector<float> dk, dv;           // (group, kBlockN, dp) accumulators
   std::vector<float> row;              // (d) staging row for packing
   // bf16 products: (P·Z)ᵀ and dSᵀ as pairs along the queries (kBlockN, kBlockM / 2), dS as pairs
   // along the keys (kBlockM, kBlockN / 2).
   std::vector<std::uint32_t> pt2, dst2, ds2;
   explicit KeyWorkspace(int d)
       : dp(tiles::round_up(d, kLanes)), st(kBlockN * kBlockM), dpt(st.size()), th(st.size()), zt(st.size()),
-        dk(static_cast<std::size_t>(kKeyGroup) * kBlockN * dp), dv(dk.size()), row(d), pt2(st.size() / 2),
+        group(key_group()), dk(static_cast<std::size_t>(group) * kBlockN * dp), dv(dk.size()), row(d), pt2(st.size() / 2),
         dst2(st.size() / 2), ds2(st.size() / 2) {}
 };
 
@@ -422,8 +428,8 @@ void key_chunk(const BwdParams& p, const Kernels& kn, const PackedKV& kv, const 
   const std::size_t q_tile_size = static_cast<std::size_t>(kBlockM) * dp;
   const std::size_t kv_acc_size = static_cast<std::size_t>(kBlockN) * dp;
 
-  for (std::int64_t g0 = kb_begin; g0 < kb_end; g0 += kKeyGroup) {
-    const std::int64_t g1 = std::min<std::int64_t>(g0 + kKeyGroup, kb_end);
+  for (std::int64_t g0 = kb_begin; g0 < kb_end; g0 += ws.group) {
+    const std::int64_t g1 = std::min<std::int64_t>(g0 + ws.group, kb_end);
     std::fill(ws.dk.begin(), ws.dk.end(), 0.0f);
     std::fill(ws.dv.begin(), ws.dv.end(), 0.0f);
     for (int hq = hk * p.group(); hq < (hk + 1) * p.group(); ++hq) {

@@ -142,16 +142,18 @@ struct Workspace {
   std::vector<float> q;   // (kBlockM, d)   scale · Q
   std::vector<float> s;   // (kBlockM, kBlockN) scores, then probabilities
   std::vector<float> o;   // (kBlockM, dp)  unnormalised output
-  std::vector<float> row;  // (d)       staging row for packing
+  std::vector<float> row;  // (8, d)    staging rows for packing Kᵀ (tiles::load_rows_transposed)
   std::vector<float> staging;   // (max(d, kBlockN), max(kBlockN, dp))  a K or V tile before to_panels
   std::vector<std::uint32_t> q2;        // (kBlockM, d2)  Q's pairs along d, unscaled
   std::vector<std::uint32_t> p2;        // (kBlockM, kBlockN / 2)  P's pairs along the keys
   std::vector<std::uint32_t> staging2;  // (max(d2, kBlockN / 2), max(kBlockN, dp))  pairs before to_panels
   std::vector<RowState> state;  // (kBlockM)
   std::vector<float> alpha;     // (kBlockM)  rescale of o for the current key block
+  std::vector<float> m_run, sums;  // (kBlockM)  Kernels::softmax_rows' running maxima and row sums
   Workspace(int d_, bool pairs)
       : d(d_), dp(tiles::round_up(d_, kLanes)), d2((d_ + 1) / 2), s(kBlockM * kBlockN),
-        o(static_cast<std::size_t>(kBlockM) * dp), row(d_), state(kBlockM), alpha(kBlockM) {
+        o(static_cast<std::size_t>(kBlockM) * dp), row(static_cast<std::size_t>(8) * d_), state(kBlockM), alpha(kBlockM),
+        m_run(kBlockM), sums(kBlockM) {
     if (pairs) {
       q2.resize(static_cast<std::size_t>(kBlockM) * d2);
       p2.resize(kBlockM * kBlockN / 2);
@@ -320,33 +322,32 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
     scores(kn, kv, tile, m, ws);
 
     const bool needs_mask = band.tile_needs_mask(i0, i0 + m, j0, j0 + n, si.len_k);
-    // The K/V tiles of one head (1 MiB at s = 2k, d = 64) exceed L2 and come from L3 for every
-    // query block: while the rows' softmax runs, V of this key block and Kᵀ of the next are fetched.
+    // Where the table asks for it (Kernels::prefetch_kv), V of this key block and Kᵀ of the next
+    // are fetched into L2 while the rows' transforms and softmax run.
     const bool next = j0 + kBlockN < k_end;
-    const std::int64_t kt_bytes = kv.kt_elems() * 4, v_bytes = kv.v_elems() * 4;
+    const tiles::PrefetchL2 v_next(kv.v_any(tile), kn.prefetch_kv ? kv.v_elems() * 4 : 0, m);
+    const tiles::PrefetchL2 kt_next(kv.kt_any(next ? tile + p.h_k : tile),
+                                    kn.prefetch_kv && next ? kv.kt_elems() * 4 : 0, m);
     for (int r = 0; r < m; ++r) {
       float* s = ws.s.data() + r * kBlockN;
-      const std::int64_t i = i0 + r;
-      tiles::prefetch_l2(kv.v_any(tile), v_bytes, r, m);
-      if (next) tiles::prefetch_l2(kv.kt_any(tile + p.h_k), kt_bytes, r, m);
+      v_next.slice(r);
       // The bf16 products' scores are scaled here, in fp32, while the row is in L1 (Q stays exact).
       if (kv.pairs) kn.scale_row(s, kBlockN, p.scale);
-      transform_row(p, band, slope, needs_mask, i, j0, n, s);
-      // The tile's partial state is expressed against m_new >= the running state's m, so that
-      // merging it is just the rescale of the running state (its own factor is 2^0 = 1): m_new is
-      // the tile's max only where that exceeds the running m by more than kLazyRescale, else the
-      // running m itself (its factor 1, so O is not rescaled).
-      const float tile_max = kn.row_max(s, kBlockN) * tiles::kLog2e;  // log2 units, as the state's m
-      const float m_new = tile_max > ws.state[r].m + kLazyRescale ? tile_max : ws.state[r].m;
-      float sum = 0.0f;
-      if (m_new == -INFINITY)
-        std::fill(s, s + kBlockN, 0.0f);  // every key so far masked: nothing to add
-      else
-        sum = kn.exp2_sub_sum(s, kBlockN, tiles::kLog2e, m_new);
+      transform_row(p, band, slope, needs_mask, i0 + r, j0, n, s);
+      ws.m_run[r] = ws.state[r].m;
+    }
+    // The tile's partial states are expressed against m_run >= the running states' m, so that
+    // merging one is just the rescale of the running state (its own factor is 2^0 = 1): m_run moves
+    // to the tile's max only where that exceeds the running m by more than kLazyRescale (else O is
+    // not rescaled).
+    kn.softmax_rows(ws.s.data(), m, kBlockN, tiles::kLog2e, kLazyRescale, ws.m_run.data(), ws.sums.data());
+    for (int r = 0; r < m; ++r) {
+      float* s = ws.s.data() + r * kBlockN;
+      kt_next.slice(r);
       float fa, fb;
-      ws.state[r] = detail::merge(ws.state[r], RowState{m_new, sum}, &fa, &fb);
+      ws.state[r] = detail::merge(ws.state[r], RowState{ws.m_run[r], ws.sums[r]}, &fa, &fb);
       ws.alpha[r] = fa;
-      if (p.dropout_p > 0.0f) apply_dropout(p, detail::dropout_row_id(p, it.hq, si, i), j0, n, s);
+      if (p.dropout_p > 0.0f) apply_dropout(p, detail::dropout_row_id(p, it.hq, si, i0 + r), j0, n, s);
       if (kv.pairs) kn.to_bf16_pairs(s, kBlockN, ws.p2.data() + r * (kBlockN / 2));
     }
     for (int r = 0; r < m; ++r)

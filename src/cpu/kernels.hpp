@@ -32,12 +32,14 @@ using GemmPairsFn = void (*)(int M, int N, int K2, const std::uint32_t* A, int l
 struct Kernels {
   Isa isa;
   GemmFn gemm, gemm_acc, gemm_at, gemm_at_acc;
-  // max of x[0, n); n a multiple of 8.
-  float (*row_max)(const float* x, int n);
-  // x[c] = 2^(x[c]·mul - sub) for c < n (one FMA, then simd::exp2; x[c]·mul <= sub + 8, n a
-  // multiple of 8); returns their sum. mul = log2(e) takes natural-unit scores to the log2 units of
-  // the softmax state (detail/monoid.hpp) without rounding the product.
-  float (*exp2_sub_sum)(float* x, int n, float mul, float sub);
+  // The forward's online softmax over one tile, rows r < m of s (row stride n, n a multiple of 8):
+  //   t = max_c s[r][c] · mul;  m_run[r] <- t if t > m_run[r] + lazy, else m_run[r] stays;
+  //   s[r][c] <- 2^(s[r][c]·mul - m_run[r])  (one FMA, then simd::exp2; 0 where m_run[r] = -inf);
+  //   sums[r] <- Σ_c s[r][c].
+  // mul = log2(e) takes natural-unit scores to the log2 units of the softmax state
+  // (detail/monoid.hpp) without rounding the product; lazy is the lazy-rescale margin, so that
+  // every exponent is <= lazy. One call per tile: the rows' reductions overlap one another.
+  void (*softmax_rows)(float* s, int m, int n, float mul, float lazy, float* m_run, float* sums);
   // x[c] *= a for c < n, n a multiple of 8.
   void (*scale_row)(float* x, int n, float a);
   // The backward's score gradients over n elements (a multiple of 8), element c:
@@ -49,6 +51,12 @@ struct Kernels {
   // Columns of B one register block of the products holds (16 for AVX2, 32 for AVX-512): callers
   // that pack B in column panels of this width (flash_fwd.cpp) keep each panel contiguous in L1.
   int panel;
+  // Whether the forward prefetches the next K/V tiles into L2 (software prefetch). The K/V tiles of
+  // one head (1 MiB at s = 2k, d = 64, fp32) exceed a Zen 3 core's 512 KiB L2: there it made the
+  // AVX2 forward 5-10% faster. On the Xeon (4th/5th gen, 2 MiB L2) the AVX-512 forward ran 0-7%
+  // faster without it (s = 2k and 8k, d = 64 and 128, 1 and 2 threads): the hardware prefetchers
+  // keep up and the prefetches stalled on fill buffers.
+  bool prefetch_kv;
   // Only where the ISA has a bf16 dot product (VDPBF16PS), else nullptr: the products from bf16
   // pairs, and pairs[j] <- (bf16(x[2j]), bf16(x[2j + 1])) for 2j < n (n a multiple of 16; round to
   // nearest even, denormals to zero), which turns the forward's probabilities into an A operand.

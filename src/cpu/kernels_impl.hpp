@@ -123,35 +123,68 @@ void gemm(int M, int N, int K, const E* A, int lda, const E* B, int ldb, float* 
 }
 
 // Row operations over n floats, n a multiple of 8: full vectors of V, then one of 8 lanes.
-template <class V>
-float row_max(const float* x, int n) {
-  V m = simd::splat<V>(-__builtin_inff());
-  int c = 0;
-  for (; c + simd::lanes<V> <= n; c += simd::lanes<V>) m = simd::vmax(m, simd::loadu<V>(x + c));
-  float r = simd::reduce_max(m);
-  if (c < n) {
-    const float t = simd::reduce_max(simd::loadu<f32x8>(x + c));
-    r = t > r ? t : r;
+// R rows of softmax_rows at once, interleaved: one row's chain (max over its vectors, the
+// reduction, the new max, the exponentials, their running sum, its reduction) is ~170 cycles of
+// latency against ~70 of work on 128 columns at 16 lanes, and the rows are independent: 4 rows at
+// a time took a 16×128 tile from 5.1 to 3.6 ns per zmm vector and the forward at d = 64 from 77-80
+// to 72 ms (s = 2k, one thread, Xeon). Each row's arithmetic is the same in any group size.
+template <class V, int R>
+inline void softmax_row_group(float* s, int n, float mul, float lazy, float* m_run, float* sums) {
+  constexpr int L = simd::lanes<V>;
+  const int full = n / L * L;
+  float* x[R];
+  V acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    x[r] = s + static_cast<std::int64_t>(r) * n;
+    acc[r] = simd::splat<V>(-__builtin_inff());
   }
-  return r;
+  for (int c = 0; c < full; c += L)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = simd::vmax(acc[r], simd::loadu<V>(x[r] + c));
+  float m_new[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    float t = simd::reduce_max(acc[r]);
+    if (full < n) {
+      const float u = simd::reduce_max(simd::loadu<f32x8>(x[r] + full));
+      t = u > t ? u : t;
+    }
+    t *= mul;
+    m_new[r] = t > m_run[r] + lazy ? t : m_run[r];
+    m_run[r] = m_new[r];
+    acc[r] = V{};
+  }
+  for (int c = 0; c < full; c += L)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const V e = simd::exp2(simd::loadu<V>(x[r] + c) * mul - m_new[r]);  // contracted to one FMA
+      simd::storeu(x[r] + c, e);
+      acc[r] += e;
+    }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    float sum = simd::reduce_sum(acc[r]);
+    if (full < n) {
+      const f32x8 e = simd::exp2(simd::loadu<f32x8>(x[r] + full) * mul - m_new[r]);
+      simd::storeu(x[r] + full, e);
+      sum += simd::reduce_sum(e);
+    }
+    sums[r] = sum;
+    if (m_new[r] == -__builtin_inff()) {  // every key so far masked: nothing to add
+      for (int c = 0; c < n; ++c) x[r][c] = 0.0f;
+      sums[r] = 0.0f;
+    }
+  }
 }
 
 template <class V>
-float exp2_sub_sum(float* x, int n, float mul, float sub) {
-  V s{};
-  int c = 0;
-  for (; c + simd::lanes<V> <= n; c += simd::lanes<V>) {
-    const V e = simd::exp2(simd::loadu<V>(x + c) * mul - sub);  // contracted to one FMA (-ffp-contract=fast)
-    simd::storeu(x + c, e);
-    s += e;
-  }
-  float r = simd::reduce_sum(s);
-  if (c < n) {
-    const f32x8 e = simd::exp2(simd::loadu<f32x8>(x + c) * mul - sub);
-    simd::storeu(x + c, e);
-    r += simd::reduce_sum(e);
-  }
-  return r;
+void softmax_rows(float* s, int m, int n, float mul, float lazy, float* m_run, float* sums) {
+  constexpr int R = 4;
+  int r = 0;
+  for (; r + R <= m; r += R)
+    softmax_row_group<V, R>(s + static_cast<std::int64_t>(r) * n, n, mul, lazy, m_run + r, sums + r);
+  for (; r < m; ++r) softmax_row_group<V, 1>(s + static_cast<std::int64_t>(r) * n, n, mul, lazy, m_run + r, sums + r);
 }
 
 template <class V>
@@ -194,8 +227,8 @@ void softmax_grad(int n, const float* lse, const float* dsum, const float* z, co
 template <class V, bool Bf16 = false>
 constexpr Kernels make_kernels(Isa isa) {
   Kernels k{isa,        gemm<F32, V, false, false>, gemm<F32, V, true, false>, gemm<F32, V, false, true>,
-            gemm<F32, V, true, true>, row_max<V>, exp2_sub_sum<V>, scale_row<V>, softmax_grad<V>,
-            Tile<V>::NV * simd::lanes<V>};
+            gemm<F32, V, true, true>, softmax_rows<V>, scale_row<V>, softmax_grad<V>,
+            Tile<V>::NV * simd::lanes<V>, simd::lanes<V> == 8};
   if constexpr (Bf16) {
     k.gemm_bf16 = gemm<Bf16Pairs, V, false, false>;
     k.gemm_bf16_acc = gemm<Bf16Pairs, V, true, false>;

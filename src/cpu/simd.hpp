@@ -8,12 +8,16 @@
 // keep its AVX-512 copy for everybody and the library would fault on AVX2-only CPUs.
 #pragma once
 
+#include <immintrin.h>
+
 #include <cstdint>
 #include <cstring>
 
 namespace flashmonoid::cpu::simd {
 namespace {
 
+typedef float f32x2 __attribute__((vector_size(8)));
+typedef float f32x4 __attribute__((vector_size(16)));
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x16 __attribute__((vector_size(64)));
 
@@ -45,26 +49,49 @@ inline V splat(float x) {
   return x - V{};
 }
 
+// a > b ? a : b per lane (b where either is NaN): x86's maxps, one instruction. GCC turns the
+// expression into a compare and a blend (AVX-512: a compare into a mask and a masked move) in some
+// contexts (simd::exp2's clamp), hence the intrinsics where the width has one; same results.
 template <class V>
 inline V vmax(V a, V b) {
+#ifdef __AVX512F__
+  // The all-lanes mask form: _mm512_max_ps passes an undefined source that GCC 12 warns about.
+  if constexpr (lanes<V> == 16) return _mm512_mask_max_ps(a, static_cast<__mmask16>(0xFFFF), a, b);
+#endif
+#ifdef __AVX__
+  if constexpr (lanes<V> == 8) return _mm256_max_ps(a, b);
+#endif
   return a > b ? a : b;
 }
 
-template <class V>
-inline float reduce_max(V v) {
-  float m = v[0];
-  for (int i = 1; i < lanes<V>; ++i) m = v[i] > m ? v[i] : m;
-  return m;
+// The lower (H = 0) or upper (H = 1) half of v, in registers (shuffles, no trip through memory).
+template <int H, class V>
+inline auto half(V v) {
+  constexpr int o = H * lanes<V> / 2;
+  if constexpr (lanes<V> == 16) return __builtin_shufflevector(v, v, o, o + 1, o + 2, o + 3, o + 4, o + 5, o + 6, o + 7);
+  else if constexpr (lanes<V> == 8) return __builtin_shufflevector(v, v, o, o + 1, o + 2, o + 3);
+  else if constexpr (lanes<V> == 4) return __builtin_shufflevector(v, v, o, o + 1);
+  else return v[o];
 }
 
-// Pairwise, so that the order of the additions is a fixed tree for each width.
+// Halving trees, lane i with lane i + lanes/2 at each level: a fixed order of operations for each
+// width. (A scalar loop over the lanes, or a trip through memory, was a 15-deep chain of scalar
+// maxima per row and store-forwarding stalls: the forward's rows spent as long reducing as in the
+// exponential.)
+template <class V>
+inline float reduce_max(V v) {
+  if constexpr (lanes<V> == 1) {
+    return v;
+  } else {
+    const auto lo = half<0>(v), hi = half<1>(v);
+    return reduce_max(hi > lo ? hi : lo);
+  }
+}
+
 template <class V>
 inline float reduce_sum(V v) {
-  float t[lanes<V>];
-  storeu(t, v);
-  for (int w = lanes<V> / 2; w >= 1; w /= 2)
-    for (int i = 0; i < w; ++i) t[i] += t[i + w];
-  return t[0];
+  if constexpr (lanes<V> == 1) return v;
+  else return reduce_sum(half<0>(v) + half<1>(v));
 }
 
 // exp(x) per lane, within 1 ulp of the exact value over [-87.3, 88.3] (every 97th float of that
@@ -111,8 +138,8 @@ inline V exp(V x) {
 template <class V>
 inline V exp2(V x) {
   using I = int_of<V>;
-  // Written so that a NaN x compares false and passes through.
-  x = x < -127.0f ? splat<V>(-127.0f) : x;
+  // vmax(-127, x): a NaN x compares false and passes through.
+  x = vmax(splat<V>(-127.0f), x);
   // Adding 1.5·2^23 rounds x to the nearest integer n, which lands in the low mantissa bits; the
   // extra 127 biases it, so that t's bits shifted left by 23 are those of the float 2^n.
   const float shifter = 12582912.0f + 127.0f;

@@ -62,7 +62,15 @@ double ulp_error(float y, double r) {
   return std::abs(static_cast<double>(y) - r) / ulp;
 }
 
-// simd::exp2's stated bound (src/cpu/simd.hpp), through exp2_sub_sum with mul = 1, sub = 0: every 97th float
+// exp2 of one row through softmax_rows with mul = 1 and the row's max held at 0 (running max 0,
+// lazy margin +inf): the probabilities are 2^x.
+float exp2_row(const cpu::Kernels& kn, float* x, int n) {
+  float m_run = 0.0f, sum = 0.0f;
+  kn.softmax_rows(x, 1, n, 1.0f, INFINITY, &m_run, &sum);
+  return sum;
+}
+
+// simd::exp2's stated bound (src/cpu/simd.hpp), through softmax_rows (exp2_row): every 97th float
 // of [-126, 8] (where 2^x is a normal float, up to the forward's lazy-rescale margin), plus the
 // values it must return exactly.
 TEST(CpuKernels, Exp2WithinOneUlp) {
@@ -73,7 +81,7 @@ TEST(CpuKernels, Exp2WithinOneUlp) {
     auto flush = [&] {
       std::vector<float> y = x;
       y.resize((y.size() + 7) / 8 * 8, 0.0f);
-      t.kn->exp2_sub_sum(y.data(), static_cast<int>(y.size()), 1.0f, 0.0f);
+      exp2_row(*t.kn, y.data(), static_cast<int>(y.size()));
       for (std::size_t i = 0; i < x.size(); ++i) {
         const double e = ulp_error(y[i], std::exp2(static_cast<double>(x[i])));
         if (e > worst) {
@@ -97,7 +105,7 @@ TEST(CpuKernels, Exp2WithinOneUlp) {
 
     float special[16] = {-INFINITY, -1000.0f, -127.0f, -126.5f, 0.0f, -0.0f, -1.0f, -0.5f,
                          -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
-    const float sum = t.kn->exp2_sub_sum(special, 16, 1.0f, 0.0f);
+    const float sum = exp2_row(*t.kn, special, 16);
     EXPECT_EQ(special[0], 0.0f) << t.name;
     EXPECT_EQ(special[1], 0.0f) << t.name;
     EXPECT_EQ(special[2], 0.0f) << t.name;
@@ -107,7 +115,7 @@ TEST(CpuKernels, Exp2WithinOneUlp) {
     EXPECT_EQ(special[6], 0.5f) << t.name;
     EXPECT_NEAR(sum, 2.5 + std::sqrt(0.5), 1e-6) << t.name;
     for (float& v : special) v = NAN;
-    t.kn->exp2_sub_sum(special, 16, 1.0f, 0.0f);
+    exp2_row(*t.kn, special, 16);
     EXPECT_TRUE(std::isnan(special[0]) && std::isnan(special[15])) << t.name;
   }
 }
@@ -176,18 +184,45 @@ TEST(CpuKernels, GemmMatchesFloat64) {
     }
 }
 
-TEST(CpuKernels, RowMaxAndScale) {
+// softmax_rows over several rows: each row's running max moves to the row's max (times mul) only
+// where that exceeds it by more than the lazy margin; the probabilities are 2^(x·mul - m) with the
+// new m (exp2's bound, tested above), their sums in fp32; a row whose max stays -inf gives zeros.
+TEST(CpuKernels, SoftmaxRowsAndScale) {
   std::mt19937 gen(99);
   std::normal_distribution<float> normal;
+  const float mul = 1.5f, lazy = 8.0f;
   for (const Table& t : tables())
     for (int n : {8, 16, 24, 72, 128, 136}) {
-      std::vector<float> x(n);
+      const int rows = 5;
+      std::vector<float> x(static_cast<std::size_t>(rows) * n);
       for (float& v : x) v = normal(gen);
-      x[n - 3] = 7.5f;
-      EXPECT_EQ(t.kn->row_max(x.data(), n), 7.5f) << t.name << " n" << n;
+      for (int r = 0; r < rows; ++r) x[r * n + n - 3] = 7.5f;  // each row's max: 7.5 · mul = 11.25
+      for (int c = 0; c < n; ++c) x[4 * n + c] = -INFINITY;
+      // Running maxima: moved (-inf; 11.25 > 3 + 8), kept (4 and 20: 11.25 <= 12 and 28), -inf kept.
+      std::vector<float> m_run = {-INFINITY, 3.0f, 4.0f, 20.0f, -INFINITY}, sums(rows);
+      const std::vector<float> want_m = {11.25f, 11.25f, 4.0f, 20.0f, -INFINITY};
       std::vector<float> y = x;
-      t.kn->scale_row(y.data(), n, 0.25f);
-      for (int c = 0; c < n; ++c) EXPECT_EQ(y[c], 0.25f * x[c]) << t.name;
+      t.kn->softmax_rows(y.data(), rows, n, mul, lazy, m_run.data(), sums.data());
+      for (int r = 0; r < rows; ++r) {
+        EXPECT_EQ(m_run[r], want_m[r]) << t.name << " n" << n << " row " << r;
+        double sum = 0.0, mag = 0.0;
+        for (int c = 0; c < n; ++c) {
+          const float got = y[r * n + c];
+          if (r == 4) {
+            EXPECT_EQ(got, 0.0f) << t.name;
+            continue;
+          }
+          const double arg = static_cast<double>(std::fma(x[r * n + c], mul, -want_m[r]));
+          EXPECT_LE(ulp_error(got, std::exp2(arg)), 0.95) << t.name << " n" << n << " row " << r << " col " << c;
+          sum += got;
+          mag += std::abs(got);
+        }
+        // n fp32 additions of the probabilities as computed: within n·2^-24 of their exact sum.
+        EXPECT_LE(std::abs(sums[r] - sum), n * 6e-8 * mag) << t.name << " n" << n << " row " << r;
+      }
+      std::vector<float> z = x;
+      t.kn->scale_row(z.data(), n, 0.25f);
+      for (int c = 0; c < n; ++c) EXPECT_EQ(z[c], 0.25f * x[c]) << t.name;
     }
 }
 
