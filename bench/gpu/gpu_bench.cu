@@ -531,8 +531,9 @@ void write_records(const char* out_path) {
 
 // Usage: flashmonoid-gpu-bench [OUT.json] [--no-bwd] [--with-sm80] [--case HDIM CAUSAL SEQLEN] [--decode-only] [--sweep]
 //        [--kvcache-only | --no-kvcache] [--kvcache-host]
-// --case runs one training shape (for a profiler; repeat it for several, timed in the order given), --decode-only the decoding shapes, --sweep the
-// host cost of single CUDA calls and the decoding shapes over forced split counts, --kvcache-only
+// --case runs one training shape (for a profiler; repeated, several in the order given), --decode-only
+// the decoding shapes, --sweep the host cost of single CUDA calls and the decoding shapes over forced
+// split counts, --kvcache-only
 // the device copy and the forward_kvcache decoding shapes (pass "decode"), --no-kvcache all but those,
 // --kvcache-host only the host time of the C++ forward_kvcache (pass "decode_host").
 int main(int argc, char** argv) {

@@ -33,15 +33,13 @@ __device__ __forceinline__ void store_lse(const detail::FwdParams& p, const Bloc
 
 // Normalised O through shared memory (sO: (kBlockM, kHeadDim) swizzled, the Q tile's space), so the
 // global stores are whole 16-byte vectors along the head dim; then lse from one lane of each quad.
-// The kThreads threads that own the kBlockM rows take part, tid being the caller's index among them
-// and sync() their barrier (__syncthreads on sm80; a named barrier of one consumer warpgroup on sm90,
-// where the producer warps must not be waited for).
-template <class T, int kHeadDim, int kMTiles, int kBlockM, int kThreads, class Sync>
+// All kThreads threads of the block take part (the sm80 forward; the sm90 one stores O by TMA or
+// from registers).
+template <class T, int kHeadDim, int kMTiles, int kBlockM, int kThreads>
 __device__ __forceinline__ void store_output(const detail::FwdParams& p, const BlockRows& blk, int R0,
                                              const float (&o)[kMTiles][kHeadDim / 8][4],
                                              const float (&inv_l)[2 * kMTiles], const float (&lse)[2 * kMTiles],
-                                             const RowCoords<kMTiles>& rows, T* sO, int warp_row0, int lane, int tid,
-                                             Sync sync) {
+                                             const RowCoords<kMTiles>& rows, T* sO, int warp_row0, int lane) {
   // Each warp writes only the rows it read Q from, so no block barrier is needed before these
   // stores; __syncwarp orders the warp's own last Q reads before them (racecheck flagged the
   // intra-warp pair once a divergent branch sat in the mainloop).
@@ -57,12 +55,12 @@ __device__ __forceinline__ void store_output(const detail::FwdParams& p, const B
         *reinterpret_cast<std::uint32_t*>(sO + swizzled<kHeadDim>(row, di * 8 + 2 * (lane & 3))) =
             pack2<T>(o[mi][di][2 * half] * inv_l[r], o[mi][di][2 * half + 1] * inv_l[r]);
       }
-  sync();
+  __syncthreads();
   constexpr int kChunks = kHeadDim / 8;
   T* out = static_cast<T*>(p.out);
 #pragma unroll
   for (int it = 0; it < kBlockM * kChunks / kThreads; ++it) {
-    int idx = it * kThreads + tid;
+    const int idx = it * kThreads + static_cast<int>(threadIdx.x);
     int r = idx / kChunks, c = idx % kChunks;
     int R = R0 + r;
     if (R < blk.rows_total && c * 8 < p.d) {
@@ -74,10 +72,8 @@ __device__ __forceinline__ void store_output(const detail::FwdParams& p, const B
 }
 
 // O·(1/l) straight from the accumulators, without shared memory or a barrier: a quad of lanes writes
-// 16 contiguous bytes of a row per 8 columns (4-byte stores). On sm90 this frees the Q buffer after
-// the tile's last S product and measured faster than staging where the consumers' epilogues overlap
-// other warpgroups' products (H100, hdim 64 +2-5%, hdim 256 +2-3%), slower at hdim 128 without
-// ping-pong (-1 to -3%): tile_fwd_sm90.hpp chooses.
+// 16 contiguous bytes of a row per 8 columns (4-byte stores). The sm90 forward's store where shared
+// memory has no room for an O buffer (hdim 256) and for varlen calls (tile_fwd_sm90.hpp: FwdStore).
 template <class T, int kHeadDim, int kMTiles>
 __device__ __forceinline__ void store_output_regs(const detail::FwdParams& p, const BlockRows& blk,
                                                   const float (&o)[kMTiles][kHeadDim / 8][4],

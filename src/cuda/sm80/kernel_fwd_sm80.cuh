@@ -297,8 +297,7 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
   if (args.num_splits > 1)
     store_partial<kHeadDim>(p, blk, split, args.out_partial, args.lse_partial, o, inv_l, lse, rows, lane);
   else
-    store_output<T, kHeadDim, kMTiles, kBlockM, kThreads>(p, blk, R0, o, inv_l, lse, rows, sQ, warp_row0, lane,
-                                                          static_cast<int>(threadIdx.x), [] { __syncthreads(); });
+    store_output<T, kHeadDim, kMTiles, kBlockM, kThreads>(p, blk, R0, o, inv_l, lse, rows, sQ, warp_row0, lane);
 }
 
 }  // namespace flashmonoid::cuda

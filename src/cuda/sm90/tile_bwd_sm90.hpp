@@ -3,6 +3,8 @@
 
 #include <cstddef>
 
+#include "sm90/setmaxnreg.hpp"
+
 namespace flashmonoid::cuda {
 
 // Two consumer warpgroups. Up to hdim 128 they split the keys: 64 each (kBlockN = 128 keys per
@@ -27,12 +29,7 @@ struct BwdTileSm90 {
 
   static constexpr int consumers = 2;
   constexpr int threads() const { return 128 * (consumers + 1); }
-  // setmaxnreg moves registers between the warpgroups of a block; the targets must fit what the
-  // block was launched with (65536 / threads per thread, ptxas rounds to 8), or the consumers'
-  // increase waits forever (a backward with 32 producer registers hung on the H200).
-  constexpr bool registers_fit() const {
-    return 128 * (producer_regs + consumers * consumer_regs) <= 65536 / threads() / 8 * 8 * threads();
-  }
+  constexpr bool registers_fit() const { return setmaxnreg_fits(threads(), producer_regs, consumers, consumer_regs); }
   // 2-byte element buffers of (block_n, block_m): dSᵀ × 2, and with head_split Pᵀ × 2 as well.
   constexpr int score_buffers() const { return head_split ? 4 : 2; }
   // fp32 dQ staging tile (block_m, head dim) for the bulk reductions; none with head_split.

@@ -4,7 +4,7 @@
 
 #include <cstddef>
 
-
+#include "sm90/setmaxnreg.hpp"
 
 namespace flashmonoid::cuda {
 
@@ -21,26 +21,21 @@ enum class FwdStore { regs, tma };
 
 // The kernel variants of a head-dim bucket: the plain one; one with softcap, ALiBi and dropout
 // compiled in (the plain one carries none of their registers); and, at hdim 64, one of 128-row
-// tiles for causal-like masks up to kShortBandRows query rows (fwd_variant_sm90).
+// tiles for causal-like masks up to kShortBandRows query rows (chosen in run_fwd_sm90).
 enum class FwdVariantSm90 { plain, score_mods, short_band };
 
 struct FwdTileSm90 {
   int consumers;  // consumer warpgroups, 64 query rows each (one wgmma M)
   int block_n;    // keys per mainloop step (wgmma N of S = QKᵀ, K of O = PV)
   int stages;     // K/V ring depth
-  int consumer_regs, producer_regs;  // setmaxnreg targets: 128·(producer + consumers·consumer) <= 64K
+  int consumer_regs, producer_regs;  // setmaxnreg targets (registers_fit)
   int q_stages;  // Q buffers: with 2 the next work tile's Q loads while this one's epilogue runs
   bool pingpong;  // consumers take turns issuing their products (kernel_fwd_sm90.cuh: Turns)
   FwdStore store;
 
   constexpr int block_m() const { return 64 * consumers; }
   constexpr int threads() const { return 128 * (consumers + 1); }
-  // setmaxnreg moves registers between the warpgroups of a block; the targets must fit what the
-  // block was launched with (65536 / threads per thread, ptxas rounds to 8), or the consumers'
-  // increase waits forever (a backward with 32 producer registers hung on the H200).
-  constexpr bool registers_fit() const {
-    return 128 * (producer_regs + consumers * consumer_regs) <= 65536 / threads() / 8 * 8 * threads();
-  }
+  constexpr bool registers_fit() const { return setmaxnreg_fits(threads(), producer_regs, consumers, consumer_regs); }
   constexpr int o_rows() const { return store == FwdStore::tma ? block_m() : 0; }
   // q_stages Q tiles, then `stages` K tiles and `stages` V tiles, then the O tile of a TMA store,
   // each (rows, head_dim) of 2-byte elements, plus the barriers and the 1024-byte alignment of the
