@@ -9,9 +9,9 @@
 // - each consumer owns 64 query rows: S = Q·Kᵀ by wgmma from shared memory, the online softmax in
 //   registers, O += P·V by wgmma with P from registers. S of step t is issued together with P·V of
 //   step t - 1, so the softmax of one step runs while the tensor cores work on the other product.
-// Softmax, masks, score modifiers, dropout and the epilogue are common/'s, in the same register
-// layout as sm80's (a wgmma accumulator row pair is an m16n8 tile's), so only the data movement and
-// the products are sm90 specific.
+// Softmax, masks, score modifiers, dropout and the lse and register stores are common/'s, in the same
+// register layout as sm80's (a wgmma accumulator row pair is an m16n8 tile's), so only the data
+// movement (TMA loads, O staged in panels for a TMA store) and the products are sm90 specific.
 #pragma once
 
 #include <cuda.h>
