@@ -320,6 +320,7 @@ struct KvDecode {
   static constexpr int h = 32, hk = 8, d = 128;
   int b, sk, page, sq;
   bool append, rotary;
+  int splits = 0;  // ctx.num_splits (0: the heuristic)
   std::size_t kv_bytes;
   Buf q, o, lse, k, v, k_new, v_new, cos, sin, seqlens, table;
   std::unique_ptr<Buf> work;
@@ -329,7 +330,9 @@ struct KvDecode {
   flashmonoid::Options opt;
 
   static std::size_t rows(int b, int sk) { return static_cast<std::size_t>(b) * sk * hk * d * 2; }
-  KvDecode(int b_, int sk_, int page_, int sq_, bool append_, bool rotary_)
+  // shuffle: pages of a sequence scattered over the pool (the benchmark's case); false: in pool
+  // order, which puts every row where a contiguous cache has it (only the gather's arithmetic differs).
+  KvDecode(int b_, int sk_, int page_, int sq_, bool append_, bool rotary_, bool shuffle = true)
       : b(b_), sk(sk_), page(page_), sq(sq_), append(append_), rotary(rotary_), kv_bytes(rows(b_, sk_)),
         q(static_cast<std::size_t>(b_) * sq_ * h * d * 2, true), o(static_cast<std::size_t>(b_) * sq_ * h * d * 2),
         lse(static_cast<std::size_t>(b_) * h * sq_ * 4), k(kv_bytes, true), v(kv_bytes, true),
@@ -345,7 +348,7 @@ struct KvDecode {
       std::vector<int> perm(pages);
       for (int i = 0; i < pages; ++i) perm[i] = i;
       std::uint32_t x = 12345;  // a fixed shuffle: pages of a sequence scattered over the pool
-      for (int i = pages - 1; i > 0; --i) {
+      for (int i = pages - 1; shuffle && i > 0; --i) {
         x = x * 1664525u + 1013904223u;
         std::swap(perm[i], perm[x % (i + 1)]);
       }
@@ -370,13 +373,16 @@ struct KvDecode {
       vnv = view4(v_new.p, DType::bf16, b, sq, hk, d);
     }
     opt.causal = true;
-    work = std::make_unique<Buf>(flashmonoid::forward_kvcache_workspace_size(qv, cache, knv, rot, opt));
+    // Room for forced split counts too (the probe's): the partials of up to 160 splits.
+    work = std::make_unique<Buf>(flashmonoid::forward_kvcache_workspace_size(qv, cache, knv, rot, opt) +
+                                 static_cast<std::size_t>(160) * b * sq * h * (d + 1) * 4 + 4096);
   }
   flashmonoid::Context context(cudaStream_t stream) const {
     flashmonoid::Context ctx;
     ctx.stream = stream;
     ctx.workspace = work->p;
     ctx.workspace_bytes = work->bytes;
+    ctx.num_splits = splits;
     return ctx;
   }
   void run(cudaStream_t stream) {
@@ -413,6 +419,34 @@ void bench_kvcache_all(const std::string& dev) {
       for (int page : {0, 16, 64, 256}) bench_kvcache(b, sk, page, 1, true, true, dev);
       bench_kvcache(b, sk, 0, 4, true, true, dev);  // speculative decoding, causal among 4 new tokens
     }
+}
+
+// Paged decoding against contiguous, taken apart (issue 10, bench/NOTES.md): graph-replayed TB/s of
+// K/V, with append and rotary, for the page table shuffled or in pool order, at the heuristic's split
+// count (two blocks per multiprocessor) and at half of it (one block per multiprocessor, the heuristic
+// before 2026-11-26), on the shapes where page 16 lagged (b <= 8); those two rows with --kv-probe-all.
+void kv_probe(bool all) {
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  std::printf("%-4s %-7s %-20s %8s %8s\n", "b", "s_k", "variant", "TB/s", "x copy");
+  for (auto [b, sk] : {std::pair{1, 32768}, {8, 4096}, {1, 131072}, {8, 32768}, {8, 131072}}) {
+    const int one_per_sm = std::max(1, sms / (8 * b));  // 8 KV heads: b · 8 packed blocks
+    struct V {
+      const char* name;
+      int page, sq, splits;
+      bool append, shuffle;
+    };
+    for (const V& v : {V{"plain", 0, 1, 0, false, true}, V{"contiguous", 0, 1, 0, true, true},
+                       V{"contiguous 1/SM", 0, 1, one_per_sm, true, true}, V{"page16", 16, 1, 0, true, true},
+                       V{"page16 in order", 16, 1, 0, true, false}, V{"page16 1/SM", 16, 1, one_per_sm, true, true},
+                       V{"page64", 64, 1, 0, true, true}, V{"s_q 4", 0, 4, 0, true, true}}) {
+      if (!all && (v.splits != 0 || !v.shuffle)) continue;
+      KvDecode pb(b, sk, v.page, v.sq, v.append, v.append, v.shuffle);
+      pb.splits = v.splits;
+      const double gms = graph_ms([&](cudaStream_t s) { pb.run(s); });
+      std::printf("%-4d %-7d %-20s %8.3f %8.3f\n", b, sk, v.name, pb.tbps(gms), pb.tbps(gms) / g_copy_tbps);
+    }
+  }
 }
 
 // Host time of forward_kvcache in C++, the floor under the Python call (issue 10's bar: 15 us per
@@ -540,6 +574,7 @@ int main(int argc, char** argv) {
   const std::string dev = device_name();
   const char* out_path = nullptr;
   bool with_bwd = true, decode_only = false, kvcache_only = false, with_kvcache = true, kvcache_host = false;
+  bool kv_probe_only = false, kv_probe_all = false;
   std::vector<std::array<int, 3>> cases;  // (hdim, causal, seqlen)
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--no-bwd")) with_bwd = false;
@@ -548,6 +583,8 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--kvcache-only")) kvcache_only = true;
     else if (!std::strcmp(argv[i], "--no-kvcache")) with_kvcache = false;
     else if (!std::strcmp(argv[i], "--kvcache-host")) kvcache_host = true;
+    else if (!std::strcmp(argv[i], "--kv-probe")) kv_probe_only = true;
+    else if (!std::strcmp(argv[i], "--kv-probe-all")) kv_probe_only = kv_probe_all = true;
     else if (!std::strcmp(argv[i], "--sweep")) {
       host_costs();
       sweep_decode_splits(1, 32768);
@@ -571,6 +608,10 @@ int main(int argc, char** argv) {
     return 0;
   }
   bench_copy(dev);
+  if (kv_probe_only) {
+    kv_probe(kv_probe_all);
+    return 0;
+  }
   if (kvcache_only) decode_only = true;
   if (!decode_only)
     for (int d : {64, 128, 256})

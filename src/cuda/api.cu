@@ -330,7 +330,7 @@ std::size_t backward_workspace_size(const detail::BwdParams& p) {
   return sm90 > sm80 ? sm90 : sm80;
 }
 
-void forward(const detail::FwdParams& p, const Context& ctx) {
+void forward(const detail::FwdParams& p, const Context& ctx, bool after_own_kernel) {
   DeviceGuard guard(p.device.index);
   if (forward_path(p, ctx) == KernelArch::sm90) {
     const FwdLaunchSm90 launch{static_cast<cudaStream_t>(ctx.stream), ctx.sm_margin, ctx.persistent_kernels};
@@ -343,6 +343,8 @@ void forward(const detail::FwdParams& p, const Context& ctx) {
   launch.num_sms = props.num_sms;
   launch.smem_optin = props.smem_optin;
   launch.smem_per_sm = props.smem_per_sm;
+  launch.pdl = props.major >= 9;
+  launch.after_own_kernel = after_own_kernel;
   int splits = ctx.num_splits > 0 ? ctx.num_splits : fwd_choose_num_splits(p, launch.num_sms, launch.smem_per_sm);
   // Without room for the partials the call still runs, unsplit (documented in attention.hpp).
   if (splits > 1 && (ctx.workspace == nullptr || ctx.workspace_bytes < fwd_split_workspace_bytes(p, splits)))

@@ -33,8 +33,10 @@ KernelArch forward_path(const detail::FwdParams& p, const Context& ctx);
 std::size_t forward_workspace_size(const detail::FwdParams& p);
 std::size_t backward_workspace_size(const detail::BwdParams& p);
 
-// Queue the work on ctx.stream; never synchronise, never allocate.
-void forward(const detail::FwdParams& p, const Context& ctx);
+// Queue the work on ctx.stream; never synchronise, never allocate. after_own_kernel: the last
+// launch on ctx.stream is this call's own (forward_kvcache's append), so on sm_90 and later the
+// forward may start under it (programmatic dependent launch, common/pdl.cuh).
+void forward(const detail::FwdParams& p, const Context& ctx, bool after_own_kernel = false);
 void backward(const detail::BwdParams& p, const Context& ctx);
 void merge(const detail::MergeParams& p, const Context& ctx);
 

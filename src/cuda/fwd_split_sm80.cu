@@ -34,20 +34,30 @@ void fwd_split_buffers(const detail::FwdParams& p, int num_splits, void* workspa
 }
 
 // Split only when the unsplit grid cannot give every multiprocessor a block (decoding, short
-// prompts with few heads); then give each multiprocessor one block, num_sms blocks at most (rounded
-// down: blocks past one wave stream with a fraction of the chip's copies in flight), without giving
-// any split fewer than kMinTilesPerSplit key tiles. Example, decoding b = 1, h = 32, h_k = 8 on
-// 132 SMs: 8 packed blocks, 132 / 8 = 16 splits. One block per SM rather than the 2 that fit: a
-// sweep of forced split counts (H100, hdim 128, graph-replayed, TB/s of K/V) gave at b = 1 32k
-// 2.50 for 16 splits against 2.47 for 33 (2 per SM), 2.48 for 12, 2.27-2.40 for 20-28; at 128k
-// 2.98 against 2.94; at b = 8 (64 packed blocks) 32k 3.04 for 2 splits against 3.01 for 4, 2.93
-// for 32; 128k 3.12 against 3.08. Fewer, longer splits also leave the combine fewer partials.
+// prompts with few heads); then fill the blocks that stay resident per multiprocessor (the tile's
+// min_blocks: 2 for the narrow tile), one wave at most (rounded down: blocks past one wave stream
+// with a fraction of the chip's copies in flight), without giving any split fewer than
+// kMinTilesPerSplit key tiles. Example, decoding b = 1, h = 32, h_k = 8 on 132 SMs: 8 packed
+// blocks, 2 · 132 / 8 = 33 splits. Two blocks per SM rather than one: a paged cache's row gather
+// issues its copies from the warps that do the products, and one block per SM left page 16 at
+// 0.60-0.67x of contiguous (H200, graph-replayed, TB/s of K/V, b <= 8; the same with the pages in
+// pool order, so not the scattering); two resident blocks interleave one's copies with the other's
+// products: page 16 at 0.89-0.98x, and contiguous +2-4% on the H200 (b = 1 32k 0.649 against 0.627
+// of copy, b = 8 128k 1.039 against 1.012). The H100 had measured contiguous 1% the other way
+// (b = 1 32k 2.47 against 2.50 TB/s).
 int fwd_choose_num_splits(const detail::FwdParams& p, int num_sms, std::size_t smem_per_sm) {
   const FwdPlanSm80 plan = plan_fwd_sm80(p, smem_per_sm);
   const std::int64_t blocks = static_cast<std::int64_t>(plan.num_m_blocks) * plan.grid_heads * p.batch;
   if (num_sms <= 0 || blocks >= num_sms) return 1;
   const int key_tiles = (p.seqlen_k + plan.tile.block_n - 1) / plan.tile.block_n;
-  const std::int64_t splits = std::min<std::int64_t>({num_sms / blocks, key_tiles / kMinTilesPerSplit,
+  // Blocks per SM: the tile's min_blocks where its shared memory lets them (a kv_slots ring counted at
+  // its least, 2 slots); sm80's 164 KB holds one narrow block at hdim 128.
+  const std::size_t block_smem = plan.tile.smem_bytes(head_dim_bucket(p.d), 2) + kSmemReservedPerBlock;
+  const std::int64_t per_sm =
+      smem_per_sm > 0 ? std::clamp<std::int64_t>(static_cast<std::int64_t>(smem_per_sm / block_smem), 1, plan.tile.min_blocks)
+                      : plan.tile.min_blocks;
+  const std::int64_t resident = static_cast<std::int64_t>(num_sms) * per_sm;
+  const std::int64_t splits = std::min<std::int64_t>({resident / blocks, key_tiles / kMinTilesPerSplit,
                                                       kMaxSplits});
   return splits > 1 ? static_cast<int>(splits) : 1;
 }

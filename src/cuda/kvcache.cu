@@ -13,6 +13,7 @@
 #include "api/kvcache_params.hpp"
 #include "common/check.cuh"
 #include "common/device_guard.cuh"
+#include "common/pdl.cuh"
 #include "common/types.cuh"
 #include "cuda_backend.hpp"
 #include "flashmonoid/detail/rotary.hpp"
@@ -61,11 +62,12 @@ struct AppendArgs {
   std::int64_t k_rows = 0, q_rows = 0;  // b·s_new·h_k rows of k (and as many of v), b·s_q·h of q
 };
 
-// One warp per row: k_new rows (rotated into the cache), v_new rows (copied), q rows (rotated into
+// One warp per row (the forward after it starts under it: pdl.cuh): k_new rows (rotated into the cache), v_new rows (copied), q rows (rotated into
 // the workspace). Every cache row written is below the clamped capacity (detail::seq_info), so a
 // bad cache_seqlens entry cannot write past the sequence's cache.
 template <class T>
 __global__ void __launch_bounds__(kAppendWarps * 32) append_rotary_kernel(const __grid_constant__ AppendArgs a) {
+  pdl_launch_dependents();  // the forward may launch now: it waits for this grid where it must
   const detail::FwdParams& p = a.c.attn;
   const int lane = threadIdx.x % 32;
   std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kAppendWarps + threadIdx.x / 32;
@@ -143,7 +145,7 @@ void forward_kvcache(const detail::KvCacheCall& c, const Context& ctx, PointerSo
       append_rotary_kernel<__half><<<blocks, kAppendWarps * 32, 0, stream>>>(a);
     FM_CUDA_CHECK_LAUNCH();
   }
-  forward(a.c.attn, rest);
+  forward(a.c.attn, rest, rows > 0);
 }
 
 }  // namespace flashmonoid::cuda

@@ -13,6 +13,7 @@
 
 #include "api/params.hpp"
 #include "common/epilogue.cuh"
+#include "common/pdl.cuh"
 #include "common/types.cuh"
 #include "flashmonoid/detail/monoid.hpp"
 
@@ -28,13 +29,14 @@ inline constexpr int kCombineBatch = 8;
 template <class T>
 __global__ void __launch_bounds__(kCombineWarps * 32)
     combine_splits_kernel(const __grid_constant__ detail::FwdParams p, int num_splits, const float* out_partial,
-                          const float* lse_partial) {
+                          const float* lse_partial, bool programmatic) {
   __shared__ float4 s_acc[kCombineWarps][kCombineSteps][32];
   __shared__ float s_lse[kCombineWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const std::int64_t row = blockIdx.x;
   const int head = static_cast<int>(row / p.total_q);
   const std::int64_t grow = row % p.total_q;  // global query row, as in dropout_row_id
+  if (programmatic) pdl_wait();  // launched under the forward that writes the partials (pdl.cuh)
 
   // This warp's state (lse, acc: normalised over its splits so far).
   float lse = -INFINITY;

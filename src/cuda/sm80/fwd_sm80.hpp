@@ -23,6 +23,11 @@ struct FwdLaunch {
   int num_sms = 0;  // of params.device, for the split heuristic
   std::size_t smem_optin = 0;  // shared memory per block of params.device (opt-in limit), for ring depths
   std::size_t smem_per_sm = 0;  // shared memory per multiprocessor of params.device: tile choice, ring depths
+  // Programmatic dependent launch (common/pdl.cuh) where the device has it (compute capability 9.0+):
+  // a split-KV combine starts under the forward, and the forward under the kernel before it in the
+  // stream when that one is the same call's (after_own_kernel: forward_kvcache's append).
+  bool pdl = false;
+  bool after_own_kernel = false;
 };
 
 // Bytes of workspace that num_splits partials of p need (out and lse, each 256-byte aligned).

@@ -9,6 +9,7 @@
 #include "common/check.cuh"
 #include "common/combine.cuh"
 #include "common/device_props.cuh"
+#include "common/pdl.cuh"
 #include "sm80/fwd_sm80.hpp"
 #include "sm80/kernel_fwd_sm80.cuh"
 #include "sm80/tile_fwd_sm80.hpp"
@@ -23,8 +24,7 @@ void launch_fwd_tile_sm80(const FwdKernelArgs& args, const FwdPlanSm80& plan, cu
   // Above 48 KB a block needs the opt-in limit (up to 227 KB on sm90, 163 KB on sm80).
   if (smem > 48 * 1024) allow_dynamic_smem<fwd_kernel_sm80<T, kHeadDim, kKind, kScoreMods>>(smem, args.p.device.index);
   const dim3 grid(plan.num_m_blocks * args.num_splits, plan.grid_heads, args.p.batch);
-  kernel<<<grid, kTile.warps * 32, smem, stream>>>(args);
-  FM_CUDA_CHECK_LAUNCH();
+  launch_kernel(kernel, grid, dim3(kTile.warps * 32), smem, stream, args.programmatic, args);
 }
 
 template <class T, int kHeadDim>
@@ -38,6 +38,10 @@ void run_fwd_sm80(const detail::FwdParams& p, const FwdLaunch& launch) {
   args.num_splits = launch.num_splits > 1 ? launch.num_splits : 1;
   args.out_partial = launch.out_partial;
   args.lse_partial = launch.lse_partial;
+  // Only the narrow tile (every KV-cache call's) waits where pdl.cuh requires; the others never start
+  // early.
+  args.programmatic = launch.pdl && launch.after_own_kernel && plan.kind == FwdTileKind::narrow;
+  args.programmatic_dependents = launch.pdl && args.num_splits > 1;
   args.kv_slots = plan.tile.kv_slots ? fwd_kv_slots(plan.tile, kHeadDim, launch.smem_optin, launch.smem_per_sm) : 0;
   // Softcap, ALiBi and dropout are compiled into a second variant so the common path carries none
   // of their registers (tanhf and 10-round Philox per element would otherwise crowd out O and S).
@@ -52,9 +56,9 @@ void run_fwd_sm80(const detail::FwdParams& p, const FwdLaunch& launch) {
   else launch_kind(std::integral_constant<K, K::wide>{});
   if (args.num_splits > 1) {
     const unsigned blocks = static_cast<unsigned>(static_cast<std::int64_t>(p.h) * p.total_q);  // one per row
-    combine_splits_kernel<T><<<blocks, kCombineWarps * 32, 0, launch.stream>>>(p, args.num_splits, args.out_partial,
-                                                                               args.lse_partial);
-    FM_CUDA_CHECK_LAUNCH();
+    launch_kernel(combine_splits_kernel<T>, dim3(blocks), dim3(kCombineWarps * 32), 0, launch.stream,
+                  args.programmatic_dependents, p, args.num_splits, static_cast<const float*>(args.out_partial),
+                  static_cast<const float*>(args.lse_partial), args.programmatic_dependents);
   }
 }
 

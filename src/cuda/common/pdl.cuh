@@ -1,0 +1,59 @@
+// Programmatic dependent launch (PDL, sm_90 and later): a kernel launched with programmatic stream
+// serialization may start while the kernel before it in the stream is still running, once every
+// block of that kernel has called pdl_launch_dependents() or exited. It must call pdl_wait() before
+// it reads anything the earlier kernel writes (the wait returns when that kernel has completed and
+// its writes are visible). Both are no-ops below sm_90. A kernel calls pdl_wait() only when it was
+// launched programmatically (a kernel argument says so): an unneeded wait measured ~4 us per decoding
+// call on the H200.
+// Used for the chains of one call: forward_kvcache's append -> forward, and forward -> the split-KV
+// combine, where the next kernel's launch, prologue and (decoding) first K/V copies overlap the
+// previous kernel's tail instead of following it: +3-4% at b = 1 32k and b = 8 4k decoding with
+// append and rotary (H200, graph-replayed; bench/NOTES.md, issue 10).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <utility>
+
+#include "common/check.cuh"
+
+namespace flashmonoid::cuda {
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaGridDependencySynchronize();
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaTriggerProgrammaticLaunchCompletion();
+#endif
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization when
+// `programmatic` (callers pass it only on devices of compute capability 9.0 and later, and only
+// when the kernel before it in the stream is one of the same call's); the launch is checked.
+template <class... Params, class... Args>
+void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem, cudaStream_t stream,
+                   bool programmatic, Args&&... args) {
+  if (!programmatic) {
+    kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
+    FM_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  FM_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+}  // namespace flashmonoid::cuda
