@@ -585,6 +585,17 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--kvcache-host")) kvcache_host = true;
     else if (!std::strcmp(argv[i], "--kv-probe")) kv_probe_only = true;
     else if (!std::strcmp(argv[i], "--kv-probe-all")) kv_probe_only = kv_probe_all = true;
+    else if (!std::strcmp(argv[i], "--kv-case") && i + 4 < argc) {
+      // One decoding shape (b, s_k, page, s_q; append and rotary), 20 calls on the default stream
+      // and graph-replayed TB/s: for profilers (ncu -k ... on these calls).
+      KvDecode pb(std::atoi(argv[i + 1]), std::atoi(argv[i + 2]), std::atoi(argv[i + 3]), std::atoi(argv[i + 4]), true,
+                  true);
+      for (int r = 0; r < 20; ++r) pb.run(nullptr);
+      CHECK(cudaDeviceSynchronize());
+      std::printf("kv-case b %d s_k %d page %d s_q %d: %.3f TB/s\n", pb.b, pb.sk, pb.page, pb.sq,
+                  pb.tbps(graph_ms([&](cudaStream_t s) { pb.run(s); })));
+      return 0;
+    }
     else if (!std::strcmp(argv[i], "--sweep")) {
       host_costs();
       sweep_decode_splits(1, 32768);

@@ -2,11 +2,15 @@
 // detail::merge_lse, the finished form of the monoid's merge, then writes out (dtype T) and lse.
 // Splits that saw no visible key carry lse = -inf, the identity, and drop out of the fold.
 // Bracketed for latency: decoding has few rows (32 at b = 1), so the fold's dependent round trips
-// to L2 are its cost, not its bytes. One block per row; warp w takes splits w, w + 8, ... in
-// batches of 8 whose lse and outputs are all loaded before any is used, folds each batch in
-// registers, and the 8 warps' states are merged through shared memory. Up to 64 splits that is one
-// round trip of loads (the previous form, one warp per row, first folded every lse and then loaded
-// the outputs 8 splits at a time: 5 dependent round trips at 33 splits, ~10 us under ncu).
+// to L2 are its cost, not its bytes. A warp loads kCombineBatch splits' lse and outputs before it
+// uses any and folds them in registers, so up to that many splits cost one round trip of loads:
+// - up to kCombineBatch splits (batched decoding, speculative tokens: many rows, few splits): a
+//   warp per row, 8 rows per block. The block-per-row form below ran 1024 rows of 4 splits (b = 8,
+//   s_q = 4) in 20 us under ncu: 103 registers leave 2 blocks of 256 threads per SM, so 4 waves of
+//   mostly idle warps;
+// - more splits (b = 1 decoding, 33 splits): a block per row, warp w takes splits w, w + 8, ... and
+//   the 8 warps' states are merged through shared memory (the form before it, one warp per row over
+//   every split, made 5 dependent round trips at 33 splits, ~10 us under ncu).
 #pragma once
 
 #include <cstdint>
@@ -19,34 +23,29 @@
 
 namespace flashmonoid::cuda {
 
-inline constexpr int kCombineWarps = 8;  // per block, and per row
+inline constexpr int kCombineWarps = 8;  // per block
 // 4 fp32 per lane per step: 2 steps cover head dims up to 256.
 inline constexpr int kCombineSteps = 2;
 // Splits a warp loads together (8 · (2 float4 + 1 float) = 72 registers in flight).
 inline constexpr int kCombineBatch = 8;
 
-// grid: one block per (head, global query row), h · total_q blocks.
-template <class T>
-__global__ void __launch_bounds__(kCombineWarps * 32)
-    combine_splits_kernel(const __grid_constant__ detail::FwdParams p, int num_splits, const float* out_partial,
-                          const float* lse_partial, bool programmatic) {
-  __shared__ float4 s_acc[kCombineWarps][kCombineSteps][32];
-  __shared__ float s_lse[kCombineWarps];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const std::int64_t row = blockIdx.x;
-  const int head = static_cast<int>(row / p.total_q);
-  const std::int64_t grow = row % p.total_q;  // global query row, as in dropout_row_id
-  if (programmatic) pdl_wait();  // launched under the forward that writes the partials (pdl.cuh)
+// Blocks of combine_splits_kernel for `rows` = h · total_q rows.
+inline unsigned combine_blocks(std::int64_t rows, int num_splits) {
+  return static_cast<unsigned>(num_splits <= kCombineBatch ? (rows + kCombineWarps - 1) / kCombineWarps : rows);
+}
 
-  // This warp's state (lse, acc: normalised over its splits so far).
-  float lse = -INFINITY;
-  float4 acc[kCombineSteps] = {};
-  for (int s0 = warp; s0 < num_splits; s0 += kCombineWarps * kCombineBatch) {
+// Fold splits first, first + kStride, ... (below num_splits) of row (head, grow) into this warp's
+// state (lse, acc: normalised over the splits folded so far), kCombineBatch splits per round trip.
+template <int kStride>
+__device__ __forceinline__ void fold_splits(const detail::FwdParams& p, int num_splits, const float* out_partial,
+                                            const float* lse_partial, int head, std::int64_t grow, int first, int lane,
+                                            float& lse, float4 (&acc)[kCombineSteps]) {
+  for (int s0 = first; s0 < num_splits; s0 += kStride * kCombineBatch) {
     float lse_s[kCombineBatch];
     float4 x[kCombineBatch][kCombineSteps];
 #pragma unroll
     for (int j = 0; j < kCombineBatch; ++j) {
-      const int split = s0 + j * kCombineWarps;
+      const int split = s0 + j * kStride;
       const bool ok = split < num_splits;
       const std::int64_t pr = partial_row(p, ok ? split : 0, head, grow);
       lse_s[j] = ok ? lse_partial[pr] : -INFINITY;  // weight 0 past the last split
@@ -80,26 +79,12 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
     }
     lse = merged;
   }
-#pragma unroll
-  for (int k = 0; k < kCombineSteps; ++k) s_acc[warp][k][lane] = acc[k];
-  if (lane == 0) s_lse[warp] = lse;
-  __syncthreads();
-  if (warp != 0) return;
+}
 
-  // Warp 0 merges the warps' states in warp order.
-  lse = s_lse[0];
-#pragma unroll
-  for (int w = 1; w < kCombineWarps; ++w) {
-    float wa, wb;
-    lse = detail::merge_lse(lse, s_lse[w], &wa, &wb);
-#pragma unroll
-    for (int k = 0; k < kCombineSteps; ++k) {
-      const float4 y = s_acc[w][k][lane];
-      acc[k] = make_float4(acc[k].x * wa + y.x * wb, acc[k].y * wa + y.y * wb, acc[k].z * wa + y.z * wb,
-                           acc[k].w * wa + y.w * wb);
-    }
-  }
-
+// out and lse of row (head, grow) from a warp's finished state.
+template <class T>
+__device__ __forceinline__ void store_combined(const detail::FwdParams& p, int head, std::int64_t grow, float lse,
+                                               const float4 (&acc)[kCombineSteps], int lane) {
   // Packed (varlen) rows are rows of the tensor; batched rows are (b, i) = divmod(grow, s_q).
   const bool packed = p.cu_seqlens_q != nullptr;
   const int b = packed ? 0 : static_cast<int>(grow / p.seqlen_q);
@@ -112,6 +97,54 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
     *reinterpret_cast<uint2*>(out + col) = make_uint2(pack2<T>(acc[k].x, acc[k].y), pack2<T>(acc[k].z, acc[k].w));
   }
   if (lane == 0) p.lse[packed ? head * p.total_q + grow : (static_cast<std::int64_t>(b) * p.h + head) * p.seqlen_q + i] = lse;
+}
+
+// grid: combine_blocks(h · total_q, num_splits); row r is (head r / total_q, global query row
+// r % total_q, as in dropout_row_id).
+template <class T>
+__global__ void __launch_bounds__(kCombineWarps * 32)
+    combine_splits_kernel(const __grid_constant__ detail::FwdParams p, int num_splits, const float* out_partial,
+                          const float* lse_partial, bool programmatic) {
+  __shared__ float4 s_acc[kCombineWarps][kCombineSteps][32];
+  __shared__ float s_lse[kCombineWarps];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (programmatic) pdl_wait();  // launched under the forward that writes the partials (pdl.cuh)
+  float lse = -INFINITY;
+  float4 acc[kCombineSteps] = {};
+
+  if (num_splits <= kCombineBatch) {  // a warp per row
+    const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kCombineWarps + warp;
+    if (row >= static_cast<std::int64_t>(p.h) * p.total_q) return;
+    const int head = static_cast<int>(row / p.total_q);
+    const std::int64_t grow = row % p.total_q;
+    fold_splits<1>(p, num_splits, out_partial, lse_partial, head, grow, 0, lane, lse, acc);
+    store_combined<T>(p, head, grow, lse, acc, lane);
+    return;
+  }
+
+  // A block per row: warp w folds splits w, w + 8, ..., then warp 0 merges the warps in order.
+  const std::int64_t row = blockIdx.x;
+  const int head = static_cast<int>(row / p.total_q);
+  const std::int64_t grow = row % p.total_q;
+  fold_splits<kCombineWarps>(p, num_splits, out_partial, lse_partial, head, grow, warp, lane, lse, acc);
+#pragma unroll
+  for (int k = 0; k < kCombineSteps; ++k) s_acc[warp][k][lane] = acc[k];
+  if (lane == 0) s_lse[warp] = lse;
+  __syncthreads();
+  if (warp != 0) return;
+  lse = s_lse[0];
+#pragma unroll
+  for (int w = 1; w < kCombineWarps; ++w) {
+    float wa, wb;
+    lse = detail::merge_lse(lse, s_lse[w], &wa, &wb);
+#pragma unroll
+    for (int k = 0; k < kCombineSteps; ++k) {
+      const float4 y = s_acc[w][k][lane];
+      acc[k] = make_float4(acc[k].x * wa + y.x * wb, acc[k].y * wa + y.y * wb, acc[k].z * wa + y.z * wb,
+                           acc[k].w * wa + y.w * wb);
+    }
+  }
+  store_combined<T>(p, head, grow, lse, acc, lane);
 }
 
 }  // namespace flashmonoid::cuda

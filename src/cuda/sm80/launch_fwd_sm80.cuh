@@ -55,7 +55,7 @@ void run_fwd_sm80(const detail::FwdParams& p, const FwdLaunch& launch) {
   else if (plan.kind == K::wide_large_smem) launch_kind(std::integral_constant<K, K::wide_large_smem>{});
   else launch_kind(std::integral_constant<K, K::wide>{});
   if (args.num_splits > 1) {
-    const unsigned blocks = static_cast<unsigned>(static_cast<std::int64_t>(p.h) * p.total_q);  // one per row
+    const unsigned blocks = combine_blocks(static_cast<std::int64_t>(p.h) * p.total_q, args.num_splits);
     launch_kernel(combine_splits_kernel<T>, dim3(blocks), dim3(kCombineWarps * 32), 0, launch.stream,
                   args.programmatic_dependents, p, args.num_splits, static_cast<const float*>(args.out_partial),
                   static_cast<const float*>(args.lse_partial), args.programmatic_dependents);
