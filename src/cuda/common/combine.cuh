@@ -10,7 +10,9 @@
 //   mostly idle warps;
 // - more splits (b = 1 decoding, 33 splits): a block per row, warp w takes splits w, w + 8, ... and
 //   the 8 warps' states are merged through shared memory (the form before it, one warp per row over
-//   every split, made 5 dependent round trips at 33 splits, ~10 us under ncu).
+//   every split, made 5 dependent round trips at 33 splits, ~10 us under ncu). Sharing one kernel
+//   with the warp-per-row form cost b = 1 decoding 1-4% against this form alone (H200; branch
+//   combine-two-kernels splits them again, not yet measured).
 #pragma once
 
 #include <cstdint>
