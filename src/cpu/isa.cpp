@@ -38,20 +38,33 @@ Isa detect_best() {
   return detect_avx512() ? Isa::avx512 : Isa::avx2;
 }
 
-// The bf16-pair products are opt-in: on the H100 machine's Xeon (16 threads) they ran 0.55-0.85x the
-// fp32 products of the plain AVX-512 table (bench/NOTES.md, issue 13 session 5), so `best` stops at
-// avx512.
+bool detect_amd() {
+  unsigned a, b, c, d;
+  if (__get_cpuid(0, &a, &b, &c, &d) == 0) return false;
+  return b == 0x68747541u && d == 0x69746E65u && c == 0x444D4163u;  // "Auth" "enti" "cAMD"
+}
+
 Isa read_default() {
   const Isa best = detect_best();
   const char* env = std::getenv("FLASHMONOID_CPU_ISA");
   const std::string want = env ? env : "";
   if (want == "avx512_bf16") return best;
-  if (want.empty() || want == "best" || want == "avx512") return std::min(best, Isa::avx512);
+  if (want.empty() || want == "best") return bf16_products_by_default() ? best : std::min(best, Isa::avx512);
+  if (want == "avx512") return std::min(best, Isa::avx512);
   if (want == "avx2") return Isa::avx2;
   throw Error("FLASHMONOID_CPU_ISA", "'" + want + "' is not one of avx2, avx512, avx512_bf16, best");
 }
 
 }  // namespace
+
+// The bf16-pair products measured, 2 threads, bf16 forward, against torch's bf16 CPU SDPA: on an AMD
+// EPYC (Zen 4) 1.66-2.09x against the fp32 products' 1.10-1.25x; on Intel Xeons 0.55-0.85x the fp32
+// products (16 threads) and 0.94-1.03x against their 1.55-1.76x (2 threads) (bench/NOTES.md, issue 13).
+// So they run by default on AMD CPUs and stay opt-in on Intel ones.
+bool bf16_products_by_default() {
+  static const bool amd = detect_amd();
+  return amd;
+}
 
 const char* to_string(Isa isa) {
   switch (isa) {

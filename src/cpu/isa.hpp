@@ -20,10 +20,15 @@ const char* to_string(Isa isa);
 // Whether this CPU can run isa (cpuid once).
 bool cpu_has(Isa isa);
 
-// The ISA calls run by default: the best this CPU has short of avx512_bf16 (measured slower than the
-// fp32 products; isa.cpp), or as FLASHMONOID_CPU_ISA says: avx2 forces the fallback, avx512 and best
-// the AVX-512 kernels without bf16 products (where the CPU has AVX-512), avx512_bf16 the bf16
-// products where the CPU has them. Any other value throws flashmonoid::Error on first use.
+// Whether the default includes avx512_bf16 where the CPU has it: on AMD CPUs, where the bf16-pair
+// products measured faster than the fp32 products, not on Intel ones, where they measured slower
+// (isa.cpp has the numbers).
+bool bf16_products_by_default();
+
+// The ISA calls run by default: the best this CPU has, short of avx512_bf16 unless
+// bf16_products_by_default(); or as FLASHMONOID_CPU_ISA says: avx2 forces the fallback, avx512 the
+// AVX-512 kernels without bf16 products (where the CPU has AVX-512), avx512_bf16 the bf16 products
+// where the CPU has them, best the default. Any other value throws flashmonoid::Error on first use.
 Isa default_isa();
 
 // The ISA a call with this Context::cpu_isa runs.

@@ -345,9 +345,11 @@ TEST(CpuIsa, ContextAndEnvironmentChooseTheIsa) {
   const cpu::Isa best = cpu::cpu_has(cpu::Isa::avx512_bf16) ? cpu::Isa::avx512_bf16
                         : cpu::cpu_has(cpu::Isa::avx512)    ? cpu::Isa::avx512
                                                             : cpu::Isa::avx2;
+  const cpu::Isa by_default = cpu::bf16_products_by_default() ? best : std::min(best, cpu::Isa::avx512);
   const cpu::Isa expected = want == "avx2"          ? cpu::Isa::avx2
                             : want == "avx512_bf16" ? best
-                                                    : std::min(best, cpu::Isa::avx512);  // bf16 products are opt-in
+                            : want == "avx512"      ? std::min(best, cpu::Isa::avx512)
+                                                    : by_default;
   EXPECT_EQ(cpu::default_isa(), expected);
   EXPECT_EQ(cpu::isa_for(flashmonoid::CpuIsa::best), cpu::default_isa());
   EXPECT_EQ(cpu::isa_for(flashmonoid::CpuIsa::avx2), cpu::Isa::avx2);
