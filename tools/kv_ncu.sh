@@ -1,3 +1,7 @@
+#!/usr/bin/env bash
+# Per-kernel durations (ncu, --clock-control none) of forward_kvcache's append, forward and combine on
+# a few decoding shapes (`flashmonoid-gpu-bench --kv-case B S_K PAGE S_Q`, append + rotary), next to
+# each shape's graph-replayed TB/s. Run from the repo root on a GPU machine; logs under $OUT.
 set -uo pipefail
 (cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 && ninja -C build-device flashmonoid-gpu-bench) >$OUT/build.log 2>&1 || { tail -20 $OUT/build.log; exit 1; }
 B=build-device/bench/gpu/flashmonoid-gpu-bench

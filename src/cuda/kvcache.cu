@@ -62,9 +62,10 @@ struct AppendArgs {
   std::int64_t k_rows = 0, q_rows = 0;  // b·s_new·h_k rows of k (and as many of v), b·s_q·h of q
 };
 
-// One warp per row (the forward after it starts under it: pdl.cuh): k_new rows (rotated into the cache), v_new rows (copied), q rows (rotated into
+// One warp per row: k_new rows (rotated into the cache), v_new rows (copied), q rows (rotated into
 // the workspace). Every cache row written is below the clamped capacity (detail::seq_info), so a
-// bad cache_seqlens entry cannot write past the sequence's cache.
+// bad cache_seqlens entry cannot write past the sequence's cache. The forward after it launches
+// under it (pdl.cuh) and waits for it before reading q or K/V.
 template <class T>
 __global__ void __launch_bounds__(kAppendWarps * 32) append_rotary_kernel(const __grid_constant__ AppendArgs a) {
   pdl_launch_dependents();  // the forward may launch now: it waits for this grid where it must

@@ -2,13 +2,12 @@
 // serialization may start while the kernel before it in the stream is still running, once every
 // block of that kernel has called pdl_launch_dependents() or exited. It must call pdl_wait() before
 // it reads anything the earlier kernel writes (the wait returns when that kernel has completed and
-// its writes are visible). Both are no-ops below sm_90. A kernel calls pdl_wait() only when it was
-// launched programmatically (a kernel argument says so): an unneeded wait measured ~4 us per decoding
-// call on the H200.
+// its writes are visible). Both are no-ops below sm_90; kernels call them only when a kernel
+// argument says they were (or their dependents are) launched programmatically.
 // Used for the chains of one call: forward_kvcache's append -> forward, and forward -> the split-KV
-// combine, where the next kernel's launch, prologue and (decoding) first K/V copies overlap the
-// previous kernel's tail instead of following it: +3-4% at b = 1 32k and b = 8 4k decoding with
-// append and rotary (H200, graph-replayed; bench/NOTES.md, issue 10).
+// combine, where the next kernel's launch and prologue overlap the previous kernel's tail instead of
+// following it: +5-8% at b = 1 32k and b = 8 4k decoding with append and rotary, calls without an
+// append unchanged (H200, graph-replayed; bench/NOTES.md, issue 10).
 #pragma once
 
 #include <cuda_runtime.h>
