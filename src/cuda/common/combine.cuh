@@ -5,10 +5,10 @@
 // to L2 are its cost, not its bytes. A warp loads kCombineBatch splits' lse and outputs before it
 // uses any and folds them in registers, so up to that many splits cost one round trip of loads:
 // - up to kCombineBatch splits (batched decoding, speculative tokens: many rows, few splits): a
-//   warp per row, 8 rows per block. The block-per-row form below ran 1024 rows of 4 splits (b = 8,
+//   warp per row, 8 rows per block (combine_rows_kernel). The block-per-row form below ran 1024 rows of 4 splits (b = 8,
 //   s_q = 4) in 20 us under ncu: 103 registers leave 2 blocks of 256 threads per SM, so 4 waves of
 //   mostly idle warps;
-// - more splits (b = 1 decoding, 33 splits): a block per row, warp w takes splits w, w + 8, ... and
+// - more splits (b = 1 decoding, 33 splits): a block per row (combine_splits_kernel), warp w takes splits w, w + 8, ... and
 //   the 8 warps' states are merged through shared memory (the form before it, one warp per row over
 //   every split, made 5 dependent round trips at 33 splits, ~10 us under ncu). Sharing one kernel
 //   with the warp-per-row form cost b = 1 decoding 1-4% against this form alone (H200; branch
@@ -31,7 +31,8 @@ inline constexpr int kCombineSteps = 2;
 // Splits a warp loads together (8 · (2 float4 + 1 float) = 72 registers in flight).
 inline constexpr int kCombineBatch = 8;
 
-// Blocks of combine_splits_kernel for `rows` = h · total_q rows.
+// Blocks of the combine (combine_rows_kernel up to kCombineBatch splits, else combine_splits_kernel)
+// for `rows` = h · total_q rows.
 inline unsigned combine_blocks(std::int64_t rows, int num_splits) {
   return static_cast<unsigned>(num_splits <= kCombineBatch ? (rows + kCombineWarps - 1) / kCombineWarps : rows);
 }
@@ -101,8 +102,10 @@ __device__ __forceinline__ void store_combined(const detail::FwdParams& p, int h
   if (lane == 0) p.lse[packed ? head * p.total_q + grow : (static_cast<std::int64_t>(b) * p.h + head) * p.seqlen_q + i] = lse;
 }
 
-// grid: combine_blocks(h · total_q, num_splits); row r is (head r / total_q, global query row
-// r % total_q, as in dropout_row_id).
+// More than kCombineBatch splits. grid: h · total_q blocks, a block per row (head row / total_q,
+// global query row row % total_q, as in dropout_row_id): warp w folds splits w, w + 8, ..., then
+// warp 0 merges the warps in order. A kernel of its own: in one kernel with combine_rows_kernel's
+// form the same steps ran 1-4% slower at b = 1 decoding (H200).
 template <class T>
 __global__ void __launch_bounds__(kCombineWarps * 32)
     combine_splits_kernel(const __grid_constant__ detail::FwdParams p, int num_splits, const float* out_partial,
@@ -110,24 +113,12 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   __shared__ float4 s_acc[kCombineWarps][kCombineSteps][32];
   __shared__ float s_lse[kCombineWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (programmatic) pdl_wait();  // launched under the forward that writes the partials (pdl.cuh)
-  float lse = -INFINITY;
-  float4 acc[kCombineSteps] = {};
-
-  if (num_splits <= kCombineBatch) {  // a warp per row
-    const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kCombineWarps + warp;
-    if (row >= static_cast<std::int64_t>(p.h) * p.total_q) return;
-    const int head = static_cast<int>(row / p.total_q);
-    const std::int64_t grow = row % p.total_q;
-    fold_splits<1>(p, num_splits, out_partial, lse_partial, head, grow, 0, lane, lse, acc);
-    store_combined<T>(p, head, grow, lse, acc, lane);
-    return;
-  }
-
-  // A block per row: warp w folds splits w, w + 8, ..., then warp 0 merges the warps in order.
   const std::int64_t row = blockIdx.x;
   const int head = static_cast<int>(row / p.total_q);
   const std::int64_t grow = row % p.total_q;
+  if (programmatic) pdl_wait();  // launched under the forward that writes the partials (pdl.cuh)
+  float lse = -INFINITY;
+  float4 acc[kCombineSteps] = {};
   fold_splits<kCombineWarps>(p, num_splits, out_partial, lse_partial, head, grow, warp, lane, lse, acc);
 #pragma unroll
   for (int k = 0; k < kCombineSteps; ++k) s_acc[warp][k][lane] = acc[k];
@@ -146,6 +137,24 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
                            acc[k].w * wa + y.w * wb);
     }
   }
+  store_combined<T>(p, head, grow, lse, acc, lane);
+}
+
+// At most kCombineBatch splits. grid: combine_blocks(h · total_q, num_splits), a warp per row
+// (row blockIdx.x · 8 + warp), every split loaded in one batch.
+template <class T>
+__global__ void __launch_bounds__(kCombineWarps * 32)
+    combine_rows_kernel(const __grid_constant__ detail::FwdParams p, int num_splits, const float* out_partial,
+                        const float* lse_partial, bool programmatic) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (programmatic) pdl_wait();  // launched under the forward that writes the partials (pdl.cuh)
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kCombineWarps + warp;
+  if (row >= static_cast<std::int64_t>(p.h) * p.total_q) return;
+  const int head = static_cast<int>(row / p.total_q);
+  const std::int64_t grow = row % p.total_q;
+  float lse = -INFINITY;
+  float4 acc[kCombineSteps] = {};
+  fold_splits<1>(p, num_splits, out_partial, lse_partial, head, grow, 0, lane, lse, acc);
   store_combined<T>(p, head, grow, lse, acc, lane);
 }
 

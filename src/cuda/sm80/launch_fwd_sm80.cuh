@@ -56,9 +56,10 @@ void run_fwd_sm80(const detail::FwdParams& p, const FwdLaunch& launch) {
   else launch_kind(std::integral_constant<K, K::wide>{});
   if (args.num_splits > 1) {
     const unsigned blocks = combine_blocks(static_cast<std::int64_t>(p.h) * p.total_q, args.num_splits);
-    launch_kernel(combine_splits_kernel<T>, dim3(blocks), dim3(kCombineWarps * 32), 0, launch.stream,
-                  args.programmatic_dependents, p, args.num_splits, static_cast<const float*>(args.out_partial),
-                  static_cast<const float*>(args.lse_partial), args.programmatic_dependents);
+    launch_kernel(args.num_splits <= kCombineBatch ? combine_rows_kernel<T> : combine_splits_kernel<T>, dim3(blocks),
+                  dim3(kCombineWarps * 32), 0, launch.stream, args.programmatic_dependents, p, args.num_splits,
+                  static_cast<const float*>(args.out_partial), static_cast<const float*>(args.lse_partial),
+                  args.programmatic_dependents);
   }
 }
 
