@@ -3,12 +3,13 @@
 # launch of the kernels matching REGEX in `flashmonoid-gpu-bench --case HDIM CAUSAL SEQLEN`, printed as
 # the SASS lines with the most samples (with their neighbours' share) and saved as CSV under $OUT.
 # Usage: tools/ncu_source.sh BIN NAME REGEX "HDIM CAUSAL SEQLEN" [gpu_bench flags]
+# A CASE that starts with "--" is passed as gpu_bench flags instead (e.g. "--kv-case 1 32768 0 1").
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 BIN=$1 NAME=$2 REGEX=$3 CASE=$4; shift 4
 timeout 240 ncu --clock-control none --section WarpStateStats --section SourceCounters --section SpeedOfLight \
   --import-source no -k regex:"$REGEX" --launch-skip 3 --launch-count 1 -o /tmp/ncu_$NAME -f \
-  "$BIN" --case $CASE "$@" >/tmp/ncu_$NAME.log 2>&1 || { echo "ncu $NAME failed"; tail -5 /tmp/ncu_$NAME.log; exit 1; }
+  "$BIN" $([[ $CASE == --* ]] || echo --case) $CASE "$@" >/tmp/ncu_$NAME.log 2>&1 || { echo "ncu $NAME failed"; tail -5 /tmp/ncu_$NAME.log; exit 1; }
 ncu -i /tmp/ncu_$NAME.ncu-rep --page details >"$OUT/ncu_$NAME.txt" 2>&1
 ncu -i /tmp/ncu_$NAME.ncu-rep --page source --csv --print-source sass >/tmp/ncu_${NAME}_sass.csv 2>&1
 gzip -c /tmp/ncu_${NAME}_sass.csv >"$OUT/ncu_${NAME}_sass.csv.gz"

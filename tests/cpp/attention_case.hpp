@@ -47,6 +47,19 @@ struct Shape {
   }
 };
 
+// A dense shape without masks or modifiers.
+inline Shape shape_of(DType t, int b, int sq, int sk, int h, int hk, int d) {
+  Shape s;
+  s.dtype = t;
+  s.b = b;
+  s.s_q = sq;
+  s.s_k = sk;
+  s.h = h;
+  s.h_k = hk;
+  s.d = d;
+  return s;
+}
+
 struct Problem {
   Shape shape;
   HostTensor q, k, v, dout, alibi, cu_q, cu_k;

@@ -28,6 +28,7 @@ using flashmonoid::DType;
 using flashmonoid::TensorView;
 using flashmonoid::cpu::Precision;
 using fmtest::HostTensor;
+using fmtest::shape_of;
 using fmtest::Problem;
 using fmtest::Shape;
 
@@ -214,32 +215,20 @@ void CudaBackward::check_backward(const Shape& shape) {
   expect_close("dv", shape.dtype, g.dv_h.values(), oracle.dv.values(), lowp.dv.values());
 }
 
-Shape base(DType t, int b, int sq, int sk, int h, int hk, int d) {
-  Shape s;
-  s.dtype = t;
-  s.b = b;
-  s.s_q = sq;
-  s.s_k = sk;
-  s.h = h;
-  s.h_k = hk;
-  s.d = d;
-  return s;
-}
-
 TEST_P(CudaBackward, HeadDimsAndDtypes) {
   for (DType t : {DType::bf16, DType::f16})
-    for (int d : {32, 40, 64, 96, 128, 160, 256}) check_backward(base(t, 2, 77, 131, 2, 2, d));
+    for (int d : {32, 40, 64, 96, 128, 160, 256}) check_backward(shape_of(t, 2, 77, 131, 2, 2, d));
 }
 
 TEST_P(CudaBackward, SeqlensBothWays) {
   for (auto [sq, sk] : {std::pair{1, 1}, {1, 200}, {200, 1}, {63, 65}, {129, 257}, {300, 45}, {45, 300}})
-    check_backward(base(DType::bf16, 2, sq, sk, 2, 1, 64));
+    check_backward(shape_of(DType::bf16, 2, sq, sk, 2, 1, 64));
 }
 
 TEST_P(CudaBackward, CausalAndWindows) {
   for (auto [sq, sk] : {std::pair{113, 113}, {70, 190}, {190, 70}}) {
     for (int d : {64, 128}) {
-      Shape s = base(DType::bf16, 2, sq, sk, 4, 2, d);
+      Shape s = shape_of(DType::bf16, 2, sq, sk, 4, 2, d);
       s.causal = true;
       s.window_right = 0;
       check_backward(s);
@@ -255,9 +244,9 @@ TEST_P(CudaBackward, CausalAndWindows) {
 }
 
 TEST_P(CudaBackward, GqaMqa) {
-  check_backward(base(DType::bf16, 1, 150, 150, 8, 2, 128));
-  check_backward(base(DType::f16, 2, 97, 211, 6, 1, 64));
-  Shape s = base(DType::bf16, 1, 130, 170, 4, 1, 256);
+  check_backward(shape_of(DType::bf16, 1, 150, 150, 8, 2, 128));
+  check_backward(shape_of(DType::f16, 2, 97, 211, 6, 1, 64));
+  Shape s = shape_of(DType::bf16, 1, 130, 170, 4, 1, 256);
   s.causal = true;
   s.window_right = 0;
   check_backward(s);
@@ -265,7 +254,7 @@ TEST_P(CudaBackward, GqaMqa) {
 
 TEST_P(CudaBackward, SoftcapAlibi) {
   for (int d : {64, 96, 128, 256}) {
-    Shape s = base(DType::bf16, 2, 99, 140, 4, 2, d);
+    Shape s = shape_of(DType::bf16, 2, 99, 140, 4, 2, d);
     s.softcap = 5.0f;
     check_backward(s);
     s.softcap = 0.0f;
@@ -276,7 +265,7 @@ TEST_P(CudaBackward, SoftcapAlibi) {
   }
   // Several key and query blocks, a window, GQA, all modifiers at once (fp16).
   for (int d : {128, 256}) {
-    Shape s = base(DType::f16, 1, 333, 410, 4, 2, d);
+    Shape s = shape_of(DType::f16, 1, 333, 410, 4, 2, d);
     s.softcap = 8.0f;
     s.alibi = true;
     s.window_left = 150;
@@ -288,7 +277,7 @@ TEST_P(CudaBackward, SoftcapAlibi) {
 
 TEST_P(CudaBackward, Dropout) {
   for (int d : {64, 128, 256}) {
-    Shape s = base(DType::bf16, 2, 131, 97, 4, 2, d);
+    Shape s = shape_of(DType::bf16, 2, 131, 97, 4, 2, d);
     s.dropout_p = 0.17f;
     check_backward(s);
     s.causal = true;
@@ -300,7 +289,7 @@ TEST_P(CudaBackward, Dropout) {
 
 TEST_P(CudaBackward, Varlen) {
   for (int d : {64, 128, 256}) {
-    Shape s = base(DType::bf16, 4, 0, 0, 4, 2, d);
+    Shape s = shape_of(DType::bf16, 4, 0, 0, 4, 2, d);
     s.varlen = true;
     s.lens_q = {1, 130, 64, 77};
     s.lens_k = {33, 100, 0, 200};
@@ -318,15 +307,15 @@ TEST_P(CudaBackward, Varlen) {
 // blocks start at different query blocks, GQA groups of 4 walk 4 heads per key block.
 TEST_P(CudaBackward, LongerSequences) {
   for (int d : {64, 128, 256}) {
-    Shape s = base(DType::bf16, 2, 700, 700, 8, 2, d);
+    Shape s = shape_of(DType::bf16, 2, 700, 700, 8, 2, d);
     s.causal = true;
     s.window_right = 0;
     check_backward(s);
-    Shape w = base(DType::f16, 1, 513, 900, 4, 4, d);
+    Shape w = shape_of(DType::f16, 1, 513, 900, 4, 4, d);
     w.window_left = 200;
     w.window_right = 31;
     check_backward(w);
-    check_backward(base(DType::bf16, 1, 1000, 385, 4, 1, d));
+    check_backward(shape_of(DType::bf16, 1, 1000, 385, 4, 1, d));
   }
 }
 
@@ -335,7 +324,7 @@ TEST_P(CudaBackward, Randomized) {
   auto pick = [&](std::initializer_list<int> xs) { return *(xs.begin() + r() % xs.size()); };
   for (int n = 0; n < 12; ++n) {
     const int hk = pick({1, 2, 3});
-    Shape s = base(r() % 2 ? DType::bf16 : DType::f16, pick({1, 2, 3}), 1 + r() % 300, 1 + r() % 300,
+    Shape s = shape_of(r() % 2 ? DType::bf16 : DType::f16, pick({1, 2, 3}), 1 + r() % 300, 1 + r() % 300,
                    hk * pick({1, 2, 4}), hk, 8 * (1 + r() % 32));
     if (r() % 3 == 0) {
       s.causal = true;
@@ -357,7 +346,7 @@ TEST_P(CudaBackward, Randomized) {
 // the first key block that a query block sees differ from 0, and 700 keys make 6 key blocks.
 TEST_P(CudaBackward, DeterministicBitIdentical) {
   for (int d : {64, 128, 256, 96}) {
-    Shape s = base(DType::bf16, 2, d == 96 ? 650 : 400, d == 96 ? 700 : 350, 4, 2, d);
+    Shape s = shape_of(DType::bf16, 2, d == 96 ? 650 : 400, d == 96 ? 700 : 350, 4, 2, d);
     s.causal = d == 128;
     if (s.causal) s.window_right = 0;
     if (d == 96) {

@@ -224,19 +224,17 @@ std::vector<Shape> sm90_grid() {
   };
   for (const Band& c : {Band{1031, 1031, 64, -1, -1}, Band{300, 633, 32, -1, -1}, Band{1031, 1100, 64, 90, 17},
                         Band{2100, 2100, 64, -1, -1}}) {
-    Shape s;
-    s.b = 1;
-    s.s_q = c.sq;
-    s.s_k = c.sk;
-    s.d = c.d;
-    s.h = 6;
-    s.h_k = 3;
-    s.dtype = c.d == 32 ? DType::f16 : DType::bf16;
+    Shape s = shape_of(c.d == 32 ? DType::f16 : DType::bf16, 1, c.sq, c.sk, 6, 3, c.d);
     s.causal = c.window_right < 0;
     s.window_left = c.window_left;
     s.window_right = c.window_right;
     out.push_back(s);
   }
+  // hdim 96-128 over >= kLongKeys unmasked keys: the 160-key long_keys variant (a last step of 36,
+  // 99 or 128 keys, GQA, fp16 and bf16, a query block of one row).
+  out.push_back(shape_of(DType::bf16, 2, 300, 2116, 4, 4, 128));
+  out.push_back(shape_of(DType::f16, 2, 129, 4099, 4, 1, 96));
+  out.push_back(shape_of(DType::f16, 2, 200, 2048, 4, 4, 128));
   return out;
 }
 

@@ -72,13 +72,7 @@ std::vector<GpuCase> cases() {
   using flashmonoid::ring::Layout;
   std::vector<GpuCase> out;
   auto add = [&](int s, int h, int h_k, int d, DType t, bool causal, Layout l, int wl = -1, float softcap = 0) {
-    Shape sh;
-    sh.b = 1;
-    sh.s_q = sh.s_k = s;
-    sh.h = h;
-    sh.h_k = h_k;
-    sh.d = d;
-    sh.dtype = t;
+    Shape sh = fmtest::shape_of(t, 1, s, s, h, h_k, d);
     sh.causal = causal;
     sh.window_left = wl;
     sh.softcap = softcap;

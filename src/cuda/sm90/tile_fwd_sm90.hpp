@@ -20,9 +20,10 @@ namespace flashmonoid::cuda {
 enum class FwdStore { regs, tma };
 
 // The kernel variants of a head-dim bucket: the plain one; one with softcap, ALiBi and dropout
-// compiled in (the plain one carries none of their registers); and, at hdim 64, one of 128-row
-// tiles for causal-like masks up to kShortBandRows query rows (chosen in run_fwd_sm90).
-enum class FwdVariantSm90 { plain, score_mods, short_band };
+// compiled in (the plain one carries none of their registers); at hdim 64, one of 128-row tiles for
+// causal-like masks up to kShortBandRows query rows; at hdim 128, one of 160-key steps for long
+// unmasked key ranges (fwd_long_keys). run_fwd_sm90 chooses.
+enum class FwdVariantSm90 { plain, score_mods, short_band, long_keys };
 
 struct FwdTileSm90 {
   int consumers;  // consumer warpgroups, 64 query rows each (one wgmma M)
@@ -46,7 +47,7 @@ struct FwdTileSm90 {
 };
 
 // Consumer warpgroups of 64 rows, 240 registers each with 2 consumers, 160 with 3; 128 keys per step
-// at hdim 64 and 128, 80 at hdim 256 (O is 128 fp32 registers per thread; no score-modifier variant
+// at hdim 64 and 128 (160 over long unmasked key ranges at hdim 128: kLongKeys), 80 at hdim 256 (O is 128 fp32 registers per thread; no score-modifier variant
 // there, see fwd_sm90_eligible). Two Q buffers where they fit (hdim 256: Q 64 KB + K/V 160 KB).
 // hdim 64 takes 3 consumers (192 rows, FlashAttention-3's block height): +13-35% over 2 at 1k-16k
 // non-causal on H100 (16k: 523 vs 387 TFLOP/s), where the exponentials of 2 warpgroups left the
@@ -61,10 +62,24 @@ struct FwdTileSm90 {
 constexpr FwdTileSm90 fwd_tile_sm90(int head_dim_bucket, FwdVariantSm90 variant) {
   const bool mods = variant == FwdVariantSm90::score_mods;
   if (head_dim_bucket <= 64 && variant == FwdVariantSm90::plain) return {3, 128, 2, 160, 24, 2, true, FwdStore::tma};
+  if (head_dim_bucket == 128 && variant == FwdVariantSm90::long_keys) return {2, 160, 2, 240, 24, 1, true, FwdStore::tma};
   if (head_dim_bucket <= 128) return {2, 128, 2, 240, 24, 2, !mods, FwdStore::tma};
   return {2, 80, 2, 240, 24, 1, false, FwdStore::regs};
 }
 
 inline constexpr int kShortBandRows = 2048;
+
+// hdim 128 without a window (no causal mask) over at least kLongKeys keys: 160 keys per step
+// amortise the per-step costs (the O rescale, the row reductions, the ping-pong turns) over 1.25x the
+// scores. The K/V ring (160 KB) leaves room for one Q buffer and the O buffer of the TMA store. H100,
+// bf16, 16k tokens, against 128 keys in the same call: 645 / 676 / 647 / 658 TFLOP/s at 2k / 4k / 8k /
+// 16k keys against 637 / 645 / 627 / 630 (+1-5%); FlashAttention-3's 176 keys fit only with O stored
+// from registers (609 / 641 / 630 / 649), 144 keys with the TMA store 623 / 658 / 645 / 650. Below 2k
+// keys a 160-key step wastes up to 25% on its last step (512: 640 computed), and the second Q buffer
+// pays.
+inline constexpr int kLongKeys = 2048;
+constexpr bool fwd_long_keys(int head_dim_bucket, bool windowed, long long seqlen_k) {
+  return head_dim_bucket == 128 && !windowed && seqlen_k >= kLongKeys;
+}
 
 }  // namespace flashmonoid::cuda
