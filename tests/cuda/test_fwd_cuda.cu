@@ -231,10 +231,16 @@ std::vector<Shape> sm90_grid() {
     out.push_back(s);
   }
   // hdim 96-128 over >= kLongKeys unmasked keys: the 160-key long_keys variant (a last step of 36,
-  // 99 or 128 keys, GQA, fp16 and bf16, a query block of one row).
+  // 99 or 128 keys, GQA, fp16 and bf16, a query block of one row), and varlen (O from registers;
+  // a sequence of 50 keys and one without queries in the same launch).
   out.push_back(shape_of(DType::bf16, 2, 300, 2116, 4, 4, 128));
   out.push_back(shape_of(DType::f16, 2, 129, 4099, 4, 1, 96));
   out.push_back(shape_of(DType::f16, 2, 200, 2048, 4, 4, 128));
+  Shape lv = shape_of(DType::bf16, 4, 0, 0, 4, 2, 128);
+  lv.varlen = true;
+  lv.lens_q = {100, 70, 0, 300};
+  lv.lens_k = {2100, 50, 9, 2049};
+  out.push_back(lv);
   return out;
 }
 

@@ -5,11 +5,11 @@
 // to L2 are its cost, not its bytes. A warp loads kCombineBatch splits' lse and outputs before it
 // uses any and folds them in registers, so up to that many splits cost one round trip of loads:
 // - up to kCombineBatch splits (batched decoding, speculative tokens: many rows, few splits): a
-//   warp per row, 8 rows per block (combine_rows_kernel). The block-per-row form below ran 1024 rows of 4 splits (b = 8,
-//   s_q = 4) in 20 us under ncu: 103 registers leave 2 blocks of 256 threads per SM, so 4 waves of
-//   mostly idle warps;
-// - more splits (b = 1 decoding, 33 splits): a block per row (combine_splits_kernel), warp w takes splits w, w + 8, ... and
-//   the 8 warps' states are merged through shared memory (the form before it, one warp per row over
+//   warp per row, 8 rows per block (combine_rows_kernel). The block-per-row form below ran 1024
+//   rows of 4 splits (b = 8, s_q = 4) in 20 us under ncu: 103 registers leave 2 blocks of 256
+//   threads per SM, so 4 waves of mostly idle warps;
+// - more splits (b = 1 decoding, 33 splits): a block per row (combine_splits_kernel), warp w takes
+//   splits w, w + 8, ... and the 8 warps' states are merged through shared memory (the form before it, one warp per row over
 //   every split, made 5 dependent round trips at 33 splits, ~10 us under ncu). Sharing one kernel
 //   with the warp-per-row form cost b = 1 decoding 1-4% against this form alone (H200); as two
 //   kernels, b = 1 32k decoding without an append reads 0.822 of copy against 0.790 (H100).

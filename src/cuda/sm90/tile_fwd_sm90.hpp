@@ -47,8 +47,8 @@ struct FwdTileSm90 {
 };
 
 // Consumer warpgroups of 64 rows, 240 registers each with 2 consumers, 160 with 3; 128 keys per step
-// at hdim 64 and 128 (160 over long unmasked key ranges at hdim 128: kLongKeys), 80 at hdim 256 (O is 128 fp32 registers per thread; no score-modifier variant
-// there, see fwd_sm90_eligible). Two Q buffers where they fit (hdim 256: Q 64 KB + K/V 160 KB).
+// at hdim 64 and 128 (160 over long unmasked key ranges at hdim 128: kLongKeys), 80 at hdim 256 (O is
+// 128 fp32 registers per thread; no score-modifier variant there, see fwd_sm90_eligible). Two Q buffers where they fit (hdim 256: Q 64 KB + K/V 160 KB).
 // hdim 64 takes 3 consumers (192 rows, FlashAttention-3's block height): +13-35% over 2 at 1k-16k
 // non-causal on H100 (16k: 523 vs 387 TFLOP/s), where the exponentials of 2 warpgroups left the
 // tensor cores idle; 192 keys with 2 consumers measured equal to 128 (within 2%). With score
@@ -78,8 +78,6 @@ inline constexpr int kShortBandRows = 2048;
 // keys a 160-key step wastes up to 25% on its last step (512: 640 computed), and the second Q buffer
 // pays.
 inline constexpr int kLongKeys = 2048;
-constexpr bool fwd_long_keys(int head_dim_bucket, bool windowed, long long seqlen_k) {
-  return head_dim_bucket == 128 && !windowed && seqlen_k >= kLongKeys;
-}
+constexpr bool fwd_long_keys(bool windowed, long long seqlen_k) { return !windowed && seqlen_k >= kLongKeys; }
 
 }  // namespace flashmonoid::cuda
