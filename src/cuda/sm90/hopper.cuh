@@ -51,14 +51,19 @@ __device__ __forceinline__ std::uint64_t make_desc(std::uint32_t smem_byte_addr,
   return d;
 }
 // K-major tile (rows, K) in panels of `rows` rows: descriptor of k step `ks` (16 elements).
+// A k step's descriptor is the tile's plus the step's byte offset / 16 in the low word (the 14-bit
+// address field cannot carry: shared memory ends below 256 KB), so the tile's descriptor is built once
+// and each wgmma of a product costs one add.
+__device__ __forceinline__ std::uint64_t desc_plus(std::uint64_t tile_desc, std::uint32_t offset_bytes) {
+  return tile_desc + (offset_bytes >> 4);
+}
 __device__ __forceinline__ std::uint64_t desc_k_major(std::uint32_t tile_addr, int rows, int ks) {
   const int col = ks * 16;
-  const std::uint32_t addr = tile_addr + (col / kPanelCols) * rows * kPanelRowBytes + (col % kPanelCols) * 2;
-  return make_desc(addr, 16, kSwizzleAtomBytes);
+  return desc_plus(make_desc(tile_addr, 16, kSwizzleAtomBytes), (col / kPanelCols) * rows * kPanelRowBytes + (col % kPanelCols) * 2);
 }
 // MN-major tile (K rows, N columns) in panels of `rows` rows: descriptor of k step `ks` (16 rows).
 __device__ __forceinline__ std::uint64_t desc_mn_major(std::uint32_t tile_addr, int rows, int ks) {
-  return make_desc(tile_addr + ks * 16 * kPanelRowBytes, rows * kPanelRowBytes, kSwizzleAtomBytes);
+  return desc_plus(make_desc(tile_addr, rows * kPanelRowBytes, kSwizzleAtomBytes), ks * 16 * kPanelRowBytes);
 }
 
 // Registers written by ordinary instructions (accumulators rescaled, A fragments) become visible
