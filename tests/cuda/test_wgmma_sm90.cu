@@ -2,8 +2,26 @@
 // cuBLAS: descriptor and swizzle mistakes give wrong numbers, not faults, so they are caught here
 // before the attention kernels use them. C (M, N) fp32 = A (M, K) · B, bf16 inputs, with B either
 // K-major ((N, K) row-major: the S = Q·Kᵀ form) or MN-major ((K, N) row-major: the O = P·V form).
-// One block: a producer warpgroup streams 128x64 A and 64-deep B tiles through a 4-stage TMA ring,
-// two consumer warpgroups each own 64 rows and a 64 x 256 fp32 accumulator.
+//
+// One kernel per B layout, in CUTLASS's "cooperative" schedule: 128 x 256 output tiles; a producer
+// warpgroup (one thread issues TMA) streams k blocks of A (128, 64) and B (256, 64) through a 4-stage
+// ring of 48 KB slots (5 would need 240 KB of the 227 KB a block can have); two consumer warpgroups
+// each own 64 rows and a (64, 256) fp32 accumulator and store it from registers. The variants
+// (kVariants) change only which tile a block takes, as run-time arguments:
+// - tile order: row by row (N fastest), or groups of G M tiles walked N by N (TileOrder);
+// - grid: one block per tile, or persistent (one block per multiprocessor walking tiles c, c + grid,
+//   ...; its producer runs on into the next tile's k blocks while the consumers store).
+//
+// H100, 8192³, median of 10 event-timed runs, TFLOP/s with B K-major / MN-major:
+//   row by row, one block per tile     469 / 528
+//   groups of 16, one block per tile   771 / 770
+//   groups of 8, persistent            763 / 752
+//   cuBLAS                             776 / 775
+// The tile order is what reaches cuBLAS. Row by row, a wave of 132 blocks spans 4 M rows and all 32
+// N columns, so every wave reads all of B (128 MB, 2.5x the 50 MB L2) from DRAM; in groups of 16 M
+// tiles a wave spans 16 A panels (32 MB) and 8-9 B panels (33-36 MB), half the bytes, and the blocks
+// that share a panel read it from L2. Persistence adds nothing measurable at this size. A 2-block
+// cluster along M that multicast B ran at under half speed (288-332 TFLOP/s) and was removed.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -16,6 +34,7 @@
 #include <vector>
 
 #include "sm90/hopper.cuh"
+#include "sm90/setmaxnreg.hpp"
 #include "sm90/tensor_map.hpp"
 
 namespace {
@@ -26,75 +45,139 @@ using T = __nv_bfloat16;
 
 constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4;
 constexpr int kATile = kBM * kBK, kBTile = kBN * kBK;  // elements per stage
+constexpr int kThreads = 384, kConsumerWarps = 8;      // a producer warpgroup, 2 consumer warpgroups
+constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+constexpr int kSmemBytes = kStages * (kATile + kBTile) * sizeof(T) + 2 * kStages * sizeof(Barrier) + kSwizzleAtomBytes;
+static_assert(kSmemBytes <= 227 * 1024, "the ring must fit the 227 KB of shared memory a block can have");
+static_assert(setmaxnreg_fits(kThreads, kProducerRegs, 2, kConsumerRegs), "register split exceeds the block's budget");
 
-struct GemmArgs {
-  CUtensorMap tm_a, tm_b;
-  float* c;
-  int m, n, k;
+// The order in which blocks take output tiles: groups of `group` M tiles, M fastest inside a group,
+// so that the blocks running at one time share A and B panels in L2; group 1 is row by row (N fastest).
+struct TileOrder {
+  int tiles_m, tiles_n, group;
+  __host__ __device__ int count() const { return tiles_m * tiles_n; }
+  __device__ __forceinline__ void tile(int t, int& tm, int& tn) const {
+    const int per_group = group * tiles_n, first = t / per_group * group, r = t % per_group;
+    const int rows = min(group, tiles_m - first);
+    tm = first + r % rows;
+    tn = r / rows;
+  }
 };
 
+struct GemmArgs {
+  CUtensorMap tm_a;  // A (m, k): box (64, 128), one (128, 64) panel
+  CUtensorMap tm_b;  // K-major (n, k): box (64, 256), one (256, 64) panel; MN-major (k, n): box (64, 64)
+  float* c;
+  int m, n, k;  // m a multiple of 128, n of 256, k of 64
+  TileOrder order;
+};
+
+// f(m0, n0) for each tile of this block, in order: tile blockIdx.x and every gridDim.x-th after it.
+// Producer and consumers alike.
+template <class F>
+__device__ __forceinline__ void for_each_tile(const GemmArgs& g, F&& f) {
+#pragma unroll 1
+  for (int t = blockIdx.x; t < g.order.count(); t += gridDim.x) {
+    int tm, tn;
+    g.order.tile(t, tm, tn);
+    f(tm * kBM, tn * kBN);
+  }
+}
+
+// The producer (one thread): per k block of each of its tiles, A and B into the next ring slot. The
+// ring's n-th use is slot n % kStages, phase (n / kStages) & 1, counted across tiles, so the next
+// tile's loads go out while the consumers store the last one.
 template <int kTransB>
-__global__ void __launch_bounds__(384, 1) gemm_sm90(const __grid_constant__ GemmArgs g) {
+__device__ __forceinline__ void produce(const GemmArgs& g, T* sa, T* sb, Barrier* full, Barrier* empty) {
+  prefetch_tensor_map(&g.tm_a);
+  prefetch_tensor_map(&g.tm_b);
+  const int k_blocks = g.k / kBK;
+  unsigned n = 0;
+  for_each_tile(g, [&](int m0, int n0) {
+#pragma unroll 1
+    for (int kb = 0; kb < k_blocks; ++kb, ++n) {
+      const int s = n % kStages;
+      empty[s].wait(((n / kStages) & 1) ^ 1);
+      full[s].arrive_expect_tx((kATile + kBTile) * sizeof(T));
+      tma_load(sa + s * kATile, &g.tm_a, kb * kBK, 0, m0, 0, full[s]);
+      if constexpr (kTransB) {
+        for (int p = 0; p < kBN / kPanelCols; ++p)  // (64, 256) as four (64, 64) panels
+          tma_load(sb + s * kBTile + p * kBK * kPanelCols, &g.tm_b, n0 + p * kPanelCols, 0, kb * kBK, 0, full[s]);
+      } else {
+        tma_load(sb + s * kBTile, &g.tm_b, kb * kBK, 0, n0, 0, full[s]);
+      }
+    }
+  });
+}
+
+// A warpgroup's (64, 256) accumulator into C from registers: lane quads hold 8 columns of rows `row`
+// and `row` + 8 (the m64nNk16 fragment), so each warp store of 8-byte pairs fills whole 32-byte sectors.
+__device__ __forceinline__ void store(float* c, int ldc, const float (&acc)[kBN / 2], int row, int col) {
+#pragma unroll
+  for (int i = 0; i < kBN / 8; ++i) {
+    float* p = c + static_cast<std::size_t>(row) * ldc + col + 8 * i;
+    *reinterpret_cast<float2*>(p) = make_float2(acc[4 * i], acc[4 * i + 1]);
+    *reinterpret_cast<float2*>(p + 8 * static_cast<std::size_t>(ldc)) = make_float2(acc[4 * i + 2], acc[4 * i + 3]);
+  }
+}
+
+// The consumers: warpgroup wg's 64 rows of each tile, k block by k block. A slot is released when the
+// products that read it are done (wgmma_wait<1>: the previous k block's, while this one's run) by
+// every consumer warp.
+template <int kTransB>
+__device__ __forceinline__ void consume(const GemmArgs& g, const T* sa, const T* sb, Barrier* full, Barrier* empty) {
+  const int wg = threadIdx.x / 128 - 1, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+  const int k_blocks = g.k / kBK;
+  auto release = [&](unsigned n) {
+    if (lane == 0) empty[n % kStages].arrive();
+  };
+  float acc[kBN / 2] = {};  // (64, 256) fp32: the m64n256 accumulator fragment
+  unsigned n = 0;
+  for_each_tile(g, [&](int m0, int n0) {
+#pragma unroll 1
+    for (int kb = 0; kb < k_blocks; ++kb, ++n) {
+      const int s = n % kStages;
+      full[s].wait((n / kStages) & 1);
+      wgmma_fence();
+      const std::uint32_t a = smem_addr(sa + s * kATile + wg * 64 * kBK), b = smem_addr(sb + s * kBTile);
+#pragma unroll
+      for (int ks = 0; ks < kBK / 16; ++ks) {
+        const std::uint64_t db = kTransB ? desc_mn_major(b, kBK, ks) : desc_k_major(b, kBN, ks);
+        wgmma_ss<0, kTransB>(acc, desc_k_major(a, kBM, ks), db, T{}, kb > 0 || ks > 0);  // a tile's first overwrites
+      }
+      wgmma_commit();
+      wgmma_wait<1>();
+      fence_regs(acc);
+      if (kb > 0) release(n - 1);
+    }
+    wgmma_wait<0>();
+    fence_regs(acc);
+    release(n - 1);
+    store(g.c, g.n, acc, m0 + wg * 64 + warp * 16 + lane / 4, n0 + 2 * (lane % 4));
+  });
+}
+
+template <int kTransB>
+__global__ void __launch_bounds__(kThreads, 1) gemm_sm90(const __grid_constant__ GemmArgs g) {
   extern __shared__ unsigned char raw[];
-  T* base = reinterpret_cast<T*>((reinterpret_cast<std::uintptr_t>(raw) + 1023) & ~std::uintptr_t(1023));
-  T* sa = base;                       // kStages x (128, 64): one panel each
-  T* sb = base + kStages * kATile;    // kStages x B tile: (256, 64) one panel, or (64, 256) four panels
+  T* sa = reinterpret_cast<T*>(align_smem_1024(raw));  // kStages x (128, 64): one panel each
+  T* sb = sa + kStages * kATile;  // kStages x B tile: (256, 64) one panel, or (64, 256) four panels
   Barrier* full = reinterpret_cast<Barrier*>(sb + kStages * kBTile);
   Barrier* empty = full + kStages;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       full[s].init(1);
-      empty[s].init(8);  // one arrival per consumer warp
+      empty[s].init(kConsumerWarps);  // one arrival per consumer warp
     }
     fence_barrier_init();
   }
   __syncthreads();
-  const int m0 = blockIdx.y * kBM, n0 = blockIdx.x * kBN, k_blocks = g.k / kBK;
   if (threadIdx.x / 128 == 0) {
-    regs_dealloc<24>();
-    if (threadIdx.x == 0) {
-      for (int kb = 0; kb < k_blocks; ++kb) {
-        const int s = kb % kStages;
-        empty[s].wait(((kb / kStages) & 1) ^ 1);
-        full[s].arrive_expect_tx((kATile + kBTile) * sizeof(T));
-        tma_load(sa + s * kATile, &g.tm_a, kb * kBK, 0, m0, 0, full[s]);
-        if (kTransB) {
-          for (int pn = 0; pn < kBN / 64; ++pn)
-            tma_load(sb + s * kBTile + pn * kBK * 64, &g.tm_b, n0 + pn * 64, 0, kb * kBK, 0, full[s]);
-        } else {
-          tma_load(sb + s * kBTile, &g.tm_b, kb * kBK, 0, n0, 0, full[s]);
-        }
-      }
-    }
-    return;
-  }
-  regs_alloc<240>();
-  const int wg = threadIdx.x / 128 - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  float acc[kBN / 2] = {};
-  for (int kb = 0; kb < k_blocks; ++kb) {
-    const int s = kb % kStages;
-    full[s].wait((kb / kStages) & 1);
-    wgmma_fence();
-    const std::uint32_t a = smem_addr(sa + s * kATile + wg * 64 * 64), b = smem_addr(sb + s * kBTile);
-#pragma unroll
-    for (int ks = 0; ks < kBK / 16; ++ks) {
-      const std::uint64_t db = kTransB ? desc_mn_major(b, kBK, ks) : desc_k_major(b, kBN, ks);
-      wgmma_ss<0, kTransB>(acc, desc_k_major(a, kBM, ks), db, T{}, 1);
-    }
-    wgmma_commit();
-    wgmma_wait<1>();  // the previous stage's products are done: release it
-    fence_regs(acc);
-    if (kb > 0 && lane == 0) empty[(kb - 1) % kStages].arrive();
-  }
-  wgmma_wait<0>();
-  fence_regs(acc);
-  const int row = m0 + wg * 64 + warp * 16 + lane / 4;
-#pragma unroll
-  for (int i = 0; i < kBN / 8; ++i) {
-    const int col = n0 + 8 * i + 2 * (lane % 4);
-    *reinterpret_cast<float2*>(g.c + static_cast<std::size_t>(row) * g.n + col) = make_float2(acc[4 * i], acc[4 * i + 1]);
-    *reinterpret_cast<float2*>(g.c + static_cast<std::size_t>(row + 8) * g.n + col) =
-        make_float2(acc[4 * i + 2], acc[4 * i + 3]);
+    regs_dealloc<kProducerRegs>();
+    if (threadIdx.x == 0) produce<kTransB>(g, sa, sb, full, empty);
+  } else {
+    regs_alloc<kConsumerRegs>();
+    consume<kTransB>(g, sa, sb, full, empty);
   }
 }
 
@@ -103,6 +186,39 @@ void ok(cudaError_t e) { ASSERT_EQ(e, cudaSuccess) << cudaGetErrorString(e); }
 bool hopper() {
   int major = 0;
   return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) == cudaSuccess && major == 9;
+}
+
+struct Variant {
+  const char* name;
+  bool persistent;
+  int group;  // M tiles per group of the tile order; 1: row by row
+};
+// TFLOP/s at 8192³, H100, B K-major / MN-major (cuBLAS 776 / 775).
+constexpr Variant kVariants[] = {
+    {"flashmonoid_wgmma", false, 1},               // 469 / 528: a wave reads all of B from DRAM
+    {"flashmonoid_wgmma_g16", false, 16},          // 771 / 770
+    {"flashmonoid_wgmma_persistent_g8", true, 8},  // 763 / 752: the forward kernel's persistent ring
+};
+
+template <int kTransB>
+void launch(const GemmArgs& args, bool persistent) {
+  auto* kernel = gemm_sm90<kTransB>;
+  // Blocks resident at once: the persistent grid. Asked once, outside the timed calls.
+  static const int resident = [&] {
+    int sms = 0, per_sm = 0;
+    ok(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    ok(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, kSmemBytes));
+    return sms * per_sm;
+  }();
+  ASSERT_GT(resident, 0) << "no block of this kernel fits a multiprocessor";
+  const int tiles = args.order.count();
+  kernel<<<persistent ? std::min(tiles, resident) : tiles, kThreads, kSmemBytes>>>(args);
+  ok(cudaGetLastError());
+}
+
+void launch(const Variant& v, const GemmArgs& args, bool trans_b) {
+  trans_b ? launch<1>(args, v.persistent) : launch<0>(args, v.persistent);
 }
 
 struct Gemm {
@@ -122,7 +238,7 @@ struct Gemm {
     ok(cudaMalloc(&ref, static_cast<std::size_t>(m) * n * 4));
     ok(cudaMemcpy(a, ha.data(), ha.size() * sizeof(T), cudaMemcpyHostToDevice));
     ok(cudaMemcpy(b, hb.data(), hb.size() * sizeof(T), cudaMemcpyHostToDevice));
-    ok(cudaMemset(c, 0xFF, static_cast<std::size_t>(m) * n * 4));  // NaN poison
+    poison();
     EXPECT_EQ(cublasCreate(&handle), CUBLAS_STATUS_SUCCESS);
   }
   ~Gemm() {
@@ -132,7 +248,8 @@ struct Gemm {
     cudaFree(ref);
     cublasDestroy(handle);
   }
-  void run() {
+  void poison() { ok(cudaMemset(c, 0xFF, static_cast<std::size_t>(m) * n * 4)); }  // NaN
+  GemmArgs args(const Variant& v) const {
     GemmArgs g;
     const flashmonoid::detail::Strides sa{0, k, 0}, sb{0, trans_b ? n : k, 0};
     g.tm_a = make_tensor_map(a, k, 1, m, 1, sa, kBM);
@@ -141,11 +258,8 @@ struct Gemm {
     g.m = m;
     g.n = n;
     g.k = k;
-    const std::size_t smem = kStages * (kATile + kBTile) * sizeof(T) + 2048;
-    auto* kernel = trans_b ? gemm_sm90<1> : gemm_sm90<0>;
-    ok(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    kernel<<<dim3(n / kBN, m / kBM), 384, smem>>>(g);
-    ok(cudaGetLastError());
+    g.order = {m / kBM, n / kBN, v.group};
+    return g;
   }
   // Row-major C = A · op(B) through column-major cuBLAS: Cᵀ = op(B)ᵀ · Aᵀ.
   void run_cublas() {
@@ -155,64 +269,81 @@ struct Gemm {
                            &zero, ref, CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
               CUBLAS_STATUS_SUCCESS);
   }
+  std::vector<float> download(const float* p) const {
+    std::vector<float> h(static_cast<std::size_t>(m) * n);
+    ok(cudaMemcpy(h.data(), p, h.size() * 4, cudaMemcpyDeviceToHost));
+    return h;
+  }
 };
 
 class WgmmaGemm : public ::testing::TestWithParam<int> {};
 
 TEST_P(WgmmaGemm, MatchesCublas) {
   if (!hopper()) GTEST_SKIP() << "needs a compute capability 9.x device";
-  for (auto [m, n, k] : {std::tuple{128, 256, 64}, {256, 512, 320}, {1024, 768, 1024}}) {
+  // 2048x2304, 2176x2048 and 4096x4096: 144, 136 and 512 tiles, more than the 132 multiprocessors
+  // and no multiple of them, so persistent blocks take unequal numbers of tiles. 128, 256, 1024 and
+  // 2176 rows (1, 2, 8 and 17 M tiles) end in a group shorter than 16 M tiles.
+  // k = 192 and 128: fewer k blocks than ring slots, so a tile starts mid-ring.
+  for (auto [m, n, k] : {std::tuple{128, 256, 64}, {256, 512, 320}, {1024, 768, 1024}, {2048, 2304, 512},
+                         {2176, 2048, 192}, {4096, 4096, 128}}) {
     Gemm gm(m, n, k, GetParam());
-    gm.run();
     gm.run_cublas();
     ok(cudaDeviceSynchronize());
-    std::vector<float> c(static_cast<std::size_t>(m) * n), r(c.size());
-    ok(cudaMemcpy(c.data(), gm.c, c.size() * 4, cudaMemcpyDeviceToHost));
-    ok(cudaMemcpy(r.data(), gm.ref, r.size() * 4, cudaMemcpyDeviceToHost));
-    double err = 0, scale = 0;
-    for (std::size_t i = 0; i < c.size(); ++i) {
-      err = std::max(err, std::isnan(c[i]) ? INFINITY : std::abs(static_cast<double>(c[i]) - r[i]));
-      scale = std::max(scale, std::abs(static_cast<double>(r[i])));
+    const std::vector<float> r = gm.download(gm.ref);
+    for (const Variant& v : kVariants) {
+      gm.poison();
+      launch(v, gm.args(v), gm.trans_b);
+      ok(cudaDeviceSynchronize());
+      const std::vector<float> c = gm.download(gm.c);
+      double err = 0, scale = 0;
+      for (std::size_t i = 0; i < c.size(); ++i) {
+        err = std::max(err, std::isnan(c[i]) ? INFINITY : std::abs(static_cast<double>(c[i]) - r[i]));
+        scale = std::max(scale, std::abs(static_cast<double>(r[i])));
+      }
+      // Both accumulate exact bf16 products in fp32, in different orders: ~K·2^-24 relative.
+      EXPECT_LE(err, 1e-5 * scale * std::sqrt(static_cast<double>(k))) << v.name << " " << m << "x" << n << "x" << k;
     }
-    // Both accumulate exact bf16 products in fp32, in different orders: ~K·2^-24 relative.
-    EXPECT_LE(err, 1e-5 * scale * std::sqrt(static_cast<double>(k))) << m << "x" << n << "x" << k;
   }
 }
 INSTANTIATE_TEST_SUITE_P(Layouts, WgmmaGemm, ::testing::Values(0, 1),
                          [](const auto& info) { return info.param ? "b_mn_major" : "b_k_major"; });
 
-// A benchmark, not a test (run explicitly: --gtest_also_run_disabled_tests): 8192^3 against cuBLAS,
-// median of 10 event-timed runs after 3 warm-ups; prints one JSON record per implementation.
+// Median of 10 event-timed calls after 3 warm-ups, in ms.
+template <class F>
+double median_ms(F&& call) {
+  for (int i = 0; i < 3; ++i) call();
+  cudaEvent_t ev[2];
+  for (auto& e : ev) ok(cudaEventCreate(&e));
+  std::vector<float> t(10);
+  for (float& ms : t) {
+    ok(cudaEventRecord(ev[0]));
+    call();
+    ok(cudaEventRecord(ev[1]));
+    ok(cudaEventSynchronize(ev[1]));
+    ok(cudaEventElapsedTime(&ms, ev[0], ev[1]));
+  }
+  for (auto& e : ev) cudaEventDestroy(e);
+  std::nth_element(t.begin(), t.begin() + t.size() / 2, t.end());
+  return t[t.size() / 2];
+}
+
+// A benchmark, not a test (run explicitly: --gtest_also_run_disabled_tests): 8192^3, every variant
+// and cuBLAS on the same random inputs; prints one JSON record per implementation and B layout.
 TEST(WgmmaGemmBench, DISABLED_Throughput8192) {
   if (!hopper()) GTEST_SKIP() << "needs a compute capability 9.x device";
   const int s = 8192;
   for (int tb : {0, 1}) {
     Gemm gm(s, s, s, tb);
-    for (int which = 0; which < 2; ++which) {
-      auto call = [&] { which == 0 ? gm.run() : gm.run_cublas(); };
-      for (int i = 0; i < 3; ++i) call();
-      std::vector<float> t;
-      cudaEvent_t e0, e1;
-      ok(cudaEventCreate(&e0));
-      ok(cudaEventCreate(&e1));
-      for (int i = 0; i < 10; ++i) {
-        ok(cudaEventRecord(e0));
-        call();
-        ok(cudaEventRecord(e1));
-        ok(cudaEventSynchronize(e1));
-        float ms = 0;
-        ok(cudaEventElapsedTime(&ms, e0, e1));
-        t.push_back(ms);
-      }
-      std::sort(t.begin(), t.end());
-      const double ms = t[t.size() / 2];
+    auto report = [&](const char* impl, double ms) {
       std::printf("{\"impl\": \"%s\", \"pass\": \"gemm\", \"b_layout\": \"%s\", \"m\": %d, \"n\": %d, \"k\": %d, "
                   "\"ms\": %.4f, \"tflops\": %.1f}\n",
-                  which == 0 ? "flashmonoid_wgmma" : "cublas", tb ? "mn_major" : "k_major", s, s, s, ms,
-                  2.0 * s * s * s / ms / 1e9);
-      cudaEventDestroy(e0);
-      cudaEventDestroy(e1);
+                  impl, tb ? "mn_major" : "k_major", s, s, s, ms, 2.0 * s * s * s / ms / 1e9);
+    };
+    for (const Variant& v : kVariants) {
+      const GemmArgs args = gm.args(v);
+      report(v.name, median_ms([&] { launch(v, args, tb); }));
     }
+    report("cublas", median_ms([&] { gm.run_cublas(); }));
   }
 }
 
