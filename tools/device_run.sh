@@ -6,7 +6,10 @@
 # bench.json, python_gpu/ (benchmark_results.json and the plots) and logs.tgz (every log); a
 # summary table is printed last. Environment:
 #   FM_TESTS   ctest regex of GPU tests to run (default: every test labelled cuda; none skips them)
-#   FM_TEST_JOBS  ctest -j (default 1; the tests share the GPU, so more only overlaps their host work)
+#   FM_TEST_JOBS  ctest -j (default 1; the tests share the GPU, so more only overlaps their host work;
+#              H100: 162 tests in 146 s at -j 4, over the 240 s limit (FM_TEST_TIMEOUT) at -j 2)
+# On one H100 the whole run (build 38 s, tests, benchmarks ~220 s, sanitizers ~260 s) is longer than one
+# 600 s device call: split it, e.g. FM_SANITIZE=0 in one call and FM_TESTS=none FM_BENCH=0 in the next.
 #   FM_BENCH   0 skips the benchmarks;  FM_PEERS 0 skips the PyTorch peers
 #   FM_ARCH    CUDA architectures to build (default 90: the H100; the library default is 80;90)
 #   FM_CPU     0 skips the CPU backend's suite (both ISAs) and cpu_vs_torch (FM_CPU_THREADS, default 16)
