@@ -160,14 +160,14 @@ void size_packed(const FwdParams& p, const Kernels& kn, PackedKV& kv) {
 }
 
 // One thread's tiles. dp = d rounded up to the 8-wide vector; d2 = pairs along d. The q2, p2 and
-// staging2 tiles serve bf16 pair products and are empty otherwise, as q and staging are then.
+// staging2 tiles serve bf16 pair products and are empty otherwise, as q is then. (The fp32 products'
+// K and V go straight into their panels, tiles::load_rows_panels, with no staging tile.)
 struct Workspace {
   int d, dp, d2;
   std::vector<float> q;   // (kBlockM, d)   scale · Q
   std::vector<float> s;   // (kBlockM, kBlockN) scores, then probabilities
   std::vector<float> o;   // (kBlockM, dp)  unnormalised output
-  std::vector<float> row;  // (8, d)    staging rows for packing Kᵀ (tiles::load_rows_transposed)
-  std::vector<float> staging;   // (max(d, kBlockN), max(kBlockN, dp))  a K or V tile before to_panels
+  std::vector<float> row;  // (8, d)    staging rows for packing Kᵀ (tiles::load_rows_transposed_panels)
   std::vector<std::uint32_t> q2;        // (kBlockM, d2)  Q's pairs along d, unscaled
   std::vector<std::uint32_t> p2;        // (kBlockM, kBlockN / 2)  P's pairs along the keys
   std::vector<std::uint32_t> staging2;  // (max(d2, kBlockN / 2), max(kBlockN, dp))  pairs before to_panels
@@ -184,7 +184,6 @@ struct Workspace {
       staging2.resize(static_cast<std::size_t>(std::max(d2, kBlockN / 2)) * std::max(kBlockN, dp));
     } else {
       q.resize(static_cast<std::size_t>(kBlockM) * d);
-      staging.resize(static_cast<std::size_t>(std::max(d, kBlockN)) * std::max(kBlockN, dp));
     }
   }
 };
@@ -214,10 +213,9 @@ void pack_tile(const FwdParams& p, PackedKV& kv, std::int64_t t, Workspace& ws) 
   auto k_row = [&](int r) { return rows.k(r); };
   auto v_row = [&](int r) { return rows.v(r); };
   if (!kv.pairs) {
-    tiles::load_rows_transposed(p.k, p.dtype, k_row, n, p.d, kBlockN, 1.0f, ws.row.data(), ws.staging.data());
-    tiles::to_panels(ws.staging.data(), p.d, kBlockN, kBlockN, kv.panel, kv.kt_tile(t));
-    tiles::load_rows(p.v, p.dtype, v_row, n, kBlockN, p.d, kv.dp, 1.0f, ws.staging.data());
-    tiles::to_panels(ws.staging.data(), kBlockN, kv.dp, kv.dp, kv.panel, kv.v_tile(t));
+    tiles::load_rows_transposed_panels(p.k, p.dtype, k_row, n, p.d, kBlockN, kv.panel, 1.0f, ws.row.data(),
+                                       kv.kt_tile(t));
+    tiles::load_rows_panels(p.v, p.dtype, v_row, n, kBlockN, p.d, kv.vp, kv.panel, 1.0f, kv.v_tile(t));
     return;
   }
   // Kᵀ pairs (d2, kBlockN): column r holds key r's pairs along d; keys past n are zero.
@@ -382,13 +380,12 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
 }
 
 // out, lse of the item's m rows from finished states: out = o / l, lse = ln 2·(m + log2 l).
-void store_rows(const FwdParams& p, const Kernels& kn, Item it, int m, float* o, int dp, const RowState* state) {
+void store_rows(const FwdParams& p, Item it, int m, const float* o, int dp, const RowState* state) {
   const SeqInfo si = seq_info(p, it.b);
   for (int r = 0; r < m; ++r) {
     const std::int64_t i = static_cast<std::int64_t>(it.qb) * kBlockM + r;
-    float* row = o + r * dp;
-    kn.scale_row(row, dp, detail::finish_inv_l(state[r]));
-    tiles::store_row(p.out, p.dtype, detail::offset_of(p.o_stride, it.b, si.q_row0 + i, it.hq), p.d, row);
+    tiles::store_row(p.out, p.dtype, detail::offset_of(p.o_stride, it.b, si.q_row0 + i, it.hq), p.d, o + r * dp,
+                     detail::finish_inv_l(state[r]));
     p.lse[detail::lse_index(p, it.b, it.hq, si, i)] = detail::finish_lse(state[r]);
   }
 }
@@ -405,7 +402,7 @@ struct Partials {
 };
 
 // Item t's rows: the monoid fold of its splits' partial states, in split order, then stored.
-void merge_splits(const FwdParams& p, const Kernels& kn, const Tasks& tasks, const Partials& parts, std::int64_t t,
+void merge_splits(const FwdParams& p, const Tasks& tasks, const Partials& parts, std::int64_t t,
                   Workspace& ws) {
   const Item it = item_at(tasks, t);
   const SeqInfo si = seq_info(p, it.b);
@@ -427,7 +424,7 @@ void merge_splits(const FwdParams& p, const Kernels& kn, const Tasks& tasks, con
     }
     ws.state[r] = acc;
   }
-  store_rows(p, kn, it, m, ws.o.data(), dp, ws.state.data());
+  store_rows(p, it, m, ws.o.data(), dp, ws.state.data());
 }
 
 }  // namespace
@@ -465,7 +462,7 @@ void flash_forward(const FwdParams& p, int num_threads, const Kernels& kn) {
       const std::int64_t kblocks = (seq_info(p, it.b).len_k + kBlockN - 1) / kBlockN;
       const int m = fold_keys(p, kn, kv, it, kblocks * c / tasks.splits, kblocks * (c + 1) / tasks.splits, ws);
       if (tasks.splits == 1) {
-        store_rows(p, kn, it, m, ws.o.data(), ws.dp, ws.state.data());
+        store_rows(p, it, m, ws.o.data(), ws.dp, ws.state.data());
         continue;
       }
       std::copy(ws.o.begin(), ws.o.begin() + static_cast<std::ptrdiff_t>(m) * ws.dp, parts.o_slot(task));
@@ -473,7 +470,7 @@ void flash_forward(const FwdParams& p, int num_threads, const Kernels& kn) {
       // acq_rel: the last task sees every other split's partial. The fold's order is the split
       // order whichever task runs it, so the bits do not depend on the schedule.
       if (parts.done[t].fetch_add(1, std::memory_order_acq_rel) == tasks.splits - 1)
-        merge_splits(p, kn, tasks, parts, t, ws);
+        merge_splits(p, tasks, parts, t, ws);
     }
   }
 }

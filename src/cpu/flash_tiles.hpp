@@ -155,19 +155,38 @@ inline void transpose(const float* src, int rows, int cols, int lds, float* dst,
     for (int c = 0; c < cols; ++c) dst[at(c, r, ldd)] = src[at(r, c, lds)];
 }
 
-// dst (d × ld) <- the transpose of load_rows' tile: dst[c·ld + r] = mul · src[r][c], columns
-// [rows, ld) zeroed. tmp holds 8 rows (8·d floats): rows are loaded 8 at a time and transposed as
-// blocks.
+// The transpose of load_rows' tile, element (c, r) = mul · src[r][c] for c < d, r < cols (columns
+// [rows, cols) zeroed), written straight into column panels of `panel` columns (to_panels' layout,
+// panel a multiple of 8): (c, r) at dst[(r / panel)·d·panel + c·panel + r % panel]. tmp holds 8 rows
+// (8·d floats): rows are loaded 8 at a time and each 8×8 block lands in its panel.
 template <class RowOffset>
-inline void load_rows_transposed(const void* base, DType t, RowOffset&& row_offset, int rows, int d, int ld,
-                                 float mul, float* tmp, float* dst) {
+inline void load_rows_transposed_panels(const void* base, DType t, RowOffset&& row_offset, int rows, int d, int cols,
+                                        int panel, float mul, float* tmp, float* dst) {
+  const auto column = [&](int r) { return dst + static_cast<std::int64_t>(r / panel) * d * panel + r % panel; };
   for (int r0 = 0; r0 < rows; r0 += 8) {
     const int k = rows - r0 < 8 ? rows - r0 : 8;
     for (int i = 0; i < k; ++i) load_row(base, t, row_offset(r0 + i), d, mul, tmp + static_cast<std::int64_t>(i) * d);
-    transpose(tmp, k, d, d, dst + r0, ld);
+    transpose(tmp, k, d, d, column(r0), panel);
   }
-  for (int c = 0; c < d; ++c)
-    for (int r = rows; r < ld; ++r) dst[static_cast<std::int64_t>(c) * ld + r] = 0.0f;
+  for (int r = rows; r < cols; ++r) {
+    float* col = column(r);
+    for (int c = 0; c < d; ++c) col[static_cast<std::int64_t>(c) * panel] = 0.0f;
+  }
+}
+
+// load_rows' tile (rows_pad, cols), written straight into column panels of `panel` columns
+// (to_panels' layout): element (r, c) at dst[(c / panel)·rows_pad·panel + r·panel + c % panel];
+// rows [rows, rows_pad) and columns [d, cols) zeroed, cols a multiple of panel.
+template <class RowOffset>
+inline void load_rows_panels(const void* base, DType t, RowOffset&& row_offset, int rows, int rows_pad, int d,
+                             int cols, int panel, float mul, float* dst) {
+  for (int r = 0; r < rows_pad; ++r)
+    for (int j = 0; j < cols; j += panel) {
+      float* out = dst + static_cast<std::int64_t>(j) * rows_pad + static_cast<std::int64_t>(r) * panel;
+      const int w = r < rows ? std::clamp(d - j, 0, panel) : 0;
+      if (w > 0) load_row(base, t, row_offset(r) + j, w, mul, out);
+      for (int c = w; c < panel; ++c) out[c] = 0.0f;
+    }
 }
 
 // dst <- src (rows, cols), row stride ld, as column panels of `panel` columns, panel after panel:
@@ -212,13 +231,14 @@ inline void pairs_across_rows(const std::uint16_t* r0, const std::uint16_t* r1, 
   for (int c = d; c < ld; ++c) dst[c] = 0;
 }
 
-// The row at element `offset` of a tensor of dtype t <- src[0, d) (fp32), rounded to nearest even.
-inline void store_row(void* base, DType t, std::int64_t offset, int d, const float* src) {
+// The row at element `offset` of a tensor of dtype t <- mul · src[0, d) (fp32), rounded to nearest
+// even (the forward normalises its output rows on the way out, mul = 1/l).
+inline void store_row(void* base, DType t, std::int64_t offset, int d, const float* src, float mul = 1.0f) {
   if (t == DType::f32) {
     float* dst = static_cast<float*>(base) + offset;
-    for (int c = 0; c < d; ++c) dst[c] = src[c];
+    for (int c = 0; c < d; ++c) dst[c] = mul * src[c];
   } else {
-    for (int c = 0; c < d; ++c) store(base, t, offset + c, src[c]);
+    for (int c = 0; c < d; ++c) store(base, t, offset + c, mul * src[c]);
   }
 }
 
