@@ -160,8 +160,9 @@ void size_packed(const FwdParams& p, const Kernels& kn, PackedKV& kv) {
 }
 
 // One thread's tiles. dp = d rounded up to the 8-wide vector; d2 = pairs along d. The q2, p2 and
-// staging2 tiles serve bf16 pair products and are empty otherwise, as q is then. (The fp32 products'
-// K and V go straight into their panels, tiles::load_rows_panels, with no staging tile.)
+// staging2 tiles serve bf16 pair products and are empty otherwise, as q is then. The fp32 products'
+// K and V go straight into their panels (tiles::load_rows_panels), with no staging tile: s = 1k,
+// 2 threads, AMD EPYC, 1.5% faster at d = 64 than through a staging tile and to_panels, 3-4% on AVX2.
 struct Workspace {
   int d, dp, d2;
   std::vector<float> q;   // (kBlockM, d)   scale · Q
