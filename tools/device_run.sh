@@ -6,8 +6,8 @@
 # bench.json, python_gpu/ (benchmark_results.json and the plots) and logs.tgz (every log); a
 # summary table is printed last. Environment:
 #   FM_TESTS   ctest regex of GPU tests to run (default: every test labelled cuda; none skips them)
-#   FM_TEST_JOBS  ctest -j (default 1; the tests share the GPU, so more only overlaps their host work;
-#              H100: 162 tests in 146 s at -j 4, over the 240 s limit (FM_TEST_TIMEOUT) at -j 2)
+#   FM_TEST_JOBS  ctest -j (default 4: the tests share the GPU, so more overlaps their host work;
+#              H100: 162 tests in 146 s at -j 4, over 240 s at -j 2); FM_TEST_TIMEOUT (default 300 s)
 # On one H100 the whole run (build 38 s, tests, benchmarks ~220 s, sanitizers ~260 s) is longer than one
 # 600 s device call: split it, e.g. FM_SANITIZE=0 in one call and FM_TESTS=none FM_BENCH=0 in the next.
 #   FM_BENCH   0 skips the benchmarks;  FM_PEERS 0 skips the PyTorch peers
@@ -56,7 +56,7 @@ tail -3 "$LOG/spills.txt"
 
 if [ "${FM_TESTS:-}" != none ]; then
 step "GPU tests"
-(cd "$BUILD" && timeout ${FM_TEST_TIMEOUT:-240} ctest -L cuda ${FM_TESTS:+-R "$FM_TESTS"} -j ${FM_TEST_JOBS:-1} --output-on-failure --timeout 240) >"$LOG/tests.log" 2>&1 || status=1
+(cd "$BUILD" && timeout ${FM_TEST_TIMEOUT:-300} ctest -L cuda ${FM_TESTS:+-R "$FM_TESTS"} -j ${FM_TEST_JOBS:-4} --output-on-failure --timeout 240) >"$LOG/tests.log" 2>&1 || status=1
 grep -E "tests passed|tests failed|\*\*\*Failed|Not Run|Timeout" "$LOG/tests.log" | tail -25
 fi
 
