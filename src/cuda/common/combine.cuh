@@ -9,10 +9,10 @@
 //   rows of 4 splits (b = 8, s_q = 4) in 20 us under ncu: 103 registers leave 2 blocks of 256
 //   threads per SM, so 4 waves of mostly idle warps;
 // - more splits (b = 1 decoding, 33 splits): a block per row (combine_splits_kernel), warp w takes
-//   splits w, w + 8, ... and the 8 warps' states are merged through shared memory (the form before it, one warp per row over
-//   every split, made 5 dependent round trips at 33 splits, ~10 us under ncu). Sharing one kernel
-//   with the warp-per-row form cost b = 1 decoding 1-4% against this form alone (H200); as two
-//   kernels, b = 1 32k decoding without an append reads 0.822 of copy against 0.790 (H100).
+//   splits w, w + 8, ... and the 8 warps' states are merged through shared memory (one warp per row
+//   over every split made 5 dependent round trips at 33 splits, ~10 us under ncu).
+// Two kernels rather than one with both forms: b = 1 32k decoding without an append reads 0.822 of
+// copy against 0.790 (H100).
 #pragma once
 
 #include <cstdint>
@@ -104,8 +104,7 @@ __device__ __forceinline__ void store_combined(const detail::FwdParams& p, int h
 
 // More than kCombineBatch splits. grid: h · total_q blocks, a block per row (head row / total_q,
 // global query row row % total_q, as in dropout_row_id): warp w folds splits w, w + 8, ..., then
-// warp 0 merges the warps in order. A kernel of its own: in one kernel with combine_rows_kernel's
-// form the same steps ran 1-4% slower at b = 1 decoding (H200).
+// warp 0 merges the warps in order.
 template <class T>
 __global__ void __launch_bounds__(kCombineWarps * 32)
     combine_splits_kernel(const __grid_constant__ detail::FwdParams p, int num_splits, const float* out_partial,

@@ -48,7 +48,8 @@ struct FwdTileSm90 {
 
 // Consumer warpgroups of 64 rows, 240 registers each with 2 consumers, 160 with 3; 128 keys per step
 // at hdim 64 and 128 (160 over long unmasked key ranges at hdim 128: kLongKeys), 80 at hdim 256 (O is
-// 128 fp32 registers per thread; no score-modifier variant there, see fwd_sm90_eligible). Two Q buffers where they fit (hdim 256: Q 64 KB + K/V 160 KB).
+// 128 fp32 registers per thread; no score-modifier variant there, see fwd_sm90_eligible). Two Q
+// buffers where they fit (not at hdim 256: Q 64 KB + K/V 160 KB).
 // hdim 64 takes 3 consumers (192 rows, FlashAttention-3's block height): +13-35% over 2 at 1k-16k
 // non-causal on H100 (16k: 523 vs 387 TFLOP/s), where the exponentials of 2 warpgroups left the
 // tensor cores idle; 192 keys with 2 consumers measured equal to 128 (within 2%). With score
