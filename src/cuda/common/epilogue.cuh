@@ -71,48 +71,20 @@ __device__ __forceinline__ void store_output(const detail::FwdParams& p, const B
   store_lse(p, blk, lse, rows, lane);
 }
 
-// 4 x 4 transpose of 32-bit words across the 4 lanes of a quad (two shuffle rounds: 2 x 2 blocks, then
-// the words inside them): lane q's word k becomes lane k's word q.
-__device__ __forceinline__ void quad_transpose(std::uint32_t (&w)[4], int lane) {
-  const bool hi = lane & 2, odd = lane & 1;
-#pragma unroll
-  for (int k = 0; k < 2; ++k) {
-    const std::uint32_t r = __shfl_xor_sync(0xffffffffu, hi ? w[k] : w[k + 2], 2);
-    if (hi) w[k] = r; else w[k + 2] = r;
-  }
-#pragma unroll
-  for (int k = 0; k < 4; k += 2) {
-    const std::uint32_t r = __shfl_xor_sync(0xffffffffu, odd ? w[k] : w[k + 1], 1);
-    if (odd) w[k] = r; else w[k + 1] = r;
-  }
-}
-
-// O·(1/l) straight from the accumulators, without shared memory or a barrier. A quad of lanes holds
-// 8 columns of a row per m16n8 tile, 4 bytes each; a quad transpose of 4 tiles gives each lane 16
-// contiguous bytes, so a warp writes whole 32-byte sectors with a quarter of the store instructions.
-// The sm90 forward's store where shared memory has no room for an O buffer (hdim 256) and for varlen
-// calls (tile_fwd_sm90.hpp: FwdStore).
+// O·(1/l) straight from the accumulators, without shared memory or a barrier, in 16-byte stores
+// (store_row_vec16). The sm90 forward's store where shared memory has no room for an O buffer (hdim
+// 256) and for varlen calls (tile_fwd_sm90.hpp: FwdStore).
 template <class T, int kHeadDim, int kMTiles>
 __device__ __forceinline__ void store_output_regs(const detail::FwdParams& p, const BlockRows& blk,
                                                   const float (&o)[kMTiles][kHeadDim / 8][4],
                                                   const float (&inv_l)[2 * kMTiles], const float (&lse)[2 * kMTiles],
                                                   const RowCoords<kMTiles>& rows, int lane) {
-  static_assert(kHeadDim % 32 == 0, "the quad transpose takes 4 column tiles of 8 at a time");
   T* out = static_cast<T*>(p.out);
 #pragma unroll
   for (int r = 0; r < 2 * kMTiles; ++r) {
-    const bool valid = rows.valid(r);  // every lane takes part in the shuffles
+    const bool valid = rows.valid(r);
     T* g = out + detail::offset_of(p.o_stride, blk.batch, blk.si.q_row0 + (valid ? rows.i(r) : 0), rows.head(r));
-#pragma unroll
-    for (int d0 = 0; d0 < kHeadDim / 8; d0 += 4) {
-      std::uint32_t w[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-        w[k] = pack2<T>(o[r / 2][d0 + k][2 * (r % 2)] * inv_l[r], o[r / 2][d0 + k][2 * (r % 2) + 1] * inv_l[r]);
-      quad_transpose(w, lane);
-      const int col = (d0 + (lane & 3)) * 8;  // this lane's 8 columns
-      if (valid && col < p.d) *reinterpret_cast<uint4*>(g + col) = make_uint4(w[0], w[1], w[2], w[3]);
-    }
+    store_row_vec16<T>(g, o[r / 2], r % 2, inv_l[r], 0, p.d, valid, lane);
   }
   store_lse(p, blk, lse, rows, lane);
 }

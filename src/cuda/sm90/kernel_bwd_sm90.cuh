@@ -474,26 +474,20 @@ __device__ __forceinline__ void store_scores_t(std::uint32_t buf, const std::uin
 }
 
 // dK = scale · Σ dSᵀ Q and dV of a warpgroup's keys (accumulator rows key_row, key_row + 8) and
-// columns [col0, col0 + 8 · kDTiles); rows past the sequence and columns past d are not written.
+// columns [col0, col0 + 8 · kDTiles), in 16-byte stores (store_row_vec16); rows past the sequence
+// and columns past d are not written.
 template <class T, int kDTiles, class Work>
 __device__ __forceinline__ void store_dkdv(const detail::BwdParams& p, const Work& w, const float (&dk)[1][kDTiles][4],
                                            const float (&dv)[1][kDTiles][4], int key_row, int col0, int lane) {
-  T* dk_g = static_cast<T*>(p.dk);
-  T* dv_g = static_cast<T*>(p.dv);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = key_row + 8 * h;
-    if (r >= w.keys_valid) continue;
-    const std::int64_t row = w.si.k_row0 + w.kb + r;
-    T* dk_row = dk_g + detail::offset_of(p.dk_stride, w.b, row, w.kv_head);
-    T* dv_row = dv_g + detail::offset_of(p.dv_stride, w.b, row, w.kv_head);
-#pragma unroll
-    for (int nt = 0; nt < kDTiles; ++nt) {
-      const int c = col0 + 8 * nt + 2 * (lane & 3);
-      if (c >= p.d) continue;
-      *reinterpret_cast<std::uint32_t*>(dk_row + c) = pack2<T>(dk[0][nt][2 * h] * p.scale, dk[0][nt][2 * h + 1] * p.scale);
-      *reinterpret_cast<std::uint32_t*>(dv_row + c) = pack2<T>(dv[0][nt][2 * h], dv[0][nt][2 * h + 1]);
-    }
+    const bool valid = r < w.keys_valid;
+    const std::int64_t row = w.si.k_row0 + w.kb + (valid ? r : 0);
+    store_row_vec16<T>(static_cast<T*>(p.dk) + detail::offset_of(p.dk_stride, w.b, row, w.kv_head), dk[0], h, p.scale,
+                       col0, p.d, valid, lane);
+    store_row_vec16<T>(static_cast<T*>(p.dv) + detail::offset_of(p.dv_stride, w.b, row, w.kv_head), dv[0], h, 1.0f,
+                       col0, p.d, valid, lane);
   }
 }
 
