@@ -10,6 +10,9 @@ Environment (to fit a short device lease): FM_PEERS_NO_BWD=1 times the forward o
 FM_PEERS_IMPLS=torch_flash,torch_cudnn keeps those backends only; FM_PEERS_DECODE_ONLY=1 skips
 the training shapes; cuDNN on issue 10's KV-cache decoding shapes unless FM_PEERS_KVCACHE=0 (main).
 Decoding is timed twice: per call (events) and as CUDA-graph replays (graph).
+FM_PEERS_FLEX=1 adds FlexAttention (torch.compile'd flex_attention, impl torch_flex) on the training
+shapes at the seqlens of FM_PEERS_FLEX_SEQLENS (default 1024,4096,16384: every shape compiles its own
+kernels, and the whole grid does not fit a device call); FM_PEERS_FLEX=only runs nothing else.
 FM_PEERS_INTERLEAVED=1 instead times flashmonoid (the Python package, which must be importable) and
 cuDNN on the training shapes in one process, alternated: per shape, ROUNDS rounds of CALLS calls of
 each timed together behind a sleep kernel (the host's share untimed), the order reversed every round,
@@ -156,6 +159,47 @@ def train(out):
                 del q, k, v, g
 
 
+def flex(out):
+    """FlexAttention peer: flex_attention under torch.compile (Triton kernels, one compilation per shape
+    and mask), causal through a block mask, timed as the SDPA backends (forward under no_grad, backward
+    through autograd)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    # Every (shape, mask, grad mode) is a recompilation; past dynamo's default limit (8) flex_attention
+    # silently runs its unfused eager form (H100: 7-25 TFLOP/s, and out of memory at 16k).
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 1024)
+    compiled = torch.compile(flex_attention, dynamic=False)
+    seqlens = [int(x) for x in os.environ.get("FM_PEERS_FLEX_SEQLENS", "1024,4096,16384").split(",")]
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            for s in seqlens:
+                b, h = 16384 // s, 2048 // d
+                q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+                           for _ in range(3))
+                g = torch.randn_like(q)
+                flops = 4.0 * b * h * s * s * d / (2 if causal else 1)
+                try:
+                    mask = (create_block_mask(lambda b_, h_, qi, ki: qi >= ki, None, None, s, s, device="cuda")
+                            if causal else None)
+                    with torch.no_grad():
+                        fwd = device_ms(lambda: compiled(q, k, v, block_mask=mask))
+                    if WITH_BWD:
+                        o = compiled(q, k, v, block_mask=mask)
+                        bwd = device_ms(lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True))
+                except Exception as e:  # Triton's shared-memory limits, compile failures: no record
+                    print(f"torch_flex d{d} s{s} causal={causal}: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+                          file=sys.stderr)
+                    continue
+                out.append(rec("torch_flex", "fwd", d, causal, b, h, h, s, s, fwd, "tflops", flops / fwd / 1e9))
+                print(json.dumps(out[-1]), file=sys.stderr)
+                if WITH_BWD:
+                    out.append(rec("torch_flex", "bwd", d, causal, b, h, h, s, s, bwd, "tflops", 2.5 * flops / bwd / 1e9))
+                    out[-1]["bwd_timing"] = "autograd"
+                    print(json.dumps(out[-1]), file=sys.stderr)
+                del q, k, v, g
+
+
 ROUNDS, CALLS = 7, 5
 
 
@@ -288,11 +332,18 @@ def main():
         with open(sys.argv[1], "w") as f:
             json.dump(out, f, indent=1)
         return
+    if os.environ.get("FM_PEERS_FLEX", "0") == "only":
+        flex(out)
+        with open(sys.argv[1], "w") as f:
+            json.dump(out, f, indent=1)
+        return
     kv = os.environ.get("FM_PEERS_KVCACHE", "1")
     if kv != "only":
         if os.environ.get("FM_PEERS_DECODE_ONLY", "0") == "0":
             train(out)
         decode(out)
+        if os.environ.get("FM_PEERS_FLEX", "0") == "1":
+            flex(out)
     if kv != "0":
         kvcache_decode(out)
     if kv != "only":

@@ -10,7 +10,8 @@
 #              H100: 162 tests in 146 s at -j 4, over 240 s at -j 2); FM_TEST_TIMEOUT (default 300 s)
 # On one H100 the whole run (build 38 s, tests, benchmarks ~220 s, sanitizers ~260 s) is longer than one
 # 600 s device call: split it, e.g. FM_SANITIZE=0 in one call and FM_TESTS=none FM_BENCH=0 in the next.
-#   FM_BENCH   0 skips the benchmarks;  FM_PEERS 0 skips the PyTorch peers
+#   FM_BENCH   0 skips the benchmarks;  FM_PEERS 0 skips the PyTorch peers; FM_FLEX=1 adds FlexAttention
+#              (bench/peers.py FM_PEERS_FLEX: seqlens 1k, 4k, 16k; each shape compiles, minutes: off by default)
 #   FM_ARCH    CUDA architectures to build (default 90: the H100; the library default is 80;90)
 #   FM_CPU     0 skips the CPU backend's suite (both ISAs) and cpu_vs_torch (FM_CPU_THREADS, default 16)
 #   FM_PYTHON  0 skips the Python package steps; FM_TRAIN_STEP 0 the training step, FM_MODS_BWD 0 the
@@ -66,6 +67,9 @@ if [ "${FM_BENCH:-1}" != 0 ] && [ -x "$BUILD/bench/gpu/flashmonoid-gpu-bench" ];
   if [ "${FM_PEERS:-1}" != 0 ]; then
     PYTHONUNBUFFERED=1 timeout ${FM_PEERS_TIMEOUT:-300} python3 bench/peers.py "$LOG/peers.json" 2>>"$LOG/bench.log" || status=1
   fi
+  if [ "${FM_FLEX:-0}" = 1 ]; then
+    FM_PEERS_FLEX=only PYTHONUNBUFFERED=1 timeout ${FM_FLEX_TIMEOUT:-480} python3 bench/peers.py "$LOG/flex.json" 2>>"$LOG/bench.log" || status=1
+  fi
   if [ "${FM_KV_BENCH:-1}" != 0 ]; then  # KV-cache decoding shapes (issue 10), on their own clock
     timeout ${FM_KV_BENCH_TIMEOUT:-120} "$BUILD/bench/gpu/flashmonoid-gpu-bench" "$LOG/kv.json" --kvcache-only \
       2>>"$LOG/bench.log" || status=1
@@ -80,7 +84,7 @@ if [ "${FM_BENCH:-1}" != 0 ] && [ -x "$BUILD/bench/gpu/flashmonoid-gpu-bench" ];
 import json, os, sys
 logs, out = sys.argv[1], sys.argv[2]
 recs = []
-for name in ("fm.json", "kv.json", "kv_host.json", "peers.json"):
+for name in ("fm.json", "kv.json", "kv_host.json", "peers.json", "flex.json"):
     p = os.path.join(logs, name)
     if os.path.exists(p):
         recs += json.load(open(p))
