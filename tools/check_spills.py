@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""Fail when a CUDA kernel spills registers to local memory.
+"""Fail when a CUDA kernel spills registers to local memory, or when ptxas serialises its wgmma products.
 
 Usage: check_spills.py BUILD_LOG_OR_BINARY [...]
   - a text build log holding ptxas -v reports (the flashmonoid target compiles with -Xptxas=-v):
     every "Compiling entry function 'K' for 'sm_XX'" is followed by "... bytes spill stores,
-    ... bytes spill loads"; any nonzero count fails;
+    ... bytes spill loads"; any nonzero count fails, and so does a C7515 report ("wgmma.mma_async
+    instructions are serialized"): every product of that kernel then waits for the one before it
+    (a forward that left an S product in flight across a branch measured 25-30% slower, H100);
   - a library or object (.a, .so, .o): `cuobjdump -res-usage` lists each kernel's LOCAL bytes per
     thread; nonzero LOCAL (spills or a stack array) fails.
 Prints one line per offending kernel (demangled when c++filt is available) and a summary."""
@@ -15,6 +17,7 @@ import sys
 
 ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
 SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+SERIAL = re.compile(r"\(C75\d\d\) Potential Performance Loss: wgmma.*? in the function '([^']+)'")
 RES = re.compile(r"Function ([^\s:]+):.*?LOCAL:(\d+)")
 
 
@@ -28,9 +31,13 @@ def demangle(names):
 def from_log(path):
     # The log may accumulate several builds (make appends): the last report of each
     # (kernel, arch) is the one that describes the current binary.
-    latest, current = {}, None
+    latest, serial, current = {}, {}, None
     with open(path, errors="replace") as f:
         for line in f:
+            m = SERIAL.search(line)
+            if m:
+                serial[m.group(1)] = line.split("Potential Performance Loss: ")[1].split(" in the function")[0]
+                continue
             m = ENTRY.search(line)
             if m:
                 current = m.groups()
@@ -41,6 +48,7 @@ def from_log(path):
                 current = None
     bad = [(k, f"{arch}: {st} B spill stores, {ld} B spill loads")
            for (k, arch), (st, ld) in latest.items() if st or ld]
+    bad += [(k, why) for k, why in serial.items()]
     return len(latest), bad
 
 
@@ -67,10 +75,10 @@ def main():
         offenders += bad
     names = demangle([k for k, _ in offenders])
     for name, (_, why) in zip(names, offenders):
-        print(f"SPILL {why}  {name}")
+        print(f"{'SPILL' if 'spill' in why else 'SERIALIZED'} {why}  {name}")
     if total == 0:
         sys.exit("check_spills: no kernel reports found (build with -Xptxas=-v, or pass the library)")
-    print(f"check_spills: {total} kernel compilations, {len(offenders)} with spills")
+    print(f"check_spills: {total} kernel compilations, {len(offenders)} with spills or serialised wgmma")
     sys.exit(1 if offenders else 0)
 
 

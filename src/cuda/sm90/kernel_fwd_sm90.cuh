@@ -351,7 +351,7 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kVariant).threads(), 1
     const BlockRows blk{we.b, we.head, 1, we.si.len_q, we.si};
     const RowCoords<1> erows(we.R0 + 64 * consumer + 16 * warp, we.si.len_q, 1, we.head, lane);
     float inv_l[2], lse[2];
-    softmax.finish(mul, inv_l, lse);
+    softmax.template finish<true>(mul, inv_l, lse);
     if (dropout) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) inv_l[r] *= p.dropout_rescale;
