@@ -68,6 +68,13 @@ struct DqSplit {
   // The accumulator block in fragment order: consumer w's part is kCols / 8 float4 per thread,
   // float4 j of thread t at this index (so that 128 threads' stores are contiguous).
   __host__ __device__ static constexpr int float4_index(int w, int j, int t) { return (w * (kCols / 8) + j) * 128 + t; }
+  // The inverse with dq_fragment_index's element order: float4 f of the block holds columns c, c + 1 of
+  // rows r (elements 0, 1) and r + 8 (elements 2, 3).
+  __host__ __device__ static constexpr void rows_cols_of(int f, int& r, int& c) {
+    const int t = f % 128, w = f / 128 / (kCols / 8), j = f / 128 % (kCols / 8);
+    r = row0(w) + (t / 32) * 16 + (t % 32) / 4;
+    c = col0(w) + 8 * j + 2 * (t % 4);
+  }
 };
 
 // Where element (row r, column c) of a (kBlockM, kHeadDim) dQ tile sits in its accumulator block
@@ -131,30 +138,44 @@ __global__ void __launch_bounds__(256)
   z[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 }
 
-// 3. dq = scale · accumulator. Each thread converts 8 columns of one row.
+// 3. dq = scale · accumulator, one block per (query block, head, batch). The accumulator block is
+// read in its own fragment order, a warp's float4s side by side (each holds columns c, c + 1 of rows
+// r and r + 8: DqSplit::rows_cols_of), staged row-major in shared memory, and written as whole
+// 16-byte row pieces. Read row by row instead (8 bytes per thread from float4s 2 KB apart), the pass
+// took 99 us at hdim 256 and 80 at hdim 128 for 16k tokens (2.0-2.5 TB/s; cuDNN's 73-74 us; H100,
+// ncu); stored straight from the float4s as 4-byte pairs, 8-14% of the whole backward slower again.
 template <class T, int kHeadDim>
 __global__ void __launch_bounds__(256)
     bwd_convert_dq_sm90(const detail::BwdParams p, const float* __restrict__ dq_acc, std::int64_t rows) {
   constexpr int kBlockM = bwd_tile_sm90(kHeadDim).block_m;
-  const sm90::RowThread<kHeadDim> t(p);
-  const auto [b, head, lane, i, si] = t;
-  if (i >= si.len_q || lane * 8 >= p.d) return;
-  const std::int64_t block_row = static_cast<std::int64_t>(head) * rows + sm90::padded_row0<kBlockM>(p, b) + i / kBlockM * kBlockM;
-  const float* src = dq_acc + block_row * kHeadDim;
-  const int r = i % kBlockM, c = lane * 8;
-  float x[8];
-#pragma unroll
-  for (int k = 0; k < 8; k += 2) {  // columns c + k, c + k + 1 are one thread's element pair
-    const float2 v = *reinterpret_cast<const float2*>(src + sm90::dq_fragment_index<kBlockM, kHeadDim>(r, c + k));
-    x[k] = v.x * p.scale;
-    x[k + 1] = v.y * p.scale;
+  using Split = sm90::DqSplit<kBlockM, kHeadDim>;
+  // (kBlockM, kHeadDim) in rows padded by 16 bytes, so that the 8 rows of a warp's pair stores fall
+  // on different banks.
+  constexpr int kRowElems = kHeadDim + 8;
+  __shared__ __align__(16) T tile[kBlockM * kRowElems];
+  const int b = blockIdx.z, head = blockIdx.y, row0 = blockIdx.x * kBlockM;
+  const detail::SeqInfo si = detail::seq_info(p, b);
+  if (row0 >= si.len_q) return;  // the whole block
+  const std::int64_t block_row = static_cast<std::int64_t>(head) * rows + sm90::padded_row0<kBlockM>(p, b) + row0;
+  const float4* src = reinterpret_cast<const float4*>(dq_acc + block_row * kHeadDim);
+#pragma unroll 4
+  for (int f = static_cast<int>(threadIdx.x); f < kBlockM * kHeadDim / 4; f += 256) {
+    const float4 v = src[f];
+    int r = 0, c = 0;
+    Split::rows_cols_of(f, r, c);
+    *reinterpret_cast<std::uint32_t*>(tile + r * kRowElems + c) = pack2<T>(v.x * p.scale, v.y * p.scale);
+    *reinterpret_cast<std::uint32_t*>(tile + (r + 8) * kRowElems + c) = pack2<T>(v.z * p.scale, v.w * p.scale);
   }
-  uint4 out;
-  out.x = pack2<T>(x[0], x[1]);
-  out.y = pack2<T>(x[2], x[3]);
-  out.z = pack2<T>(x[4], x[5]);
-  out.w = pack2<T>(x[6], x[7]);
-  *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + detail::offset_of(p.dq_stride, b, si.q_row0 + i, head) + c) = out;
+  __syncthreads();
+  constexpr int kChunks = kHeadDim / 8;
+  T* dq = static_cast<T*>(p.dq);
+#pragma unroll 4
+  for (int idx = static_cast<int>(threadIdx.x); idx < kBlockM * kChunks; idx += 256) {
+    const int r = idx / kChunks, c = idx % kChunks * 8;
+    if (row0 + r < si.len_q && c < p.d)
+      *reinterpret_cast<uint4*>(dq + detail::offset_of(p.dq_stride, b, si.q_row0 + row0 + r, head) + c) =
+          *reinterpret_cast<const uint4*>(tile + r * kRowElems + c);
+  }
 }
 
 namespace sm90 {

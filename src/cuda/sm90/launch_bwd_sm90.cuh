@@ -70,7 +70,7 @@ void run_bwd_sm90(const detail::BwdParams& p, const BwdLaunch& launch) {
     FM_CUDA_CHECK_LAUNCH();
   }
 
-  bwd_convert_dq_sm90<T, kHeadDim><<<row_grid, 256, 0, launch.stream>>>(p, dq_acc, ws.rows);
+  bwd_convert_dq_sm90<T, kHeadDim><<<dim3(padded_q / kTile.block_m, p.h, p.batch), 256, 0, launch.stream>>>(p, dq_acc, ws.rows);
   FM_CUDA_CHECK_LAUNCH();
 }
 
