@@ -3,6 +3,8 @@
 # (PyTorch SDPA), at the training shapes of FM_CASES ("hdim causal seqlen;...", 16k tokens, hidden 2048,
 # bf16): duration, DRAM bytes, L2 hit rate, tensor-pipe activity, per kernel (one launch after warm-up).
 # Then, with FM_SOURCE=1, where flashmonoid's warps wait (tools/ncu_source.sh) for each case.
+# FM_PASS=bwd profiles the backward's main kernels instead (ours: bwd_kernel_sm90; cuDNN's: the first
+# kernel whose name reads like a backward one).
 # Usage: FM_BIN=build/bench/gpu/flashmonoid-gpu-bench tools/profile_short.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -14,9 +16,15 @@ IFS=';' read -ra cases <<<"${FM_CASES:-128 0 512;64 1 512;256 0 512;128 0 4096}"
 for c in "${cases[@]}"; do
   read -r d causal s <<<"$c"
   tag="${d}_${causal}_${s}"
-  "${NCU[@]}" -k regex:fwd_kernel_sm90 "$BIN" --case $c --no-bwd >"$OUT/m_fm_$tag.csv" 2>&1
-  "${NCU[@]}" -k regex:'sdpa|fprop|fmha|flash' python3 tools/profile_peer.py $c cudnn fwd \
-    >"$OUT/m_cudnn_$tag.csv" 2>&1
+  if [ "${FM_PASS:-fwd}" = bwd ]; then
+    "${NCU[@]}" -k regex:bwd_kernel_sm90 "$BIN" --case $c >"$OUT/m_fm_$tag.csv" 2>&1
+    "${NCU[@]}" -k regex:'dgrad|bprop|bwd|backward|Backward' python3 tools/profile_peer.py $c cudnn fwd_bwd \
+      >"$OUT/m_cudnn_$tag.csv" 2>&1
+  else
+    "${NCU[@]}" -k regex:fwd_kernel_sm90 "$BIN" --case $c --no-bwd >"$OUT/m_fm_$tag.csv" 2>&1
+    "${NCU[@]}" -k regex:'sdpa|fprop|fmha|flash' python3 tools/profile_peer.py $c cudnn fwd \
+      >"$OUT/m_cudnn_$tag.csv" 2>&1
+  fi
   for who in fm cudnn; do
     python3 - "$OUT/m_${who}_$tag.csv" "$who $c" <<'PY'
 import csv, sys
