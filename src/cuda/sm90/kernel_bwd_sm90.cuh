@@ -81,8 +81,10 @@ struct DqSplit {
 // (DqSplit::float4_index: the staging stores are conflict-free). Within a part (local row lr, column lc) the
 // wgmma accumulator layout: warp lr/16, lane 4·(lr%8) + (lc%8)/2, element (lc&1) + 2·((lr/8)&1)
 // of column tile lc/8.
+// The convert pass reads the block through its inverse, DqSplit::rows_cols_of; the static_assert
+// below checks the two against each other for every tile.
 template <int kBlockM, int kHeadDim>
-__host__ __device__ __forceinline__ int dq_fragment_index(int r, int c) {
+__host__ __device__ constexpr int dq_fragment_index(int r, int c) {
   using Split = DqSplit<kBlockM, kHeadDim>;
   const int w = Split::kByRows ? r / 64 : c / Split::kCols;
   const int lr = r % 64, lc = c - Split::col0(w);
@@ -90,6 +92,21 @@ __host__ __device__ __forceinline__ int dq_fragment_index(int r, int c) {
   const int e = (lc & 1) + 2 * ((lr / 8) & 1);
   return Split::float4_index(w, lc / 8, t) * 4 + e;
 }
+
+template <int kBlockM, int kHeadDim>
+constexpr bool rows_cols_of_inverts_dq_fragment_index() {
+  for (int f = 0; f < kBlockM * kHeadDim / 4; ++f) {
+    int r = 0, c = 0;
+    DqSplit<kBlockM, kHeadDim>::rows_cols_of(f, r, c);
+    if (dq_fragment_index<kBlockM, kHeadDim>(r, c) != 4 * f || dq_fragment_index<kBlockM, kHeadDim>(r, c + 1) != 4 * f + 1 ||
+        dq_fragment_index<kBlockM, kHeadDim>(r + 8, c) != 4 * f + 2 || dq_fragment_index<kBlockM, kHeadDim>(r + 8, c + 1) != 4 * f + 3)
+      return false;
+  }
+  return true;
+}
+static_assert(rows_cols_of_inverts_dq_fragment_index<128, 64>() && rows_cols_of_inverts_dq_fragment_index<64, 128>() &&
+                  rows_cols_of_inverts_dq_fragment_index<64, 256>(),
+              "DqSplit::rows_cols_of must invert dq_fragment_index (the convert pass reads dQ in that order)");
 
 // The row kernels' thread: kHeadDim / 8 lanes (8 columns each) per (query row i, head, batch b),
 // 256 threads per block.
