@@ -42,6 +42,7 @@ struct BwdKernelArgsSm90 {
   float* dq_acc;      // (h, rows, head-dim bucket) in fragment order per query block
   int* dq_sem;        // (h, rows / kBlockM) key blocks added so far, deterministic mode only
   std::int64_t rows;  // padded query rows per head
+  int group_heads;    // BwdWork's block order: 0 key blocks fastest, else groups of this many batch·KV heads
 };
 
 namespace sm90 {
@@ -263,8 +264,21 @@ struct BwdWork {
   detail::Band band;
   QueryTiles qb;
 
-  __device__ __forceinline__ BwdWork(const detail::FwdParams& p, int block) : group(p.h / p.h_k) {
-    const int n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN, n_block = block % n_blocks, batch_head = block / n_blocks;
+  // Block order (bwd_group_heads): with group_heads = 0, key blocks fastest within each batch · KV
+  // head; else groups of group_heads batch · KV heads, key block major within a group, so that under
+  // a causal mask every head's longest key blocks start before any head's short ones.
+  __device__ __forceinline__ BwdWork(const BwdKernelArgsSm90& args, int block) : group(args.p.h / args.p.h_k) {
+    const detail::FwdParams& p = args.p;
+    const int n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
+    int n_block = block % n_blocks, batch_head = block / n_blocks;
+    if (args.group_heads > 0) {
+      const unsigned group_blocks = static_cast<unsigned>(args.group_heads * n_blocks), g = static_cast<unsigned>(block) / group_blocks;
+      const unsigned r = static_cast<unsigned>(block) - g * group_blocks;
+      const unsigned rest = static_cast<unsigned>(p.batch * p.h_k) - g * args.group_heads;
+      const unsigned heads = rest < static_cast<unsigned>(args.group_heads) ? rest : args.group_heads;
+      n_block = static_cast<int>(r / heads);
+      batch_head = static_cast<int>(g * args.group_heads + (r - n_block * heads));
+    }
     b = batch_head / p.h_k;
     kv_head = batch_head % p.h_k;
     kb = static_cast<std::int64_t>(n_block) * kBlockN;
@@ -312,7 +326,7 @@ namespace sm90 {
 template <int kBlockM, int kBlockN, int kHeadDim>
 __device__ __forceinline__ void dq_writer(const BwdKernelArgsSm90& args, float* dq_smem, int lane) {
   constexpr int kHalfFloats = DqSplit<kBlockM, kHeadDim>::kFloats;
-  const BwdWork<kBlockM, kBlockN> w(args.p, blockIdx.x);
+  const BwdWork<kBlockM, kBlockN> w(args, blockIdx.x);
   const int steps = w.steps();
   const bool ordered = args.p.deterministic;
 #pragma unroll
@@ -586,7 +600,7 @@ __device__ __forceinline__ void bwd_consumer_key_split(const BwdKernelArgsSm90& 
   constexpr int kSTiles = kBlockM / 8, kDTiles = kHeadDim / 8;
   static_assert(kHeadDim % kPanelCols == 0 && kBlockM % 64 == 0 && kBlockN == 128, "whole 64-wide panels, 64 keys per consumer");
   const detail::BwdParams& p = args.p;
-  const BwdWork<kBlockM, kBlockN> w(p, blockIdx.x);
+  const BwdWork<kBlockM, kBlockN> w(args, blockIdx.x);
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   // This warpgroup's keys: rows [64·consumer, 64·consumer + 64) of the K and V panels.
   const std::uint32_t k_addr = smem_addr(sm.k()), v_addr = smem_addr(sm.v()), ds_addr = smem_addr(sm.ds(0));
@@ -683,7 +697,7 @@ __device__ __forceinline__ void bwd_consumer_head_split(const BwdKernelArgsSm90&
   static_assert(kBlockM == 64 && kBlockN == 64 && kCols % kPanelCols == 0 && !Split::kByRows && Split::kCols == kCols,
                 "64 queries and 64 keys per step, whole panels per head-dim half");
   const detail::BwdParams& p = args.p;
-  const BwdWork<kBlockM, kBlockN> w(p, blockIdx.x);
+  const BwdWork<kBlockM, kBlockN> w(args, blockIdx.x);
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int q_own = kQ * consumer, q_other = kQ - q_own;
   const int col0 = kCols * consumer;
@@ -773,7 +787,7 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
   constexpr int kPanels = kHeadDim / kPanelCols;
 
   const detail::BwdParams& p = args.p;
-  if (BwdWork<kBlockM, kBlockN>(p, blockIdx.x).empty()) return;  // a varlen sequence shorter than this key block
+  if (BwdWork<kBlockM, kBlockN>(args, blockIdx.x).empty()) return;  // a varlen sequence shorter than this key block
 
   extern __shared__ unsigned char smem_raw[];
   const Smem sm(smem_raw);
@@ -792,7 +806,7 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
       }
     }
     if (threadIdx.x != 0) return;
-    const BwdWork<kBlockM, kBlockN> w(p, blockIdx.x);
+    const BwdWork<kBlockM, kBlockN> w(args, blockIdx.x);
     const int batch_coord = p.is_varlen() ? 0 : w.b;  // varlen tensors are one batch entry of packed rows
     prefetch_tensor_map(&args.tm_q);
     prefetch_tensor_map(&args.tm_do);
