@@ -264,21 +264,12 @@ struct BwdWork {
   detail::Band band;
   QueryTiles qb;
 
-  // Block order (bwd_group_heads): with group_heads = 0, key blocks fastest within each batch · KV
-  // head; else groups of group_heads batch · KV heads, key block major within a group, so that under
-  // a causal mask every head's longest key blocks start before any head's short ones.
   __device__ __forceinline__ BwdWork(const BwdKernelArgsSm90& args, int block) : group(args.p.h / args.p.h_k) {
     const detail::FwdParams& p = args.p;
     const int n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
-    int n_block = block % n_blocks, batch_head = block / n_blocks;
-    if (args.group_heads > 0) {
-      const unsigned group_blocks = static_cast<unsigned>(args.group_heads * n_blocks), g = static_cast<unsigned>(block) / group_blocks;
-      const unsigned r = static_cast<unsigned>(block) - g * group_blocks;
-      const unsigned rest = static_cast<unsigned>(p.batch * p.h_k) - g * args.group_heads;
-      const unsigned heads = rest < static_cast<unsigned>(args.group_heads) ? rest : args.group_heads;
-      n_block = static_cast<int>(r / heads);
-      batch_head = static_cast<int>(g * args.group_heads + (r - n_block * heads));
-    }
+    const BwdBlockCoords c = bwd_block_coords(static_cast<unsigned>(block), static_cast<unsigned>(n_blocks),
+                                              static_cast<unsigned>(p.batch * p.h_k), static_cast<unsigned>(args.group_heads));
+    const int n_block = static_cast<int>(c.n_block), batch_head = static_cast<int>(c.batch_head);
     b = batch_head / p.h_k;
     kv_head = batch_head % p.h_k;
     kb = static_cast<std::int64_t>(n_block) * kBlockN;

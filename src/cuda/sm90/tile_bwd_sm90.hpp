@@ -3,6 +3,7 @@
 
 #include <cstddef>
 
+#include "flashmonoid/detail/host_device.hpp"
 #include "sm90/setmaxnreg.hpp"
 
 namespace flashmonoid::cuda {
@@ -47,6 +48,46 @@ constexpr BwdTileSm90 bwd_tile_sm90(int head_dim_bucket) {
   if (head_dim_bucket > 128) return BwdTileSm90{64, 64, 2, 240, 24, true};
   return BwdTileSm90{head_dim_bucket <= 64 ? 128 : 64, 128, 2, 240, 24, false};
 }
+
+// The (key block, batch · KV head) of linear block `block` (BwdWork): with group_heads = 0 key blocks
+// fastest within each batch · KV head; else groups of group_heads batch · KV heads (the last one may
+// be smaller), key block major within a group (launch_bwd_sm90.cuh: bwd_group_heads says why).
+// Unsigned arithmetic: signed divisions here cost the hdim-128 score-modifier kernel a 4-byte spill.
+struct BwdBlockCoords {
+  unsigned n_block, batch_head;
+};
+FM_HD constexpr BwdBlockCoords bwd_block_coords(unsigned block, unsigned n_blocks, unsigned batch_heads,
+                                                              unsigned group_heads) {
+  if (group_heads == 0) return {block % n_blocks, block / n_blocks};
+  const unsigned group_blocks = group_heads * n_blocks, g = block / group_blocks, r = block - g * group_blocks;
+  const unsigned rest = batch_heads - g * group_heads, heads = rest < group_heads ? rest : group_heads;
+  const unsigned n_block = r / heads;
+  return {n_block, g * group_heads + (r - n_block * heads)};
+}
+
+// Compile-time check of the order on small grids: every (key block, batch · KV head) once, and each
+// head's key blocks in increasing block index (the deterministic backward's dQ turns wait only for
+// lower key blocks of the same head, which must have been launched first).
+constexpr bool bwd_block_order_ok(unsigned n_blocks, unsigned batch_heads, unsigned group_heads) {
+  constexpr unsigned kMax = 256;
+  if (n_blocks * batch_heads > kMax) return false;
+  bool seen[kMax] = {};
+  int last[kMax] = {};
+  for (unsigned h = 0; h < batch_heads; ++h) last[h] = -1;
+  for (unsigned block = 0; block < n_blocks * batch_heads; ++block) {
+    const BwdBlockCoords c = bwd_block_coords(block, n_blocks, batch_heads, group_heads);
+    if (c.n_block >= n_blocks || c.batch_head >= batch_heads) return false;
+    const unsigned cell = c.batch_head * n_blocks + c.n_block;
+    if (seen[cell] || static_cast<int>(c.n_block) <= last[c.batch_head]) return false;
+    seen[cell] = true;
+    last[c.batch_head] = static_cast<int>(c.n_block);
+  }
+  return true;
+}
+static_assert(bwd_block_order_ok(4, 10, 0) && bwd_block_order_ok(4, 10, 3) && bwd_block_order_ok(7, 5, 5) &&
+                  bwd_block_order_ok(16, 9, 4) && bwd_block_order_ok(1, 1, 1) && bwd_block_order_ok(3, 8, 8) &&
+                  bwd_block_order_ok(5, 12, 7),
+              "BwdWork's block order visits every (key block, head) once, each head's key blocks in order");
 
 static_assert(bwd_tile_sm90(256).smem_bytes(256) <= 232448, "hdim 256 fits the H100's 227 KB per block");
 
