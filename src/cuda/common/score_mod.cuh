@@ -162,13 +162,16 @@ struct ScoreMod {
 // -inf outside the band and past the sequence's last key; only called on tiles that
 // detail::Band::tile_needs_mask flags (the diagonal and ragged tiles). Row i sees exactly the keys
 // [key_begin(i), key_end(i + 1)) of detail::Band, so each element costs two integer compares
-// and a select (per-element Band::visible compiled to 64-bit branches and spilled).
-template <int kMTiles, int kNTiles>
-__device__ __forceinline__ void apply_mask(float (&s)[kMTiles][kNTiles][4], const detail::Band& band,
-                                           const RowCoords<kMTiles>& rows, int len_k, int n0, int lane) {
+// and a select (per-element Band::visible compiled to 64-bit branches and spilled); without a left
+// bound (causal, right windows, ragged ends: key_begin is 0) one compare. The one-compare path:
+// hdim 64 causal forward +2.8% / +1.2% / +1.1% at 512 / 1k / 2k keys (H100; the masked mainloop
+// step 235 -> 166 instructions).
+template <bool kLeft, int kMTiles, int kNTiles>
+__device__ __forceinline__ void mask_rows(float (&s)[kMTiles][kNTiles][4], const detail::Band& band,
+                                          const RowCoords<kMTiles>& rows, int len_k, int n0, int lane) {
 #pragma unroll
   for (int r = 0; r < 2 * kMTiles; ++r) {
-    const int lo = static_cast<int>(band.key_begin(rows.i(r), len_k)) - n0;
+    const int lo = kLeft ? static_cast<int>(band.key_begin(rows.i(r), len_k)) - n0 : 0;
     const int hi = static_cast<int>(band.key_end(rows.i(r) + 1, len_k)) - n0;
     const int mi = r / 2, e0 = 2 * (r % 2);
 #pragma unroll
@@ -176,9 +179,18 @@ __device__ __forceinline__ void apply_mask(float (&s)[kMTiles][kNTiles][4], cons
 #pragma unroll
       for (int e = e0; e < e0 + 2; ++e) {
         const int j = fragment_col(ni, e, lane);
-        s[mi][ni][e] = j >= lo && j < hi ? s[mi][ni][e] : -INFINITY;
+        s[mi][ni][e] = j < hi && (!kLeft || j >= lo) ? s[mi][ni][e] : -INFINITY;
       }
   }
+}
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void apply_mask(float (&s)[kMTiles][kNTiles][4], const detail::Band& band,
+                                           const RowCoords<kMTiles>& rows, int len_k, int n0, int lane) {
+  if (band.left < 0) {
+    mask_rows<false>(s, band, rows, len_k, n0, lane);
+    return;
+  }
+  mask_rows<true>(s, band, rows, len_k, n0, lane);
 }
 
 // Dropout's keep bits of keys [key0, key0 + 32) of the row row_id (key0 a multiple of 4): bit c
