@@ -7,8 +7,19 @@
 # bench process per variant, three rounds with the variant order reversed each round (clocks drift within
 # a call), and prints the medians. FM_BENCH_ARGS: gpu_bench flags (default --no-bwd; "" times the
 # backward too, reported as fwd/bwd).
+# FM_PATCHES: patch files (e.g. bench/experiments/*.patch), each one more variant named after its file,
+# whose patched files are written to $FM_VARIANT_DIR/<name>/ first (the tree itself stays unpatched).
+# FM_TEST_EACH=1 runs the test filter on every variant's build as well.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+VDIR=${FM_VARIANT_DIR:-build-probe}
+for pf in ${FM_PATCHES:-}; do
+  name=$(basename "$pf" .patch)
+  files=$(git apply --numstat "$pf" | cut -f3) && git apply "$pf" || { echo "patch $pf does not apply"; exit 1; }
+  for f in $files; do mkdir -p "$VDIR/$name/$(dirname "$f")"; cp "$f" "$VDIR/$name/$f"; done
+  git apply -R "$pf"
+  FM_VARIANTS="${FM_VARIANTS:-} $name"
+done
 B=build-dev
 FILE=${FM_VARIANT_FILE:-src/cuda/sm90/kernel_fwd_sm90.cuh}
 start=$(date +%s)
@@ -16,25 +27,29 @@ cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=
   ninja -C $B ${FM_TEST_BIN:-test_fwd_cuda} flashmonoid-gpu-bench >>$OUT/build.log 2>&1 || { tail -30 $OUT/build.log; exit 1; }
 echo "build cur: $(( $(date +%s) - start )) s"; grep -E "[1-9][0-9]* bytes spill" $OUT/build.log | head -3
 cp $B/bench/gpu/flashmonoid-gpu-bench /tmp/bench_cur
-if [ "${FM_TEST_FILTER:-}" != none ]; then
-  timeout 240 $B/tests/cpp/${FM_TEST_BIN:-test_fwd_cuda} --gtest_filter="${FM_TEST_FILTER:-*sm90*:CudaForwardGrid*:CudaForwardPath*}" --gtest_brief=1 >$OUT/tests.log 2>&1
-  echo "tests rc=$?"; grep -E "FAILED|PASSED|Failure" $OUT/tests.log | head -20
-fi
+# The test filter on the build of "cur" (FM_TEST_EACH=1: on every variant's build too).
+run_tests() {
+  [ "${FM_TEST_FILTER:-}" = none ] && return
+  timeout 240 $B/tests/cpp/${FM_TEST_BIN:-test_fwd_cuda} --gtest_filter="${FM_TEST_FILTER:-*sm90*:CudaForwardGrid*:CudaForwardPath*}" --gtest_brief=1 >$OUT/tests_$1.log 2>&1
+  echo "tests $1 rc=$?"; grep -E "FAILED|PASSED|Failure" $OUT/tests_$1.log | head -20
+}
+run_tests cur
 if [ -n "${FM_RACE:-}" ]; then
   timeout 200 compute-sanitizer --tool ${FM_SANITIZER_TOOL:-racecheck} --error-exitcode 3 $B/tests/cpp/${FM_TEST_BIN:-test_fwd_cuda} --gtest_filter="${FM_RACE_FILTER:-Hopper/CudaForward.*/sm90_case1:Hopper/CudaForward.*/sm90_case0:CudaForwardGrid*}" >$OUT/race.log 2>&1
   echo "racecheck rc=$?"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY" $OUT/race.log | head
 fi
 # A variant that is a folder holds files at their repository paths, copied over the tree for its build
 # and restored after it (a file variant is copied over FILE).
-VDIR=${FM_VARIANT_DIR:-build-probe}
 for v in ${FM_VARIANTS:-}; do
   files=$([ -d $VDIR/$v ] && (cd $VDIR/$v && find . -type f) || echo $FILE)
   for f in $files; do mkdir -p /tmp/ab_orig/$(dirname $f); cp $f /tmp/ab_orig/$f; done
   if [ -d $VDIR/$v ]; then cp -r $VDIR/$v/. .; else cp $VDIR/$v $FILE; fi
   start=$(date +%s)
-  ninja -C $B flashmonoid-gpu-bench >>$OUT/build.log 2>&1 || { tail -30 $OUT/build.log; for f in $files; do cp /tmp/ab_orig/$f $f; done; exit 1; }
+  targets="flashmonoid-gpu-bench"; [ -n "${FM_TEST_EACH:-}" ] && targets="$targets ${FM_TEST_BIN:-test_fwd_cuda}"
+  ninja -C $B $targets >>$OUT/build.log 2>&1 || { tail -30 $OUT/build.log; for f in $files; do cp /tmp/ab_orig/$f $f; done; exit 1; }
   echo "build $v: $(( $(date +%s) - start )) s"; grep -E "[1-9][0-9]* bytes spill" $OUT/build.log | sort -u | head -3
   cp $B/bench/gpu/flashmonoid-gpu-bench /tmp/bench_$v
+  [ -n "${FM_TEST_EACH:-}" ] && run_tests $v
   for f in $files; do cp /tmp/ab_orig/$f $f; done
 done
 all="cur ${FM_VARIANTS:-}"
