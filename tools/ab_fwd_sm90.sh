@@ -13,11 +13,13 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 VDIR=${FM_VARIANT_DIR:-build-probe}
+if command -v patch >/dev/null; then apply_patch() { patch -s -p1 "$@"; }; else apply_patch() { git apply "$@" -; }; fi
 for pf in ${FM_PATCHES:-}; do
   name=$(basename "$pf" .patch)
-  files=$(git apply --numstat "$pf" | cut -f3) && git apply "$pf" || { echo "patch $pf does not apply"; exit 1; }
+  files=$(grep -E '^\+\+\+ b/' "$pf" | cut -c7-)
+  apply_patch <"$pf" || { echo "patch $pf does not apply"; exit 1; }
   for f in $files; do mkdir -p "$VDIR/$name/$(dirname "$f")"; cp "$f" "$VDIR/$name/$f"; done
-  git apply -R "$pf"
+  apply_patch -R <"$pf"
   FM_VARIANTS="${FM_VARIANTS:-} $name"
 done
 B=build-dev
