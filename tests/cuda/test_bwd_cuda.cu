@@ -161,8 +161,30 @@ class CudaBackward : public ::testing::TestWithParam<flashmonoid::CudaPath> {
   }
   // Runs shape on this test's kernel family (skipped on sm90 where that family does not take it).
   void check_backward(const Shape& shape);
+  // Runs shape deterministically `runs` times: every run bit-identical to the first, and the first
+  // within the accuracy rule (skipped on sm90 where its deterministic backward does not take it).
+  void check_deterministic(const Shape& shape, int runs);
   int ran_ = 0;
 };
+
+void CudaBackward::check_deterministic(const Shape& s, int runs) {
+  if (GetParam() == flashmonoid::CudaPath::sm90 && !sm90_takes(s, true)) return;
+  ++ran_;
+  SCOPED_TRACE(s.str() + " deterministic");
+  const Problem pb(s);
+  GpuCase g(pb, true);
+  g.run(GetParam());
+  if (::testing::Test::HasFatalFailure()) return;
+  const std::vector<std::uint8_t> dq0 = g.dq_h.buf, dk0 = g.dk_h.buf, dv0 = g.dv_h.buf;
+  int mismatches = 0;
+  for (int rep = 1; rep < runs; ++rep) {
+    g.run(GetParam());
+    if (::testing::Test::HasFatalFailure()) return;
+    mismatches += g.dq_h.buf != dq0 || g.dk_h.buf != dk0 || g.dv_h.buf != dv0;
+  }
+  EXPECT_EQ(mismatches, 0) << "of " << runs - 1 << " repeated deterministic runs differed from the first";
+  fmtest::expect_grads_meet_rule(pb, g.out, g.lse, g.dq_h, g.dk_h, g.dv_h);
+}
 
 void CudaBackward::check_backward(const Shape& shape) {
   SCOPED_TRACE(shape.str());
@@ -315,22 +337,23 @@ TEST_P(CudaBackward, DeterministicBitIdentical) {
       s.window_left = 200;
       s.window_right = 30;
     }
-    if (GetParam() == flashmonoid::CudaPath::sm90 && !sm90_takes(s, true)) continue;
-    ++ran_;
-    SCOPED_TRACE(s.str());
-    const Problem pb(s);
-    GpuCase g(pb, true);
-    g.run(GetParam());
-    if (::testing::Test::HasFatalFailure()) return;
-    const std::vector<std::uint8_t> dq0 = g.dq_h.buf, dk0 = g.dk_h.buf, dv0 = g.dv_h.buf;
-    int mismatches = 0;
-    for (int rep = 1; rep < 50; ++rep) {
-      g.run(GetParam());
-      if (::testing::Test::HasFatalFailure()) return;
-      mismatches += g.dq_h.buf != dq0 || g.dk_h.buf != dk0 || g.dv_h.buf != dv0;
-    }
-    EXPECT_EQ(mismatches, 0) << "of 49 repeated deterministic runs differed from the first";
-    fmtest::expect_grads_meet_rule(pb, g.out, g.lse, g.dq_h, g.dk_h, g.dv_h);
+    check_deterministic(s, 50);
+  }
+}
+
+// Under a causal mask at hdim >= 128 the sm90 backward runs its blocks key block major within groups
+// of batch·KV heads whose Q, dO and fp32 dQ rows fill 16 MB (launch_bwd_sm90.cuh: bwd_group_heads).
+// 512 query rows, 4 query heads per KV head: 2 MB per KV head at hdim 128, 4 MB at hdim 256, so
+// 10 batch·KV heads run as groups of 8 + 2 and 4 + 4 + 2: several groups and a smaller last one
+// (the other tests' shapes make one group), by default and deterministically (whose dQ turns rely on
+// each head's key blocks starting in order). The grouping is sm90's; sm80 runs the shapes too.
+TEST_P(CudaBackward, GroupedBlockOrder) {
+  for (int d : {128, 256}) {
+    Shape s = shape_of(DType::bf16, 2, 512, 512, 20, 5, d);
+    s.causal = true;
+    s.window_right = 0;
+    check_backward(s);
+    if (d == 128) check_deterministic(s, 10);
   }
 }
 
