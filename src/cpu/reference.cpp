@@ -149,22 +149,23 @@ void reference_backward(const BwdParams& p, Precision prec) {
       std::vector<double> ds(static_cast<std::size_t>(si.len_q) * si.len_k, 0.0);
       for (int i = 0; i < si.len_q; ++i) {
         std::vector<double> dp(si.len_k, 0.0);
-        double rowsum = 0.0;
         for (int j = 0; j < si.len_k; ++j) {
           const std::size_t ij = static_cast<std::size_t>(i) * si.len_k + j;
           if (f.prob[ij] == 0.0) continue;  // masked (or underflowed): contributes nothing
           double acc = 0.0;
           for (int c = 0; c < p.d; ++c) acc += dov(i, c) * vv(j, c);
           dp[j] = rnd(rnd.acc(acc) * f.keep[ij]);
-          rowsum += f.prob[ij] * dp[j];
         }
-        // Emulating, D comes from the given output as in FlashAttention's backward (rowsum(dO∘O) with
-        // O in the input dtype), so the budget holds O's rounding, which every such backward inherits:
-        // under dropout a row seeing one key has O = round(V/(1-p)) and dS = dP - D its residue, where
-        // Σ P∘dP gives exactly 0 (the CPU and both GPU backwards exceeded 2x the old budget there in
-        // ~1 of 15 draws of b 2, s_q 131, s_k 97, causal, softcap, dropout; 0 of 300 now).
-        if (rnd.active) rowsum = rnd.dot(p.d, [&](int c) { return static_cast<float>(dov(i, c)); },
-                                         [&](int c) { return static_cast<float>(ov(i, c)); });
+        // D: the oracle's Σ P∘dP; emulating, rowsum(dO∘O) from the given output, as FlashAttention's
+        // backward takes it, so the budget holds O's rounding that every such backward inherits (under
+        // dropout a row seeing one key has O = round(V/(1-p)), and dS = dP - D is that residue where
+        // Σ P∘dP is exactly 0; bench/NOTES.md, 2026-11-27).
+        double rowsum = 0.0;
+        if (rnd.active)
+          rowsum = rnd.dot(p.d, [&](int c) { return static_cast<float>(dov(i, c)); },
+                           [&](int c) { return static_cast<float>(ov(i, c)); });
+        else
+          for (int j = 0; j < si.len_k; ++j) rowsum += f.prob[static_cast<std::size_t>(i) * si.len_k + j] * dp[j];
         for (int j = 0; j < si.len_k; ++j) {
           const std::size_t ij = static_cast<std::size_t>(i) * si.len_k + j;
           if (f.prob[ij] == 0.0) continue;
