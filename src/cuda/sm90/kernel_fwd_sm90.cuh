@@ -265,6 +265,7 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kVariant).threads(), 1
     std::uint32_t pa[kNTiles / 2][4];  // P of the previous step as wgmma A fragments
     OnlineSoftmax<1> softmax;
     float factor[2];
+    bool rescale_o = true;  // whether the last softmax step moved a row max of the warp
 
     // Masks, score modifiers and the first two softmax steps on S of the key tile starting at key0;
     // P stays in s (fp32) for the dropout, then becomes pa after O is rescaled.
@@ -277,7 +278,7 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kVariant).threads(), 1
         mod.apply(s, slope_log2, rows, w.band.diag, key0, lane);
       }
       if (tiles.needs_mask(key0)) apply_mask(s, w.band, rows, w.si.len_k, key0, lane);
-      softmax.update_max(s, mul, factor);
+      rescale_o = softmax.update_max_lazy(s, mul, factor);
       softmax.exp_and_sum(s, mul, factor);
       if (dropout) {
         std::uint32_t row_id[2];
@@ -325,7 +326,7 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kVariant).threads(), 1
         fence_regs(flat(o));
         if (lane == 0) sm.v_empty(vpos.slot()).arrive();
         vpos.advance();
-        OnlineSoftmax<1>::rescale(o, factor);
+        if (rescale_o) OnlineSoftmax<1>::rescale(o, factor);
         p_fragments<T>(pa, s);
       }
       // Every read of Q is over (the tile's S products have completed): its buffer goes back to the
