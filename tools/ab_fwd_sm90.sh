@@ -24,10 +24,16 @@ for pf in ${FM_PATCHES:-}; do
 done
 B=build-dev
 FILE=${FM_VARIANT_FILE:-src/cuda/sm90/kernel_fwd_sm90.cuh}
+# The tree's copies of every file a variant replaces are touched, so that "cur" recompiles what they
+# feed: on a warm machine a failed variant build can leave objects newer than the restored tree.
+touch $FILE
+for v in ${FM_VARIANTS:-}; do
+  [ -d $VDIR/$v ] && (cd $VDIR/$v && find . -type f) | while read -r f; do [ -f "$f" ] && touch "$f"; done
+done
 start=$(date +%s)
 cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 >$OUT/build.log 2>&1 &&
   ninja -C $B ${FM_TEST_BIN:-test_fwd_cuda} flashmonoid-gpu-bench >>$OUT/build.log 2>&1 || { tail -30 $OUT/build.log; exit 1; }
-echo "build cur: $(( $(date +%s) - start )) s"; grep -E "[1-9][0-9]* bytes spill" $OUT/build.log | head -3
+echo "build cur: $(( $(date +%s) - start )) s"; grep -E "[1-9][0-9]* bytes spill|C75[0-9][0-9]" $OUT/build.log | head -3
 cp $B/bench/gpu/flashmonoid-gpu-bench /tmp/bench_cur
 # The test filter on the build of "cur" (FM_TEST_EACH=1: on every variant's build too).
 run_tests() {
@@ -49,7 +55,7 @@ for v in ${FM_VARIANTS:-}; do
   start=$(date +%s)
   targets="flashmonoid-gpu-bench"; [ -n "${FM_TEST_EACH:-}" ] && targets="$targets ${FM_TEST_BIN:-test_fwd_cuda}"
   ninja -C $B $targets >>$OUT/build.log 2>&1 || { tail -30 $OUT/build.log; for f in $files; do cp /tmp/ab_orig/$f $f; done; exit 1; }
-  echo "build $v: $(( $(date +%s) - start )) s"; grep -E "[1-9][0-9]* bytes spill" $OUT/build.log | sort -u | head -3
+  echo "build $v: $(( $(date +%s) - start )) s"; grep -E "[1-9][0-9]* bytes spill|C75[0-9][0-9]" $OUT/build.log | sort -u | head -3
   cp $B/bench/gpu/flashmonoid-gpu-bench /tmp/bench_$v
   [ -n "${FM_TEST_EACH:-}" ] && run_tests $v
   for f in $files; do cp /tmp/ab_orig/$f $f; done

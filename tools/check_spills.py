@@ -8,7 +8,11 @@ Usage: check_spills.py BUILD_LOG_OR_BINARY [...]
     instructions are serialized"): every product of that kernel then waits for the one before it
     (a forward that left an S product in flight across a branch measured 25-30% slower, H100);
   - a library or object (.a, .so, .o): `cuobjdump -res-usage` lists each kernel's LOCAL bytes per
-    thread; nonzero LOCAL (spills or a stack array) fails.
+    thread; nonzero LOCAL (spills or a stack array) fails. Its SASS is read as well, the check that
+    needs no build log: a kernel with more than one `WARPGROUP.DEPBAR` per two HGMMA has its
+    products serialised (products issued under a runtime branch, ptxas's C7520: every one of 36
+    HGMMA got its own wait, 28-30% slower on the H100; the library's kernels have 0.07-0.17 waits
+    per HGMMA).
 Prints one line per offending kernel (demangled when c++filt is available) and a summary."""
 import re
 import shutil
@@ -18,7 +22,7 @@ import sys
 ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
 SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 SERIAL = re.compile(r"\(C75\d\d\) Potential Performance Loss: wgmma.*? in the function '([^']+)'")
-RES = re.compile(r"Function ([^\s:]+):.*?LOCAL:(\d+)")
+RES = re.compile(r"Function ([^\s:]+):\s*\n\s*REG:[^\n]*?LOCAL:(\d+)")  # the usage is on the line after the name
 
 
 def demangle(names):
@@ -62,7 +66,25 @@ def from_binary(path):
         kernels += 1
         if int(m.group(2)):
             bad.append((m.group(1), f"{m.group(2)} B local memory per thread"))
+    sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
+    bad += serialised_in_sass(sass)
     return kernels, bad
+
+
+def serialised_in_sass(sass):
+    """(kernel, why) for each function of a cuobjdump -sass listing whose wgmma waits outnumber half
+    its HGMMA instructions."""
+    counts, name = {}, None
+    for line in sass.splitlines():
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            name = m.group(1)
+            counts[name] = [0, 0]
+        elif name is not None:
+            counts[name][0] += "HGMMA" in line
+            counts[name][1] += "WARPGROUP.DEPBAR" in line
+    return [(k, f"wgmma serialised: {d} WARPGROUP.DEPBAR for {h} HGMMA") for k, (h, d) in counts.items()
+            if h and 2 * d > h]
 
 
 def main():

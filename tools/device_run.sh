@@ -53,6 +53,11 @@ echo "build rc=$build_rc in $(($(date +%s) - start)) s"
 grep -E "error|FAILED" "$LOG/build.log" | head -20
 python3 tools/check_spills.py "$LOG/build.log" >"$LOG/spills.txt" 2>&1 || status=1
 tail -3 "$LOG/spills.txt"
+# The library itself: local memory per kernel and wgmma waits per product, read from its SASS.
+if [ -f "$BUILD/libflashmonoid.a" ] && PATH="$PATH:/usr/local/cuda/bin" command -v cuobjdump >/dev/null; then
+  PATH="$PATH:/usr/local/cuda/bin" python3 tools/check_spills.py "$BUILD/libflashmonoid.a" >"$LOG/sass_check.txt" 2>&1 || status=1
+  tail -3 "$LOG/sass_check.txt"
+fi
 [ $build_rc -eq 0 ] || status=1
 
 if [ "${FM_TESTS:-}" != none ]; then
