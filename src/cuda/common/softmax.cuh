@@ -78,6 +78,13 @@ struct OnlineSoftmax {
     return t[0];
   }
 
+  // Each row's max over its running m and this tile's scores (quad-reduced).
+  template <int kNTiles>
+  __device__ __forceinline__ void tile_max(const float (&s)[kMTiles][kNTiles][4], float (&mx)[kRows]) const {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) mx[r] = quad_max(fmaxf(m[r], thread_row_max(s, r)));
+  }
+
   // factor[r] = exp2((m_old - m_new)·mul) for the new max mx, which becomes m.
   __device__ __forceinline__ void move_max(const float (&mx)[kRows], float mul, float (&factor)[kRows]) {
 #pragma unroll
@@ -91,8 +98,7 @@ struct OnlineSoftmax {
   template <int kNTiles>
   __device__ __forceinline__ void update_max(const float (&s)[kMTiles][kNTiles][4], float mul, float (&factor)[kRows]) {
     float mx[kRows];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) mx[r] = quad_max(fmaxf(m[r], thread_row_max(s, r)));
+    tile_max(s, mx);
     move_max(mx, mul, factor);
   }
 
@@ -101,19 +107,18 @@ struct OnlineSoftmax {
   // false, so the caller skips O's rescale (warp-uniform). P = exp2((s - m)·mul) is then at most
   // 2^kStaleLog2, which bf16 / fp16 P and the fp32 sums hold as well as values <= 1, and finish()'s lse
   // and 1/l use the same m: the same attention up to rounding. Else update_max's update, and true.
-  // sm90 forward, H100: +3-9% (hdim 128 512 keys 455 -> 493 TFLOP/s, 16k 659 -> 695; hdim 256 16k
-  // 728 -> 779); the exact form (skip only where every factor is 1) lost 2-6%: it rarely skips.
+  // sm90 forward, H100: +1-9% (hdim 128 512 keys 455 -> 493 TFLOP/s, 16k 659 -> 695; hdim 256 16k
+  // 728 -> 779); the exact form (skip only where every factor is 1) lost 1-6%: it rarely skips.
   static constexpr float kStaleLog2 = 8.0f;
   template <int kNTiles>
   __device__ __forceinline__ bool update_max_lazy(const float (&s)[kMTiles][kNTiles][4], float mul,
                                                   float (&factor)[kRows]) {
     float mx[kRows];
+    tile_max(s, mx);
     bool grow = false;
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      mx[r] = quad_max(fmaxf(m[r], thread_row_max(s, r)));
+    for (int r = 0; r < kRows; ++r)
       grow = grow || !(m[r] * mul >= mx[r] * mul - kStaleLog2);  // m = -inf under a visible key: grow
-    }
     if (!__any_sync(0xffffffffu, grow)) {
 #pragma unroll
       for (int r = 0; r < kRows; ++r) factor[r] = 1.0f;
