@@ -46,6 +46,10 @@ struct FwdSmem {
   static constexpr int kKVElems = kTile.block_n * kHeadDim;  // one K or V slot
   static constexpr int kQStageElems = kTile.consumers * kQElems;
   static constexpr int kOElems = kTile.o_rows() * kHeadDim;
+  static constexpr int kBarriers = 2 * kTile.q_stages + 4 * kTile.stages;
+  // Work-tile records (FwdWork, written by the producer): q_stages + 1 of them, so the one a consumer
+  // reads in its epilogue is not rewritten before every consumer has finished that tile.
+  static constexpr int kRecords = kTile.q_stages + 1;
   T* base;
   Barrier* bars;  // q_full, q_empty (q_stages each), then k_full, v_full, k_empty, v_empty (stages each)
 
@@ -68,12 +72,17 @@ struct FwdSmem {
   __device__ __forceinline__ Barrier& v_full(int slot) const { return bars[2 * kTile.q_stages + kTile.stages + slot]; }
   __device__ __forceinline__ Barrier& k_empty(int slot) const { return bars[2 * kTile.q_stages + 2 * kTile.stages + slot]; }
   __device__ __forceinline__ Barrier& v_empty(int slot) const { return bars[2 * kTile.q_stages + 3 * kTile.stages + slot]; }
+  // The record of the n-th Q load (RingPos::n), published with it through q_full.
+  template <class Work>
+  __device__ __forceinline__ Work& record(unsigned n) const {
+    return reinterpret_cast<Work*>(bars + kBarriers)[n % kRecords];
+  }
 
   __device__ __forceinline__ void init_barriers() const {
 #pragma unroll
     for (int s = 0; s < kTile.q_stages; ++s) {
       q_full(s).init(1);
-      q_empty(s).init(4 * kTile.consumers);  // one arrival per consumer warp
+      q_empty(s).init(128 * kTile.consumers);  // every consumer thread: each read the tile record
     }
 #pragma unroll
     for (int s = 0; s < kTile.stages; ++s) {
@@ -145,6 +154,7 @@ __device__ __forceinline__ void produce(const FwdKernelArgsSm90& args, const Fwd
     const int batch_coord = p.is_varlen() ? 0 : w.b;  // varlen tensors are one batch entry of packed rows
     auto load_q = [&] {
       sm.q_empty(qpos.slot()).wait(qpos.phase() ^ 1);
+      sm.template record<FwdWork<kTile.block_m(), kTile.block_n>>(qpos.n) = w;  // visible through q_full's release
       sm.q_full(qpos.slot()).arrive_expect_tx(kQBytes);
 #pragma unroll
       for (int c = 0; c < kTile.consumers; ++c)
@@ -164,6 +174,9 @@ __device__ __forceinline__ void produce(const FwdKernelArgsSm90& args, const Fwd
       pos.advance();
     }
   }
+  sm.q_empty(qpos.slot()).wait(qpos.phase() ^ 1);
+  sm.template record<FwdWork<kTile.block_m(), kTile.block_n>>(qpos.n).head = -1;
+  sm.q_full(qpos.slot()).arrive();
 }
 
 // S (64, kBlockN) = Q (64, kHeadDim) · K (kBlockN, kHeadDim)ᵀ, issued (not waited for).
@@ -219,6 +232,10 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kVariant).threads(), 1
   constexpr int kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8;
   static_assert(kHeadDim % kPanelCols == 0, "head-dim buckets are whole 64-column panels");
   static_assert(kBlockN % 16 == 0, "P·V takes keys 16 at a time");
+  static_assert(FwdSmem<T, kHeadDim, kTile>::kBarriers * sizeof(Barrier) +
+                        FwdSmem<T, kHeadDim, kTile>::kRecords * sizeof(FwdWork<kBlockM, kBlockN>) + kSwizzleAtomBytes <=
+                    2048,
+                "barriers, tile records and the panels' alignment fit FwdTileSm90::smem_bytes's 2048 bytes");
 
   extern __shared__ unsigned char smem_raw[];
   const FwdSmem<T, kHeadDim, kTile> sm(smem_raw);
@@ -251,12 +268,15 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kVariant).threads(), 1
   const Turns<kTile.consumers, kTile.pingpong> turns(consumer);
   turns.start();
 
+  // The consumers take each work tile from the producer's record (published with its Q) rather than
+  // deriving it: WorkTiles::at's divisions and FwdWork's parameter loads were ~800 cycles at every
+  // tile boundary, where both consumers reach it together and the tensor cores idle (H100: +2-6% at
+  // 512-1k keys, hdim 64 causal 512 208 -> 219 TFLOP/s; nothing from 4k on).
 #pragma unroll 1
-  for (int t = 0; t < work.end(gridDim.x); ++t) {
-    const WorkTiles::Tile tile = work.at(t, blockIdx.x, gridDim.x);
-    if (tile.m_block < 0) continue;
-    const FwdWork<kBlockM, kBlockN> w(p, tile);
-    if (w.empty) continue;
+  for (;;) {
+    sm.q_full(qpos.slot()).wait(qpos.phase());
+    const FwdWork<kBlockM, kBlockN> w = sm.template record<FwdWork<kBlockM, kBlockN>>(qpos.n);
+    if (w.head < 0) break;
     const RowCoords<1> rows(w.R0 + 64 * consumer + 16 * warp, w.si.len_q, 1, w.head, lane);
     const KeyTiles& tiles = w.tiles;
 
@@ -289,7 +309,6 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kVariant).threads(), 1
     };
 
     const std::uint32_t q_addr = smem_addr(sm.q(qpos.slot(), consumer));
-    sm.q_full(qpos.slot()).wait(qpos.phase());
     const int num_tiles = tiles.count();
     if (num_tiles > 0) {
       // Step 0: S only.
@@ -330,8 +349,10 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kVariant).threads(), 1
         p_fragments<T>(pa, s);
       }
       // Every read of Q is over (the tile's S products have completed): its buffer goes back to the
-      // producer, so the next tile's Q loads under this last P·V and the epilogue.
-      if (lane == 0) sm.q_empty(qpos.slot()).arrive();
+      // producer, so the next tile's Q loads under this last P·V and the epilogue. Every thread
+      // arrives: each one's release orders its reads of the tile records before the producer rewrites
+      // one (it does once every consumer thread has released the Q after it).
+      sm.q_empty(qpos.slot()).arrive();
       sm.v_full(vpos.slot()).wait(vpos.phase());
       turns.wait();
       wgmma_fence();
@@ -342,13 +363,13 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kVariant).threads(), 1
       fence_regs(flat(o));
       if (lane == 0) sm.v_empty(vpos.slot()).arrive();
       vpos.advance();
-    } else if (lane == 0) {
+    } else {
       sm.q_empty(qpos.slot()).arrive();
     }
 
-    // The epilogue re-derives its rows from the tile index (a few integer operations): kept live
-    // across the mainloop they spilled at hdim 256.
-    const FwdWork<kBlockM, kBlockN> we(p, tile);
+    // The epilogue reads its rows from the record again: kept live across the mainloop they spilled
+    // at hdim 256.
+    const FwdWork<kBlockM, kBlockN> we = sm.template record<FwdWork<kBlockM, kBlockN>>(qpos.n);
     const BlockRows blk{we.b, we.head, 1, we.si.len_q, we.si};
     const RowCoords<1> erows(we.R0 + 64 * consumer + 16 * warp, we.si.len_q, 1, we.head, lane);
     float inv_l[2], lse[2];
