@@ -57,12 +57,16 @@ struct FwdTileSm90 {
 // mask a 192-row tile computes more masked scores than a 128-row one (s = 1k: 1.5x the visible ones
 // against 1.12x), which outweighs the third consumer up to 2k rows (short_band, H200: 195 / 275 / 345
 // against 167 / 240 / 333 TFLOP/s at 512 / 1k / 2k; 390 against 411 at 4k).
+// hdim 64 has shared memory to spare: a 4-deep K/V ring keeps more bytes in flight where a work tile
+// is a few steps long (H100 against 2: causal 512 217 -> 223 TFLOP/s, 512 378 -> 383, causal 1k
+// +1.5%; equal from 2k on; 3 stages the same at 512, -1.6% at causal 2k).
 // Ping-pong pays where the exponentials are the bottleneck: hdim 64 +5-9% non-causal, +0-10% causal
 // (16k: 548 vs 505, 506 vs 460 TFLOP/s); at hdim 128 where a work tile is short (512-1k keys: +2-7%,
 // 8k within 1%), one warpgroup's first softmax and epilogue running under the other's products.
 constexpr FwdTileSm90 fwd_tile_sm90(int head_dim_bucket, FwdVariantSm90 variant) {
   const bool mods = variant == FwdVariantSm90::score_mods;
-  if (head_dim_bucket <= 64 && variant == FwdVariantSm90::plain) return {3, 128, 2, 160, 24, 2, true, FwdStore::tma};
+  if (head_dim_bucket <= 64 && variant == FwdVariantSm90::plain) return {3, 128, 4, 160, 24, 2, true, FwdStore::tma};
+  if (head_dim_bucket <= 64 && variant == FwdVariantSm90::short_band) return {2, 128, 4, 240, 24, 2, true, FwdStore::tma};
   if (head_dim_bucket == 128 && variant == FwdVariantSm90::long_keys) return {2, 160, 2, 240, 24, 1, true, FwdStore::tma};
   if (head_dim_bucket <= 128) return {2, 128, 2, 240, 24, 2, !mods, FwdStore::tma};
   return {2, 80, 2, 240, 24, 1, false, FwdStore::regs};
