@@ -9,7 +9,8 @@
 # backward too, reported as fwd/bwd).
 # FM_PATCHES: patch files (e.g. bench/experiments/*.patch), each one more variant named after its file,
 # whose patched files are written to $FM_VARIANT_DIR/<name>/ first (the tree itself stays unpatched).
-# FM_TEST_EACH=1 runs the test filter on every variant's build as well.
+# FM_TEST_EACH=1 runs the test filter on every variant's build as well; FM_TEST_TIMEOUT (default 240 s)
+# bounds each test run (the sm90 backward filter takes ~4.5 min).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 VDIR=${FM_VARIANT_DIR:-build-probe}
@@ -38,7 +39,7 @@ cp $B/bench/gpu/flashmonoid-gpu-bench /tmp/bench_cur
 # The test filter on the build of "cur" (FM_TEST_EACH=1: on every variant's build too).
 run_tests() {
   [ "${FM_TEST_FILTER:-}" = none ] && return
-  timeout 240 $B/tests/cpp/${FM_TEST_BIN:-test_fwd_cuda} --gtest_filter="${FM_TEST_FILTER:-*sm90*:CudaForwardGrid*:CudaForwardPath*}" --gtest_brief=1 >$OUT/tests_$1.log 2>&1
+  timeout ${FM_TEST_TIMEOUT:-240} $B/tests/cpp/${FM_TEST_BIN:-test_fwd_cuda} --gtest_filter="${FM_TEST_FILTER:-*sm90*:CudaForwardGrid*:CudaForwardPath*}" --gtest_brief=1 >$OUT/tests_$1.log 2>&1
   echo "tests $1 rc=$?"; grep -E "FAILED|PASSED|Failure" $OUT/tests_$1.log | head -20
 }
 run_tests cur
