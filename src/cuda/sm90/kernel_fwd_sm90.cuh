@@ -95,8 +95,8 @@ struct FwdSmem {
   }
 };
 
-// What a work tile is: its rows, sequence, KV head and key tiles; the producer and the consumers
-// derive it the same way, so they walk the same sequence of tiles.
+// What a work tile is: its rows, sequence, KV head and key tiles. The producer derives it from
+// WorkTiles and hands it to the consumers as a shared-memory record (FwdSmem::record).
 template <int kBlockM, int kBlockN>
 struct FwdWork {
   int head, b, R0, kv_head;
