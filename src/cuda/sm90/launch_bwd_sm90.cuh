@@ -48,11 +48,12 @@ void run_bwd_sm90(const detail::BwdParams& p, const BwdLaunch& launch) {
   float* dsum = reinterpret_cast<float*>(base + ws.dsum);
   float* dq_acc = reinterpret_cast<float*>(base + ws.dq_acc);
   int* dq_sem = reinterpret_cast<int*>(base + ws.dq_sem);
+  int* work_next = reinterpret_cast<int*>(base + ws.work_next);
 
   constexpr int kRowsPerBlock = sm90::RowThread<kHeadDim>::kRowsPerBlock;
   const int padded_q = (p.seqlen_q + kTile.block_m - 1) / kTile.block_m * kTile.block_m;
   const dim3 row_grid((padded_q + kRowsPerBlock - 1) / kRowsPerBlock, p.h, p.batch);
-  bwd_preprocess_sm90<T, kHeadDim><<<row_grid, 256, 0, launch.stream>>>(p, lse, dsum, dq_acc, dq_sem, ws.rows);
+  bwd_preprocess_sm90<T, kHeadDim><<<row_grid, 256, 0, launch.stream>>>(p, lse, dsum, dq_acc, dq_sem, work_next, ws.rows);
   FM_CUDA_CHECK_LAUNCH();
 
   if (p.seqlen_k > 0) {
@@ -60,6 +61,7 @@ void run_bwd_sm90(const detail::BwdParams& p, const BwdLaunch& launch) {
     args.p = p;
     args.dq_acc = dq_acc;
     args.dq_sem = dq_sem;
+    args.work_next = work_next;
     args.rows = ws.rows;
     const bool varlen = p.is_varlen();
     const int batch = varlen ? 1 : p.batch;
@@ -79,11 +81,15 @@ void run_bwd_sm90(const detail::BwdParams& p, const BwdLaunch& launch) {
     constexpr std::size_t kSmem = kTile.smem_bytes(kHeadDim);
     if (mods) allow_dynamic_smem<bwd_kernel_sm90<T, kHeadDim, kModVariant>>(kSmem, p.device.index);
     else allow_dynamic_smem<bwd_kernel_sm90<T, kHeadDim, false>>(kSmem, p.device.index);
-    // One block per (key block, batch · KV head) in BwdWork's order (bwd_group_heads).
+    // One work item per (key block, batch · KV head) in BwdWork's order (bwd_group_heads), walked by
+    // one persistent block per multiprocessor.
     args.group_heads = bwd_group_heads(p, kHeadDim);
-    const std::int64_t blocks = static_cast<std::int64_t>((p.seqlen_k + kTile.block_n - 1) / kTile.block_n) * p.batch * p.h_k;
-    if (blocks > 0x7fffffff) throw Error("k", "the sm90 backward takes at most 2^31 - 1 (key block, batch, KV head) blocks");
-    kernel<<<static_cast<unsigned>(blocks), kTile.threads(), kSmem, launch.stream>>>(args);
+    const std::int64_t items = static_cast<std::int64_t>((p.seqlen_k + kTile.block_n - 1) / kTile.block_n) * p.batch * p.h_k;
+    if (items > 0x7fffffff - 0x10000) throw Error("k", "the sm90 backward takes at most 2^31 - 2^16 (key block, batch, KV head) items");
+    args.items = static_cast<int>(items);
+    const int sms = device_props(p.device.index).num_sms;
+    const unsigned grid = static_cast<unsigned>(items < sms ? items : sms);
+    kernel<<<grid, kTile.threads(), kSmem, launch.stream>>>(args);
     FM_CUDA_CHECK_LAUNCH();
   }
 
