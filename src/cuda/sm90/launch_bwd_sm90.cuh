@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <string>
 
 #include "common/check.cuh"
@@ -31,6 +32,18 @@ inline int bwd_group_heads(const detail::FwdParams& p, int head_dim_bucket) {
   const long long per_head = static_cast<long long>(p.h / p.h_k) * p.seqlen_q * head_dim_bucket * (2 + 2 + 4);
   const long long heads = kBwdGroupL2Bytes / (per_head > 0 ? per_head : 1);
   return heads < 1 ? 1 : static_cast<int>(heads < p.batch * p.h_k ? heads : p.batch * p.h_k);
+}
+
+// The persistent main kernel's blocks: one per multiprocessor, or at most FLASHMONOID_SM90_BWD_BLOCKS
+// (tests: a few blocks then walk many work items each on small shapes; read at every call).
+inline int bwd_persistent_blocks(int sms) {
+  const char* env = std::getenv("FLASHMONOID_SM90_BWD_BLOCKS");
+  if (env == nullptr) return sms;
+  char* end = nullptr;
+  const long n = std::strtol(env, &end, 10);
+  if (end == env || *end != '\0' || n < 1)
+    throw Error("FLASHMONOID_SM90_BWD_BLOCKS", std::string("must be a positive integer (or unset), got '") + env + "'");
+  return n < sms ? static_cast<int>(n) : sms;
 }
 
 template <class T, int kHeadDim>
@@ -87,8 +100,8 @@ void run_bwd_sm90(const detail::BwdParams& p, const BwdLaunch& launch) {
     const std::int64_t items = static_cast<std::int64_t>((p.seqlen_k + kTile.block_n - 1) / kTile.block_n) * p.batch * p.h_k;
     if (items > 0x7fffffff - 0x10000) throw Error("k", "the sm90 backward takes at most 2^31 - 2^16 (key block, batch, KV head) items");
     args.items = static_cast<int>(items);
-    const int sms = device_props(p.device.index).num_sms;
-    const unsigned grid = static_cast<unsigned>(items < sms ? items : sms);
+    const int blocks = bwd_persistent_blocks(device_props(p.device.index).num_sms);
+    const unsigned grid = static_cast<unsigned>(items < blocks ? items : blocks);
     kernel<<<grid, kTile.threads(), kSmem, launch.stream>>>(args);
     FM_CUDA_CHECK_LAUNCH();
   }
