@@ -826,6 +826,78 @@ __device__ __forceinline__ void bwd_consumer_head_split(const BwdKernelArgsSm90&
 
 }  // namespace sm90
 
+namespace sm90 {
+
+// The producer (one thread): per work item K and V once into their slots, then Q, dO, lse and D of
+// each of its steps into the q_stages ring, which runs on across items.
+template <class T, int kHeadDim>
+__device__ __forceinline__ void bwd_producer(const BwdKernelArgsSm90& args, const BwdSmem<T, kHeadDim>& sm) {
+  using Smem = BwdSmem<T, kHeadDim>;
+  constexpr int kBlockM = Smem::kBlockM, kBlockN = Smem::kBlockN, kStages = Smem::kStages;
+  constexpr int kPanels = kHeadDim / kPanelCols;
+  const detail::BwdParams& p = args.p;
+  prefetch_tensor_map(&args.tm_q);
+  prefetch_tensor_map(&args.tm_do);
+  // Items come from work_next in index order, each taken by a running block (so the deterministic
+  // dQ's waits, for lower key blocks of the same head, are for items that run or have run), the
+  // next one while this item's last steps run (the atomic's latency off the path); items without
+  // keys (a varlen sequence shorter than the key block) are skipped.
+  auto take = [&] {
+    int item = atomicAdd(args.work_next, 1);
+    while (item < args.items && BwdWork<kBlockM, kBlockN>::empty_item(args, item)) item = atomicAdd(args.work_next, 1);
+    return item < args.items ? item : -1;
+  };
+  int item = take();
+  // The block's steps so far (the Q ring's position) times 2, plus the parity of the items loaded
+  // (the K/V barriers' phase): one register of the 24.
+  unsigned state = 0;
+#pragma unroll 1
+  for (;;) {
+    // K and V of the previous item are read (by every consumer) and its record too.
+    sm.kv_empty().wait((state & 1) ^ 1);
+    sm.record() = item;  // published by kv_full's arrival
+    if (item < 0) {
+      sm.kv_full().arrive();
+      break;
+    }
+    const BwdWork<kBlockM, kBlockN> w(args, item);
+    const int batch_coord = p.is_varlen() ? 0 : w.b;  // varlen tensors are one batch entry of packed rows
+    // K and V once; keys past the sequence belong to the next one (or read as zeros): masked.
+    const int k_row = static_cast<int>(w.si.k_row0 + w.kb);
+    sm.kv_full().arrive_expect_tx(2 * Smem::kKVElems * sizeof(T));
+#pragma unroll
+    for (int pn = 0; pn < kPanels; ++pn) {
+      tma_load(sm.k() + pn * kBlockN * kPanelCols, &args.tm_k, pn * kPanelCols, w.kv_head, k_row, batch_coord, sm.kv_full());
+      tma_load(sm.v() + pn * kBlockN * kPanelCols, &args.tm_v, pn * kPanelCols, w.kv_head, k_row, batch_coord, sm.kv_full());
+    }
+    const std::int64_t prow0 = padded_row0<kBlockM>(p, w.b);
+    auto cur = w.first();
+#pragma unroll 1
+    for (int j = 0; j < w.steps(); ++j, w.next(cur), state += 2) {
+      const int stage = (state >> 1) % kStages;
+      const std::uint32_t phase = ((state >> 1) / kStages) & 1;
+      const int head = cur.head, m0 = cur.m_block * kBlockM;
+      sm.q_empty(stage).wait(phase ^ 1);
+      Barrier& full = sm.q_full(stage);
+      full.arrive_expect_tx(2 * Smem::kQElems * sizeof(T) + 2 * kBlockM * sizeof(float));
+      const int q_row = static_cast<int>(w.si.q_row0 + m0);
+#pragma unroll
+      for (int pn = 0; pn < kPanels; ++pn) {
+        tma_load(sm.q(stage) + pn * kBlockM * kPanelCols, &args.tm_q, pn * kPanelCols, head, q_row, batch_coord, full);
+        tma_load(sm.dout(stage) + pn * kBlockM * kPanelCols, &args.tm_do, pn * kPanelCols, head, q_row, batch_coord, full);
+      }
+      // lse and D by a tensor map too: racecheck reported the 1-D bulk copies (cp.async.bulk) into
+      // the stage against the consumers' reads before the q_empty arrival (10 hazards), which the
+      // tensor loads under the same barriers are not.
+      tma_load(sm.lse(stage), &args.tm_rows, static_cast<int>(prow0 + m0), head, 0, full);
+    }
+    state ^= 1;
+    item = take();
+  }
+}
+
+}  // namespace sm90
+
 // kScoreMods: the variant with softcap, ALiBi and dropout (the common one carries none of their
 // registers).
 template <class T, int kHeadDim, bool kScoreMods>
@@ -835,10 +907,7 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
   using Smem = BwdSmem<T, kHeadDim>;
   constexpr BwdTileSm90 kTile = Smem::kTile;
   static_assert(kTile.registers_fit(), "setmaxnreg targets exceed the block's launch registers");
-  constexpr int kBlockM = kTile.block_m, kBlockN = kTile.block_n, kStages = kTile.q_stages;
-  constexpr int kPanels = kHeadDim / kPanelCols;
-
-  const detail::BwdParams& p = args.p;
+  constexpr int kBlockM = kTile.block_m, kBlockN = kTile.block_n;
 
   extern __shared__ unsigned char smem_raw[];
   const Smem sm(smem_raw);
@@ -856,65 +925,7 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
         return;
       }
     }
-    if (threadIdx.x != 0) return;
-    prefetch_tensor_map(&args.tm_q);
-    prefetch_tensor_map(&args.tm_do);
-    // Items come from work_next in index order, each taken by a running block (so the deterministic
-    // dQ's waits, for lower key blocks of the same head, are for items that run or have run), the
-    // next one while this item's last steps run (the atomic's latency off the path); items without
-    // keys (a varlen sequence shorter than the key block) are skipped.
-    auto take = [&] {
-      int item = atomicAdd(args.work_next, 1);
-      while (item < args.items && BwdWork<kBlockM, kBlockN>::empty_item(args, item)) item = atomicAdd(args.work_next, 1);
-      return item < args.items ? item : -1;
-    };
-    int item = take();
-    // The block's steps so far (the Q ring's position) times 2, plus the parity of the items loaded
-    // (the K/V barriers' phase): one register of the 24.
-    unsigned state = 0;
-#pragma unroll 1
-    for (;;) {
-      // K and V of the previous item are read (by every consumer) and its record too.
-      sm.kv_empty().wait((state & 1) ^ 1);
-      sm.record() = item;  // published by kv_full's arrival
-      if (item < 0) {
-        sm.kv_full().arrive();
-        break;
-      }
-      const BwdWork<kBlockM, kBlockN> w(args, item);
-      const int batch_coord = p.is_varlen() ? 0 : w.b;  // varlen tensors are one batch entry of packed rows
-      // K and V once; keys past the sequence belong to the next one (or read as zeros): masked.
-      const int k_row = static_cast<int>(w.si.k_row0 + w.kb);
-      sm.kv_full().arrive_expect_tx(2 * Smem::kKVElems * sizeof(T));
-#pragma unroll
-      for (int pn = 0; pn < kPanels; ++pn) {
-        tma_load(sm.k() + pn * kBlockN * kPanelCols, &args.tm_k, pn * kPanelCols, w.kv_head, k_row, batch_coord, sm.kv_full());
-        tma_load(sm.v() + pn * kBlockN * kPanelCols, &args.tm_v, pn * kPanelCols, w.kv_head, k_row, batch_coord, sm.kv_full());
-      }
-      const std::int64_t prow0 = padded_row0<kBlockM>(p, w.b);
-      auto cur = w.first();
-#pragma unroll 1
-      for (int j = 0; j < w.steps(); ++j, w.next(cur), state += 2) {
-        const int stage = (state >> 1) % kStages;
-        const std::uint32_t phase = ((state >> 1) / kStages) & 1;
-        const int head = cur.head, m0 = cur.m_block * kBlockM;
-        sm.q_empty(stage).wait(phase ^ 1);
-        Barrier& full = sm.q_full(stage);
-        full.arrive_expect_tx(2 * Smem::kQElems * sizeof(T) + 2 * kBlockM * sizeof(float));
-        const int q_row = static_cast<int>(w.si.q_row0 + m0);
-#pragma unroll
-        for (int pn = 0; pn < kPanels; ++pn) {
-          tma_load(sm.q(stage) + pn * kBlockM * kPanelCols, &args.tm_q, pn * kPanelCols, head, q_row, batch_coord, full);
-          tma_load(sm.dout(stage) + pn * kBlockM * kPanelCols, &args.tm_do, pn * kPanelCols, head, q_row, batch_coord, full);
-        }
-        // lse and D by a tensor map too: racecheck reported the 1-D bulk copies (cp.async.bulk) into
-        // the stage against the consumers' reads before the q_empty arrival (10 hazards), which the
-        // tensor loads under the same barriers are not.
-        tma_load(sm.lse(stage), &args.tm_rows, static_cast<int>(prow0 + m0), head, 0, full);
-      }
-      state ^= 1;
-      item = take();
-    }
+    if (threadIdx.x == 0) bwd_producer<T, kHeadDim>(args, sm);
     return;
   }
 
