@@ -365,9 +365,20 @@ TEST_P(CudaBackward, GroupedBlockOrder) {
 TEST_P(CudaBackward, PersistentBlocksWalkManyItems) {
   if (GetParam() != flashmonoid::CudaPath::sm90) GTEST_SKIP() << "the sm80 backward is not persistent";
   struct BlocksCap {
-    BlocksCap() { setenv("FLASHMONOID_SM90_BWD_BLOCKS", "3", 1); }
+    BlocksCap() { setenv("FLASHMONOID_SM90_BWD_BLOCKS", "0", 1); }
     ~BlocksCap() { unsetenv("FLASHMONOID_SM90_BWD_BLOCKS"); }
   } cap;
+  {  // The cap is read on this path: a value that is not a positive count is refused by name.
+    const Problem pb(shape_of(DType::bf16, 1, 64, 64, 2, 2, 64));
+    GpuCase g(pb, false);
+    try {
+      g.run(GetParam());
+      ADD_FAILURE() << "FLASHMONOID_SM90_BWD_BLOCKS=0 was accepted";
+    } catch (const flashmonoid::Error& e) {
+      EXPECT_EQ(e.argument(), "FLASHMONOID_SM90_BWD_BLOCKS") << e.what();
+    }
+  }
+  setenv("FLASHMONOID_SM90_BWD_BLOCKS", "3", 1);
   for (int d : {64, 128, 256}) {
     Shape s = shape_of(DType::bf16, 2, 200, 333, 4, 2, d);
     s.causal = true;
