@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -355,6 +356,50 @@ TEST_P(CudaBackward, GroupedBlockOrder) {
     check_backward(s);
     if (d == 128) check_deterministic(s, 10);
   }
+}
+
+// The sm90 backward's persistent blocks walk many work items each when FLASHMONOID_SM90_BWD_BLOCKS
+// caps them at 3 (the other tests' shapes give most blocks a single item): the Q/dO ring, the score
+// buffers' parity and the K/V hand-over run on across items, under causal masks and GQA, with varlen
+// items that have no keys (skipped), dropout and score modifiers, and in the deterministic order.
+TEST_P(CudaBackward, PersistentBlocksWalkManyItems) {
+  if (GetParam() != flashmonoid::CudaPath::sm90) GTEST_SKIP() << "the sm80 backward is not persistent";
+  struct BlocksCap {
+    BlocksCap() { setenv("FLASHMONOID_SM90_BWD_BLOCKS", "0", 1); }
+    ~BlocksCap() { unsetenv("FLASHMONOID_SM90_BWD_BLOCKS"); }
+  } cap;
+  {  // The cap is read on this path: a value that is not a positive count is refused by name.
+    const Problem pb(shape_of(DType::bf16, 1, 64, 64, 2, 2, 64));
+    GpuCase g(pb, false);
+    try {
+      g.run(GetParam());
+      ADD_FAILURE() << "FLASHMONOID_SM90_BWD_BLOCKS=0 was accepted";
+    } catch (const flashmonoid::Error& e) {
+      EXPECT_EQ(e.argument(), "FLASHMONOID_SM90_BWD_BLOCKS") << e.what();
+    }
+  }
+  setenv("FLASHMONOID_SM90_BWD_BLOCKS", "3", 1);
+  for (int d : {64, 128, 256}) {
+    Shape s = shape_of(DType::bf16, 2, 200, 333, 4, 2, d);
+    s.causal = true;
+    s.window_right = 0;
+    check_backward(s);
+    Shape v = shape_of(DType::f16, 5, 0, 0, 4, 2, d);
+    v.varlen = true;
+    v.lens_q = {70, 1, 150, 64, 9};
+    v.lens_k = {300, 0, 20, 129, 1};
+    v.s_q = 150;
+    v.s_k = 300;
+    v.window_left = 90;
+    v.window_right = 10;
+    v.dropout_p = 0.1f;
+    v.softcap = 6.0f;
+    check_backward(v);
+  }
+  Shape det = shape_of(DType::bf16, 2, 300, 350, 4, 2, 128);
+  det.causal = true;
+  det.window_right = 0;
+  check_deterministic(det, 5);
 }
 
 // Timing, off by default (--gtest_also_run_disabled_tests): bf16, 16k tokens, hidden 2048,

@@ -94,8 +94,9 @@ struct WorkTiles {
 // form a contiguous range from the key block of band.key_begin(row0) on (a band mask's visible keys
 // per row are an interval that moves right by one per row), and they add their dQ partials in
 // key-block order behind the tile's semaphore, which counts the additions done. dq_turn is key block
-// n_block's place in that range. A block waits only for blocks < n_block of the same (batch, head),
-// which the hardware launched before it (lower linear block index), so the wait cannot deadlock.
+// n_block's place in that range. A key block waits only for key blocks < n_block of the same
+// (batch, head), which started before it (sm80: a lower linear block index, launched first; sm90: a
+// work item taken earlier by a running persistent block), so the wait cannot deadlock.
 template <int kBlockN>
 __device__ __forceinline__ int dq_turn(const detail::Band& band, int n_block, std::int64_t row0, std::int64_t len_k) {
   return n_block - static_cast<int>(band.key_begin(row0, len_k) / kBlockN);

@@ -33,10 +33,12 @@ inline bool bwd_sm90_eligible(const detail::BwdParams& p) {
 //                     convert kernel undoes it), added to by the key blocks with bulk reductions
 //   dq_sem (h, rows / block_m) int32: in the deterministic mode, how many key blocks have added
 //                     into each query block's dQ so far (they add in increasing key-block order)
+//   work_next  int32: the persistent main kernel's next work item (cleared by the pre-pass, taken
+//                     with atomicAdd)
 struct BwdWorkspaceLayoutSm90 {
   std::int64_t rows = 0;
   int dq_cols = 0;
-  std::size_t lse = 0, dsum = 0, dq_acc = 0, dq_sem = 0, total = 0;
+  std::size_t lse = 0, dsum = 0, dq_acc = 0, dq_sem = 0, work_next = 0, total = 0;
 };
 
 inline BwdWorkspaceLayoutSm90 bwd_workspace_layout_sm90(const detail::BwdParams& p) {
@@ -50,7 +52,8 @@ inline BwdWorkspaceLayoutSm90 bwd_workspace_layout_sm90(const detail::BwdParams&
   w.dsum = align(n * sizeof(float));
   w.dq_acc = w.dsum + align(n * sizeof(float));
   w.dq_sem = w.dq_acc + align(n * static_cast<std::size_t>(w.dq_cols) * sizeof(float));
-  w.total = w.dq_sem + align(n / static_cast<std::size_t>(block_m) * sizeof(int));
+  w.work_next = w.dq_sem + align(n / static_cast<std::size_t>(block_m) * sizeof(int));
+  w.total = w.work_next + align(sizeof(int));
   return w;
 }
 

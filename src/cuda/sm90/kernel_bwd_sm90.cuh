@@ -1,11 +1,12 @@
 // The sm90 backward: warp-specialised, TMA + wgmma, three kernels:
 //   1. bwd_preprocess_sm90: per query row D = rowsum(dO∘O) and lse·log2(e) into the workspace,
 //      padded per sequence to whole query blocks (bwd_sm90.hpp); clears the dQ accumulator.
-//   2. bwd_kernel_sm90: one block per (key block, KV head, batch), key blocks fastest. A producer
-//      warpgroup (one thread) loads K and V once, then streams Q, dO, lse and D of every query block
-//      of every query head of the GQA group that sees the keys through a q_stages ring (TMA,
-//      mbarriers). Up to hdim 128 the two consumer warpgroups own 64 of the block's 128 keys each
-//      (bwd_consumer_key_split):
+//   2. bwd_kernel_sm90: persistent, one block per multiprocessor, walking the work items (key block,
+//      KV head, batch) in BwdWork's order, each taken by the block that frees first (work_next). A
+//      producer warpgroup (one thread) loads an item's K and V once, then streams Q, dO, lse and D of
+//      every query block of every query head of the GQA group that sees the keys through a q_stages
+//      ring (TMA, mbarriers) that runs on across items. Up to hdim 128 the two consumer warpgroups
+//      own 64 of the block's 128 keys each (bwd_consumer_key_split):
 //        Sᵀ = K Qᵀ, dPᵀ = V dOᵀ            wgmma, both operands from shared memory
 //        Pᵀ = exp2(Sᵀ·scale·log2 e - lse), dSᵀ = Pᵀ∘(dPᵀ - D)   in registers
 //        dV += Pᵀ dO, dK += dSᵀ Q          wgmma with Pᵀ, dSᵀ from registers; dK, dV stay in fp32
@@ -41,6 +42,8 @@ struct BwdKernelArgsSm90 {
   detail::BwdParams p;
   float* dq_acc;      // (h, rows, head-dim bucket) in fragment order per query block
   int* dq_sem;        // (h, rows / kBlockM) key blocks added so far, deterministic mode only
+  int* work_next;     // the next work item to take, zero at the launch
+  int items;          // work items: key blocks · batch · KV heads
   std::int64_t rows;  // padded query rows per head
   int group_heads;    // BwdWork's block order: 0 key blocks fastest, else groups of this many batch·KV heads
 };
@@ -125,13 +128,14 @@ struct RowThread {
 }  // namespace sm90
 
 // 1. D and lse·log2(e) per padded query row (+inf lse on padding rows and rows that saw no key, so
-// that their P is exp2(s - inf) = 0), zeros in the dQ accumulator and its semaphores. kHeadDim / 8
-// lanes per row.
+// that their P is exp2(s - inf) = 0), zeros in the dQ accumulator, its semaphores and work_next.
+// kHeadDim / 8 lanes per row.
 template <class T, int kHeadDim>
 __global__ void __launch_bounds__(256)
     bwd_preprocess_sm90(const detail::BwdParams p, float* __restrict__ lse, float* __restrict__ dsum,
-                        float* __restrict__ dq_acc, int* __restrict__ dq_sem, std::int64_t rows) {
+                        float* __restrict__ dq_acc, int* __restrict__ dq_sem, int* __restrict__ work_next, std::int64_t rows) {
   constexpr int kBlockM = bwd_tile_sm90(kHeadDim).block_m;
+  if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) *work_next = 0;
   const sm90::RowThread<kHeadDim> t(p);
   const auto [b, head, lane, i, si] = t;
   const int padded_len = (si.len_q + kBlockM - 1) / kBlockM * kBlockM;
@@ -212,7 +216,7 @@ struct BwdSmem {
   float* f32;  // the dQ tile (both parts), then per stage lse (kBlockM) and D (kBlockM)
   static constexpr int kKeepWords = kBlockM * kBlockN / 32;
   std::uint32_t* keep;  // dropout keep bits of the step (dropout_keep_tile), kBlockN / 32 words per query row
-  Barrier* bars;  // kv_full, q_full (kStages), q_empty (kStages)
+  Barrier* bars;  // kv_full, q_full (kStages), q_empty (kStages), kv_empty, then the work record
 
   __device__ __forceinline__ explicit BwdSmem(unsigned char* raw)
       : base(reinterpret_cast<T*>(align_smem_1024(raw))),
@@ -236,6 +240,14 @@ struct BwdSmem {
   __device__ __forceinline__ Barrier& kv_full() const { return bars[0]; }
   __device__ __forceinline__ Barrier& q_full(int stage) const { return bars[1 + stage]; }
   __device__ __forceinline__ Barrier& q_empty(int stage) const { return bars[1 + kStages + stage]; }
+  // K and V (and the record) read by every consumer thread (and the dQ writer's lanes): the producer
+  // may load the next work item's.
+  __device__ __forceinline__ Barrier& kv_empty() const { return bars[2 + 2 * kStages]; }
+  // The work item whose K and V kv_full announces (written by the producer before its arrival; -1:
+  // no more work).
+  __device__ __forceinline__ int& record() const { return *reinterpret_cast<int*>(bars + 3 + 2 * kStages); }
+  static constexpr int kKvEmptyArrivals = 128 * BwdTileSm90::consumers + (kTile.head_split ? 0 : 32);
+  static_assert((3 + 2 * kStages) * sizeof(Barrier) + sizeof(int) <= 64, "barriers and the record fit smem_bytes's 64 bytes");
 
   __device__ __forceinline__ void init_barriers() const {
     kv_full().init(1);
@@ -244,15 +256,16 @@ struct BwdSmem {
       q_full(s).init(1);
       q_empty(s).init(4 * BwdTileSm90::consumers);  // one arrival per consumer warp
     }
+    kv_empty().init(kKvEmptyArrivals);
     fence_barrier_init();
   }
 };
 
-// What a block does: its keys, sequence, KV head and the (query head, query block) steps, derived
-// the same way by the producer, the dQ writer and the consumers. The grid is 1-D, the key blocks
-// of one (batch, KV head) consecutive, so that the blocks running together share their Q, dO and
-// dQ rows in L2 (with the (batch, head) pairs fastest, 2k tokens ran at 240 TFLOP/s instead of 386
-// at hdim 128, H100). Steps run head-major, query blocks last to first. (Starting each key
+// What a work item is: its keys, sequence, KV head and the (query head, query block) steps, derived
+// the same way by the producer, the dQ writer and the consumers. Items are taken in index order,
+// the key blocks of one (batch, KV head) consecutive, so that the items running together share
+// their Q, dO and dQ rows in L2 (with the (batch, head) pairs fastest, 2k tokens ran at 240 TFLOP/s
+// instead of 386 at hdim 128, H100). Steps run head-major, query blocks last to first. (Starting each key
 // block's sweep at its own query block, so that the key blocks of a head do not add into the same
 // dQ rows at the same time, measured within noise: bench/NOTES.md.)
 template <int kBlockM, int kBlockN>
@@ -264,11 +277,25 @@ struct BwdWork {
   detail::Band band;
   QueryTiles qb;
 
-  __device__ __forceinline__ BwdWork(const BwdKernelArgsSm90& args, int block) : group(args.p.h / args.p.h_k) {
+  __device__ __forceinline__ static BwdBlockCoords coords(const BwdKernelArgsSm90& args, int item) {
     const detail::FwdParams& p = args.p;
     const int n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
-    const BwdBlockCoords c = bwd_block_coords(static_cast<unsigned>(block), static_cast<unsigned>(n_blocks),
-                                              static_cast<unsigned>(p.batch * p.h_k), static_cast<unsigned>(args.group_heads));
+    return bwd_block_coords(static_cast<unsigned>(item), static_cast<unsigned>(n_blocks), static_cast<unsigned>(p.batch * p.h_k),
+                            static_cast<unsigned>(args.group_heads));
+  }
+  // empty() of item `item` without the rest of BwdWork (the producer has 24 registers): only a
+  // varlen sequence shorter than the padded key range has key blocks past its end.
+  __device__ __forceinline__ static bool empty_item(const BwdKernelArgsSm90& args, int item) {
+    const detail::FwdParams& p = args.p;
+    if (p.cu_seqlens_k == nullptr) return false;
+    const BwdBlockCoords c = coords(args, item);
+    const int b = static_cast<int>(c.batch_head) / p.h_k;
+    return static_cast<std::int64_t>(c.n_block) * kBlockN >= p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b];
+  }
+
+  __device__ __forceinline__ BwdWork(const BwdKernelArgsSm90& args, int item) : group(args.p.h / args.p.h_k) {
+    const detail::FwdParams& p = args.p;
+    const BwdBlockCoords c = coords(args, item);
     const int n_block = static_cast<int>(c.n_block), batch_head = static_cast<int>(c.batch_head);
     b = batch_head / p.h_k;
     kv_head = batch_head % p.h_k;
@@ -314,50 +341,74 @@ namespace sm90 {
 // (dq_turn, block_range.cuh), so the fp32 sums are the same in every run: before its reductions
 // the writer waits for its turn on the query block's semaphore; after them it waits for the
 // additions to complete and passes the turn on.
-template <int kBlockM, int kBlockN, int kHeadDim>
-__device__ __forceinline__ void dq_writer(const BwdKernelArgsSm90& args, float* dq_smem, int lane) {
+// Each role's walk over the block's work items: wait for the item's K and V, read its record, and
+// release the record (the dQ writer at once; the consumers once their last products have read K and
+// V). The step count runs on across items (stages, phases and the score buffers' parity).
+template <class Smem>
+struct ItemWalk {
+  const Smem& sm;
+  // The block's steps before this item, times 2, plus the parity of the items taken so far (kv_full's
+  // phase): one register, as two made the hdim-128 score-modifier consumers spill 4 bytes.
+  int state = 0;
+  __device__ __forceinline__ explicit ItemWalk(const Smem& sm_) : sm(sm_) {}
+  __device__ __forceinline__ int step0() const { return state >> 1; }
+  // The next item, or -1 when there is none.
+  __device__ __forceinline__ int next() {
+    sm.kv_full().wait(static_cast<std::uint32_t>(state & 1));
+    return sm.record();
+  }
+  __device__ __forceinline__ void done(int steps) { state = ((step0() + steps) << 1) | ((state & 1) ^ 1); }
+};
+
+template <int kBlockM, int kBlockN, int kHeadDim, class Smem>
+__device__ __forceinline__ void dq_writer(const BwdKernelArgsSm90& args, const Smem& sm, float* dq_smem, int lane) {
   constexpr int kHalfFloats = DqSplit<kBlockM, kHeadDim>::kFloats;
-  const BwdWork<kBlockM, kBlockN> w(args, blockIdx.x);
-  const int steps = w.steps();
   const bool ordered = args.p.deterministic;
-#pragma unroll
-  for (int c = 0; c < BwdTileSm90::consumers; ++c) named_arrive(kBarDqEmpty + c, kDqSyncThreads);  // both halves start free
-  const std::int64_t prow0 = padded_row0<kBlockM>(args.p, w.b);
-  auto cur = w.first();
+  ItemWalk<Smem> walk(sm);
 #pragma unroll 1
-  for (int step = 0; step < steps; ++step, w.next(cur)) {
-    const std::int64_t row = static_cast<std::int64_t>(cur.head) * args.rows + prow0 + cur.m_block * kBlockM;
-    int* sem = args.dq_sem + row / kBlockM;
-    const int turn = ordered ? dq_turn<kBlockN>(w.band, static_cast<int>(w.kb / kBlockN), static_cast<std::int64_t>(cur.m_block) * kBlockM, w.si.len_k) : 0;
-    if (ordered && lane == 0) {
-      sem_wait(sem, turn);
-      ::cuda::ptx::fence_proxy_async(::cuda::ptx::space_global);  // the others' additions before ours
-    }
+  for (int item; (item = walk.next()) >= 0;) {
+    const BwdWork<kBlockM, kBlockN> w(args, item);
+    sm.kv_empty().arrive();  // the record is read; K and V are not the writer's
+    const int steps = w.steps();
+    const std::int64_t prow0 = padded_row0<kBlockM>(args.p, w.b);
+    auto cur = w.first();
+#pragma unroll 1
+    for (int step = 0; step < steps; ++step, w.next(cur)) {
+      // The halves are free once the previous step's reductions have read them (at the block's first
+      // step nothing is pending): one hand-back per step, as the consumers take one.
 #pragma unroll
-    for (int c = 0; c < BwdTileSm90::consumers; ++c) {
-      named_sync(kBarDqFull + c, kDqSyncThreads);
-      if (lane == 0) {
-        ::cuda::ptx::cp_reduce_async_bulk(::cuda::ptx::space_global, ::cuda::ptx::space_shared, ::cuda::ptx::op_add,
-                                          args.dq_acc + row * kHeadDim + c * kHalfFloats, dq_smem + c * kHalfFloats,
-                                          kHalfFloats * sizeof(float));
-        ::cuda::ptx::cp_async_bulk_commit_group();
+      for (int c = 0; c < BwdTileSm90::consumers; ++c) {
+        if (lane == 0) {
+          if (c == 0) ::cuda::ptx::cp_async_bulk_wait_group_read(::cuda::ptx::n32_t<1>{});
+          else ::cuda::ptx::cp_async_bulk_wait_group_read(::cuda::ptx::n32_t<0>{});
+        }
+        __syncwarp();
+        named_arrive(kBarDqEmpty + c, kDqSyncThreads);
+      }
+      const std::int64_t row = static_cast<std::int64_t>(cur.head) * args.rows + prow0 + cur.m_block * kBlockM;
+      int* sem = args.dq_sem + row / kBlockM;
+      const int turn = ordered ? dq_turn<kBlockN>(w.band, static_cast<int>(w.kb / kBlockN), static_cast<std::int64_t>(cur.m_block) * kBlockM, w.si.len_k) : 0;
+      if (ordered && lane == 0) {
+        sem_wait(sem, turn);
+        ::cuda::ptx::fence_proxy_async(::cuda::ptx::space_global);  // the others' additions before ours
+      }
+#pragma unroll
+      for (int c = 0; c < BwdTileSm90::consumers; ++c) {
+        named_sync(kBarDqFull + c, kDqSyncThreads);
+        if (lane == 0) {
+          ::cuda::ptx::cp_reduce_async_bulk(::cuda::ptx::space_global, ::cuda::ptx::space_shared, ::cuda::ptx::op_add,
+                                            args.dq_acc + row * kHeadDim + c * kHalfFloats, dq_smem + c * kHalfFloats,
+                                            kHalfFloats * sizeof(float));
+          ::cuda::ptx::cp_async_bulk_commit_group();
+        }
+      }
+      if (ordered && lane == 0) {
+        ::cuda::ptx::cp_async_bulk_wait_group(::cuda::ptx::n32_t<0>{});
+        ::cuda::ptx::fence_proxy_async(::cuda::ptx::space_global);
+        sem_release(sem, turn + 1);
       }
     }
-    if (ordered && lane == 0) {
-      ::cuda::ptx::cp_async_bulk_wait_group(::cuda::ptx::n32_t<0>{});
-      ::cuda::ptx::fence_proxy_async(::cuda::ptx::space_global);
-      sem_release(sem, turn + 1);
-    }
-    if (step + 1 == steps) break;  // nobody waits for the last hand-back
-#pragma unroll
-    for (int c = 0; c < BwdTileSm90::consumers; ++c) {
-      if (lane == 0) {
-        if (c == 0) ::cuda::ptx::cp_async_bulk_wait_group_read(::cuda::ptx::n32_t<1>{});
-        else ::cuda::ptx::cp_async_bulk_wait_group_read(::cuda::ptx::n32_t<0>{});
-      }
-      __syncwarp();
-      named_arrive(kBarDqEmpty + c, kDqSyncThreads);
-    }
+    walk.done(steps);
   }
   if (lane == 0) ::cuda::ptx::cp_async_bulk_wait_group(::cuda::ptx::n32_t<0>{});
 }
@@ -543,21 +594,23 @@ __device__ __forceinline__ void release_stage(Barrier& empty, int lane) {
   if (lane == 0) empty.arrive();
 }
 
-// The consumers' walk over a block's steps, as a loop header:
-//   for (ConsumerSteps it(sm, w); it.wait_next(); it.release(lane)) { ... }
+// The consumers' walk over a work item's steps, as a loop header:
+//   for (ConsumerSteps it(sm, w, step0); it.wait_next(); it.release(lane)) { ... }
 // waits for each step's Q/dO stage and hands it back after the body (which has waited for its
-// wgmmas). (A lambda body made ptxas spill at hdim 64; so did the step's prologue, keep bits +
-// products + score steps, as a member shared by both mainloops: 60 bytes. It stays in each.)
+// wgmmas); `step` counts the block's steps (ItemWalk::step0 before this item's). (A lambda body
+// made ptxas spill at hdim 64; so did the step's prologue, keep bits + products + score steps, as a
+// member shared by both mainloops: 60 bytes. It stays in each.)
 template <class Smem, class Work>
 struct ConsumerSteps {
   const Smem& sm;
   const Work& w;
   typename Work::Cursor cur;
-  int step = 0;
-  __device__ __forceinline__ ConsumerSteps(const Smem& sm_, const Work& w_) : sm(sm_), w(w_), cur(w_.first()) {}
+  int step, end;
+  __device__ __forceinline__ ConsumerSteps(const Smem& sm_, const Work& w_, int step0)
+      : sm(sm_), w(w_), cur(w_.first()), step(step0), end(step0 + w_.steps()) {}
   __device__ __forceinline__ int stage() const { return step % Smem::kStages; }
   __device__ __forceinline__ bool wait_next() {
-    if (step >= w.steps()) return false;
+    if (step >= end) return false;
     sm.q_full(stage()).wait((step / Smem::kStages) & 1);
     return true;
   }
@@ -591,7 +644,6 @@ __device__ __forceinline__ void bwd_consumer_key_split(const BwdKernelArgsSm90& 
   constexpr int kSTiles = kBlockM / 8, kDTiles = kHeadDim / 8;
   static_assert(kHeadDim % kPanelCols == 0 && kBlockM % 64 == 0 && kBlockN == 128, "whole 64-wide panels, 64 keys per consumer");
   const detail::BwdParams& p = args.p;
-  const BwdWork<kBlockM, kBlockN> w(args, blockIdx.x);
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   // This warpgroup's keys: rows [64·consumer, 64·consumer + 64) of the K and V panels.
   const std::uint32_t k_addr = smem_addr(sm.k()), v_addr = smem_addr(sm.v()), ds_addr = smem_addr(sm.ds(0));
@@ -607,69 +659,74 @@ __device__ __forceinline__ void bwd_consumer_key_split(const BwdKernelArgsSm90& 
   // Key of this thread's accumulator rows (half h: +8), relative to the block.
   const int key_row = 64 * consumer + 16 * warp + lane / 4;
 
-  float dk[1][kDTiles][4] = {};  // (64 keys, kHeadDim) per warpgroup, unscaled
-  float dv[1][kDTiles][4] = {};
-  sm.kv_full().wait(0);
-
+  ItemWalk<Smem> walk(sm);
 #pragma unroll 1
-  for (ConsumerSteps it(sm, w); it.wait_next(); it.release(lane)) {
-    const int step = it.step, stage = it.stage(), m0 = it.cur.m_block * kBlockM;
-    const std::uint32_t q_addr = smem_addr(sm.q(stage)), do_addr = smem_addr(sm.dout(stage));
+  for (int item; (item = walk.next()) >= 0;) {
+    const BwdWork<kBlockM, kBlockN> w(args, item);
+    float dk[1][kDTiles][4] = {};  // (64 keys, kHeadDim) per warpgroup, unscaled
+    float dv[1][kDTiles][4] = {};
+#pragma unroll 1
+    for (ConsumerSteps it(sm, w, walk.step0()); it.wait_next(); it.release(lane)) {
+      const int step = it.step, stage = it.stage(), m0 = it.cur.m_block * kBlockM;
+      const std::uint32_t q_addr = smem_addr(sm.q(stage)), do_addr = smem_addr(sm.dout(stage));
 
-    keep_tile_step<kMods>(p, sm, w, it.cur.head, m0);
-    // Sᵀ (64 keys, kBlockM) = K Qᵀ and dPᵀ = V dOᵀ.
-    float s[1][kSTiles][4], dp[1][kSTiles][4];
-    score_products_t<T, kHeadDim, kBlockN, kBlockM>(flat(s), flat(dp), k_own, v_own, q_addr, do_addr);
+      keep_tile_step<kMods>(p, sm, w, it.cur.head, m0);
+      // Sᵀ (64 keys, kBlockM) = K Qᵀ and dPᵀ = V dOᵀ.
+      float s[1][kSTiles][4], dp[1][kSTiles][4];
+      score_products_t<T, kHeadDim, kBlockN, kBlockM>(flat(s), flat(dp), k_own, v_own, q_addr, do_addr);
 
-    std::uint32_t pa[kSTiles / 2][4], dsa[kSTiles / 2][4];  // Pᵀ and dSᵀ as A fragments
-    score_steps_t<T, kMods>(s, dp, pa, dsa, p, sm, stage, w, it.cur.head, m0, 0, key_row, lane);
+      std::uint32_t pa[kSTiles / 2][4], dsa[kSTiles / 2][4];  // Pᵀ and dSᵀ as A fragments
+      score_steps_t<T, kMods>(s, dp, pa, dsa, p, sm, stage, w, it.cur.head, m0, 0, key_row, lane);
 
-    // dSᵀ to shared memory for dQ. Two buffers, by step parity, so that no barrier is needed
-    // before the write: the other warpgroup read buffer step % 2 in its dQ of step - 2, which it
-    // waited for before it arrived at the barrier of step - 1 that this warpgroup has passed.
-    const std::uint32_t ds_buf = ds_addr + (step & 1) * Smem::kSElems * sizeof(T);
-    store_scores_t<kBlockN>(ds_buf, dsa, key_row, 0, lane);
+      // dSᵀ to shared memory for dQ. Two buffers, by step parity, so that no barrier is needed
+      // before the write: the other warpgroup read buffer step % 2 in its dQ of step - 2, which it
+      // waited for before it arrived at the barrier of step - 1 that this warpgroup has passed.
+      const std::uint32_t ds_buf = ds_addr + (step & 1) * Smem::kSElems * sizeof(T);
+      store_scores_t<kBlockN>(ds_buf, dsa, key_row, 0, lane);
 
-    // dV += Pᵀ dO (A from registers, B N-major) while the other warpgroup's dSᵀ comes in; then the
-    // dQ part (DqSplit: 64 rows) = dS K over the block's 128 keys; then dK += dSᵀ Q, which runs
-    // while the dQ part is staged. (Carrying dV, dK into the next step's Sᵀ, dPᵀ measured 8% slower
-    // at hdim 128, 16k; each consumer reducing the whole dQ tile over its own keys, with no
-    // barrier between the consumers, 5-24% slower: bench/NOTES.md.)
-    wgmma_fence();
+      // dV += Pᵀ dO (A from registers, B N-major) while the other warpgroup's dSᵀ comes in; then the
+      // dQ part (DqSplit: 64 rows) = dS K over the block's 128 keys; then dK += dSᵀ Q, which runs
+      // while the dQ part is staged. (Carrying dV, dK into the next step's Sᵀ, dPᵀ measured 8% slower
+      // at hdim 128, 16k; each consumer reducing the whole dQ tile over its own keys, with no
+      // barrier between the consumers, 5-24% slower: bench/NOTES.md.)
+      wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk)
-      wgmma_rs<1>(flat(dv), pa[kk], desc_mn_major(do_addr, kBlockM, kk), T{}, 1);
-    wgmma_commit();
-    fence_async_shared();
-    named_sync(kBarDsFull, 256);
-    float dq[1][kDqN / 8][4];
+      for (int kk = 0; kk < kBlockM / 16; ++kk)
+        wgmma_rs<1>(flat(dv), pa[kk], desc_mn_major(do_addr, kBlockM, kk), T{}, 1);
+      wgmma_commit();
+      fence_async_shared();
+      named_sync(kBarDsFull, 256);
+      float dq[1][kDqN / 8][4];
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk)
-      wgmma_ss<1, 1>(flat(dq), desc_mn_major(ds_buf + dq_a_off, kBlockN, kk), desc_mn_major(dq_b, kBlockN, kk), T{}, kk > 0);
-    wgmma_commit();
-    wgmma_wait<1>();
-    wgmma_fence();
+      for (int kk = 0; kk < kBlockN / 16; ++kk)
+        wgmma_ss<1, 1>(flat(dq), desc_mn_major(ds_buf + dq_a_off, kBlockN, kk), desc_mn_major(dq_b, kBlockN, kk), T{}, kk > 0);
+      wgmma_commit();
+      wgmma_wait<1>();
+      wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk)
-      wgmma_rs<1>(flat(dk), dsa[kk], desc_mn_major(q_addr, kBlockM, kk), T{}, 1);
-    wgmma_commit();
-    wgmma_wait<1>();  // dQ done; dK still runs
-    fence_regs(flat(dq));
+      for (int kk = 0; kk < kBlockM / 16; ++kk)
+        wgmma_rs<1>(flat(dk), dsa[kk], desc_mn_major(q_addr, kBlockM, kk), T{}, 1);
+      wgmma_commit();
+      wgmma_wait<1>();  // dQ done; dK still runs
+      fence_regs(flat(dq));
 
-    // The dQ part to the dQ writer warp (in fragment order, conflict-free), once it has handed the
-    // buffer back.
-    const std::uint32_t dq_s = smem_addr(sm.dq(consumer));
-    named_sync(kBarDqEmpty + consumer, kDqSyncThreads);
+      // The dQ part to the dQ writer warp (in fragment order, conflict-free), once it has handed the
+      // buffer back.
+      const std::uint32_t dq_s = smem_addr(sm.dq(consumer));
+      named_sync(kBarDqEmpty + consumer, kDqSyncThreads);
 #pragma unroll
-    for (int j = 0; j < kDqN / 8; ++j) st_shared_v4(dq_s + (j * 128 + tid) * 16, dq[0][j][0], dq[0][j][1], dq[0][j][2], dq[0][j][3]);
-    fence_async_shared();
-    named_arrive(kBarDqFull + consumer, kDqSyncThreads);
+      for (int j = 0; j < kDqN / 8; ++j) st_shared_v4(dq_s + (j * 128 + tid) * 16, dq[0][j][0], dq[0][j][1], dq[0][j][2], dq[0][j][3]);
+      fence_async_shared();
+      named_arrive(kBarDqFull + consumer, kDqSyncThreads);
 
-    wgmma_wait<0>();
-    fence_regs(flat(dv));
-    fence_regs(flat(dk));
+      wgmma_wait<0>();
+      fence_regs(flat(dv));
+      fence_regs(flat(dk));
+    }
+    sm.kv_empty().arrive();  // every product that reads K and V (and the record) is done
+    store_dkdv<T>(p, w, dk, dv, key_row, 0, lane);
+    walk.done(w.steps());
   }
-  store_dkdv<T>(p, w, dk, dv, key_row, 0, lane);
 }
 
 // The consumers at hdim 256 (BwdTileSm90::head_split): 64 keys, 64 queries per step. Consumer w
@@ -688,7 +745,6 @@ __device__ __forceinline__ void bwd_consumer_head_split(const BwdKernelArgsSm90&
   static_assert(kBlockM == 64 && kBlockN == 64 && kCols % kPanelCols == 0 && !Split::kByRows && Split::kCols == kCols,
                 "64 queries and 64 keys per step, whole panels per head-dim half");
   const detail::BwdParams& p = args.p;
-  const BwdWork<kBlockM, kBlockN> w(args, blockIdx.x);
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int q_own = kQ * consumer, q_other = kQ - q_own;
   const int col0 = kCols * consumer;
@@ -698,69 +754,146 @@ __device__ __forceinline__ void bwd_consumer_head_split(const BwdKernelArgsSm90&
   const std::uint32_t q_cols = (col0 / kPanelCols) * kBlockM * kPanelRowBytes, k_cols = (col0 / kPanelCols) * kBlockN * kPanelRowBytes;
   const int key_row = 16 * warp + lane / 4;
 
-  float dk[1][kDTiles][4] = {};  // (64 keys, head-dim half), unscaled
-  float dv[1][kDTiles][4] = {};
-  const std::int64_t prow0 = padded_row0<kBlockM>(p, w.b);
-  sm.kv_full().wait(0);
-
+  ItemWalk<Smem> walk(sm);
 #pragma unroll 1
-  for (ConsumerSteps it(sm, w); it.wait_next(); it.release(lane)) {
-    const int step = it.step, stage = it.stage(), m0 = it.cur.m_block * kBlockM;
-    const std::uint32_t q_addr = smem_addr(sm.q(stage)), do_addr = smem_addr(sm.dout(stage));
+  for (int item; (item = walk.next()) >= 0;) {
+    const BwdWork<kBlockM, kBlockN> w(args, item);
+    float dk[1][kDTiles][4] = {};  // (64 keys, head-dim half), unscaled
+    float dv[1][kDTiles][4] = {};
+    const std::int64_t prow0 = padded_row0<kBlockM>(p, w.b);
+#pragma unroll 1
+    for (ConsumerSteps it(sm, w, walk.step0()); it.wait_next(); it.release(lane)) {
+      const int step = it.step, stage = it.stage(), m0 = it.cur.m_block * kBlockM;
+      const std::uint32_t q_addr = smem_addr(sm.q(stage)), do_addr = smem_addr(sm.dout(stage));
 
-    keep_tile_step<kMods>(p, sm, w, it.cur.head, m0);
-    // Sᵀ (64 keys, its 32 queries) = K Qᵀ and dPᵀ = V dOᵀ (32 rows into a panel: whole swizzle atoms).
-    float s[1][kSTiles][4], dp[1][kSTiles][4];
-    score_products_t<T, kHeadDim, kBlockN, kBlockM>(flat(s), flat(dp), k_addr, v_addr, q_addr + q_own * kPanelRowBytes,
-                                                    do_addr + q_own * kPanelRowBytes);
+      keep_tile_step<kMods>(p, sm, w, it.cur.head, m0);
+      // Sᵀ (64 keys, its 32 queries) = K Qᵀ and dPᵀ = V dOᵀ (32 rows into a panel: whole swizzle atoms).
+      float s[1][kSTiles][4], dp[1][kSTiles][4];
+      score_products_t<T, kHeadDim, kBlockN, kBlockM>(flat(s), flat(dp), k_addr, v_addr, q_addr + q_own * kPanelRowBytes,
+                                                      do_addr + q_own * kPanelRowBytes);
 
-    std::uint32_t pa[kSTiles / 2][4], dsa[kSTiles / 2][4];
-    score_steps_t<T, kMods>(s, dp, pa, dsa, p, sm, stage, w, it.cur.head, m0, q_own, key_row, lane);
+      std::uint32_t pa[kSTiles / 2][4], dsa[kSTiles / 2][4];
+      score_steps_t<T, kMods>(s, dp, pa, dsa, p, sm, stage, w, it.cur.head, m0, q_own, key_row, lane);
 
-    // Its Pᵀ and dSᵀ columns to shared memory, two buffers each by step parity (the other
-    // warpgroup read buffer step % 2 in step - 2 and waited for those reads before it arrived at
-    // the barrier of step - 1, which this warpgroup has passed).
-    const std::uint32_t buf_off = (step & 1) * Smem::kSElems * sizeof(T);
-    store_scores_t<kBlockN>(pt_addr + buf_off, pa, key_row, q_own, lane);
-    store_scores_t<kBlockN>(ds_addr + buf_off, dsa, key_row, q_own, lane);
+      // Its Pᵀ and dSᵀ columns to shared memory, two buffers each by step parity (the other
+      // warpgroup read buffer step % 2 in step - 2 and waited for those reads before it arrived at
+      // the barrier of step - 1, which this warpgroup has passed).
+      const std::uint32_t buf_off = (step & 1) * Smem::kSElems * sizeof(T);
+      store_scores_t<kBlockN>(pt_addr + buf_off, pa, key_row, q_own, lane);
+      store_scores_t<kBlockN>(ds_addr + buf_off, dsa, key_row, q_own, lane);
 
-    // dV += Pᵀ dO and dK += dSᵀ Q over its own queries, from registers, while the other
-    // warpgroup's columns come in.
-    wgmma_fence();
+      // dV += Pᵀ dO and dK += dSᵀ Q over its own queries, from registers, while the other
+      // warpgroup's columns come in.
+      wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kQ / 16; ++kk) {
-      wgmma_rs<1>(flat(dv), pa[kk], desc_mn_major(do_addr + q_cols, kBlockM, q_own / 16 + kk), T{}, 1);
-      wgmma_rs<1>(flat(dk), dsa[kk], desc_mn_major(q_addr + q_cols, kBlockM, q_own / 16 + kk), T{}, 1);
+      for (int kk = 0; kk < kQ / 16; ++kk) {
+        wgmma_rs<1>(flat(dv), pa[kk], desc_mn_major(do_addr + q_cols, kBlockM, q_own / 16 + kk), T{}, 1);
+        wgmma_rs<1>(flat(dk), dsa[kk], desc_mn_major(q_addr + q_cols, kBlockM, q_own / 16 + kk), T{}, 1);
+      }
+      wgmma_commit();
+      fence_async_shared();
+      named_sync(kBarDsFull, 256);
+      // dQ = dS K (A: the whole dSᵀ, M-major; B: its columns of K, N-major), then the other
+      // warpgroup's queries of dV and dK, which run while dQ goes out.
+      float dq[1][kDTiles][4];
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk)
+        wgmma_ss<1, 1>(flat(dq), desc_mn_major(ds_addr + buf_off, kBlockN, kk), desc_mn_major(k_addr + k_cols, kBlockN, kk), T{}, kk > 0);
+      wgmma_commit();
+#pragma unroll
+      for (int kk = 0; kk < kQ / 16; ++kk) {
+        const int ks = q_other / 16 + kk;
+        wgmma_ss<0, 1>(flat(dv), desc_k_major(pt_addr + buf_off, kBlockN, ks), desc_mn_major(do_addr + q_cols, kBlockM, ks), T{}, 1);
+        wgmma_ss<0, 1>(flat(dk), desc_k_major(ds_addr + buf_off, kBlockN, ks), desc_mn_major(q_addr + q_cols, kBlockM, ks), T{}, 1);
+      }
+      wgmma_commit();
+      wgmma_wait<1>();  // dQ done
+      fence_regs(flat(dq));
+      float* dq_g = args.dq_acc + (static_cast<std::int64_t>(it.cur.head) * args.rows + prow0 + m0) * kHeadDim;
+#pragma unroll
+      for (int j = 0; j < kDTiles; ++j)
+        red_add_v4(dq_g + Split::float4_index(consumer, j, tid) * 4, dq[0][j][0], dq[0][j][1], dq[0][j][2], dq[0][j][3]);
+
+      wgmma_wait<0>();
+      fence_regs(flat(dv));
+      fence_regs(flat(dk));
     }
-    wgmma_commit();
-    fence_async_shared();
-    named_sync(kBarDsFull, 256);
-    // dQ = dS K (A: the whole dSᵀ, M-major; B: its columns of K, N-major), then the other
-    // warpgroup's queries of dV and dK, which run while dQ goes out.
-    float dq[1][kDTiles][4];
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk)
-      wgmma_ss<1, 1>(flat(dq), desc_mn_major(ds_addr + buf_off, kBlockN, kk), desc_mn_major(k_addr + k_cols, kBlockN, kk), T{}, kk > 0);
-    wgmma_commit();
-#pragma unroll
-    for (int kk = 0; kk < kQ / 16; ++kk) {
-      const int ks = q_other / 16 + kk;
-      wgmma_ss<0, 1>(flat(dv), desc_k_major(pt_addr + buf_off, kBlockN, ks), desc_mn_major(do_addr + q_cols, kBlockM, ks), T{}, 1);
-      wgmma_ss<0, 1>(flat(dk), desc_k_major(ds_addr + buf_off, kBlockN, ks), desc_mn_major(q_addr + q_cols, kBlockM, ks), T{}, 1);
-    }
-    wgmma_commit();
-    wgmma_wait<1>();  // dQ done
-    fence_regs(flat(dq));
-    float* dq_g = args.dq_acc + (static_cast<std::int64_t>(it.cur.head) * args.rows + prow0 + m0) * kHeadDim;
-#pragma unroll
-    for (int j = 0; j < kDTiles; ++j)
-      red_add_v4(dq_g + Split::float4_index(consumer, j, tid) * 4, dq[0][j][0], dq[0][j][1], dq[0][j][2], dq[0][j][3]);
-
-    wgmma_wait<0>();
-    fence_regs(flat(dv));
-    fence_regs(flat(dk));
+    sm.kv_empty().arrive();  // every product that reads K and V (and the record) is done
+    store_dkdv<T>(p, w, dk, dv, key_row, col0, lane);
+    walk.done(w.steps());
   }
-  store_dkdv<T>(p, w, dk, dv, key_row, col0, lane);
+}
+
+}  // namespace sm90
+
+namespace sm90 {
+
+// The producer (one thread): per work item K and V once into their slots, then Q, dO, lse and D of
+// each of its steps into the q_stages ring, which runs on across items.
+template <class T, int kHeadDim>
+__device__ __forceinline__ void bwd_producer(const BwdKernelArgsSm90& args, const BwdSmem<T, kHeadDim>& sm) {
+  using Smem = BwdSmem<T, kHeadDim>;
+  constexpr int kBlockM = Smem::kBlockM, kBlockN = Smem::kBlockN, kStages = Smem::kStages;
+  constexpr int kPanels = kHeadDim / kPanelCols;
+  const detail::BwdParams& p = args.p;
+  prefetch_tensor_map(&args.tm_q);
+  prefetch_tensor_map(&args.tm_do);
+  // Items come from work_next in index order, each taken by a running block (so the deterministic
+  // dQ's waits, for lower key blocks of the same head, are for items that run or have run), the
+  // next one while this item's last steps run (the atomic's latency off the path); items without
+  // keys (a varlen sequence shorter than the key block) are skipped.
+  auto take = [&] {
+    int item = atomicAdd(args.work_next, 1);
+    while (item < args.items && BwdWork<kBlockM, kBlockN>::empty_item(args, item)) item = atomicAdd(args.work_next, 1);
+    return item < args.items ? item : -1;
+  };
+  int item = take();
+  // The block's steps so far (the Q ring's position) times 2, plus the parity of the items loaded
+  // (the K/V barriers' phase): one register of the 24.
+  unsigned state = 0;
+#pragma unroll 1
+  for (;;) {
+    // K and V of the previous item are read (by every consumer) and its record too.
+    sm.kv_empty().wait((state & 1) ^ 1);
+    sm.record() = item;  // published by kv_full's arrival
+    if (item < 0) {
+      sm.kv_full().arrive();
+      break;
+    }
+    const BwdWork<kBlockM, kBlockN> w(args, item);
+    const int batch_coord = p.is_varlen() ? 0 : w.b;  // varlen tensors are one batch entry of packed rows
+    // K and V once; keys past the sequence belong to the next one (or read as zeros): masked.
+    const int k_row = static_cast<int>(w.si.k_row0 + w.kb);
+    sm.kv_full().arrive_expect_tx(2 * Smem::kKVElems * sizeof(T));
+#pragma unroll
+    for (int pn = 0; pn < kPanels; ++pn) {
+      tma_load(sm.k() + pn * kBlockN * kPanelCols, &args.tm_k, pn * kPanelCols, w.kv_head, k_row, batch_coord, sm.kv_full());
+      tma_load(sm.v() + pn * kBlockN * kPanelCols, &args.tm_v, pn * kPanelCols, w.kv_head, k_row, batch_coord, sm.kv_full());
+    }
+    const std::int64_t prow0 = padded_row0<kBlockM>(p, w.b);
+    auto cur = w.first();
+#pragma unroll 1
+    for (int j = 0; j < w.steps(); ++j, w.next(cur), state += 2) {
+      const int stage = (state >> 1) % kStages;
+      const std::uint32_t phase = ((state >> 1) / kStages) & 1;
+      const int head = cur.head, m0 = cur.m_block * kBlockM;
+      sm.q_empty(stage).wait(phase ^ 1);
+      Barrier& full = sm.q_full(stage);
+      full.arrive_expect_tx(2 * Smem::kQElems * sizeof(T) + 2 * kBlockM * sizeof(float));
+      const int q_row = static_cast<int>(w.si.q_row0 + m0);
+#pragma unroll
+      for (int pn = 0; pn < kPanels; ++pn) {
+        tma_load(sm.q(stage) + pn * kBlockM * kPanelCols, &args.tm_q, pn * kPanelCols, head, q_row, batch_coord, full);
+        tma_load(sm.dout(stage) + pn * kBlockM * kPanelCols, &args.tm_do, pn * kPanelCols, head, q_row, batch_coord, full);
+      }
+      // lse and D by a tensor map too: racecheck reported the 1-D bulk copies (cp.async.bulk) into
+      // the stage against the consumers' reads before the q_empty arrival (10 hazards), which the
+      // tensor loads under the same barriers are not.
+      tma_load(sm.lse(stage), &args.tm_rows, static_cast<int>(prow0 + m0), head, 0, full);
+    }
+    state ^= 1;
+    item = take();
+  }
 }
 
 }  // namespace sm90
@@ -774,11 +907,7 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
   using Smem = BwdSmem<T, kHeadDim>;
   constexpr BwdTileSm90 kTile = Smem::kTile;
   static_assert(kTile.registers_fit(), "setmaxnreg targets exceed the block's launch registers");
-  constexpr int kBlockM = kTile.block_m, kBlockN = kTile.block_n, kStages = kTile.q_stages;
-  constexpr int kPanels = kHeadDim / kPanelCols;
-
-  const detail::BwdParams& p = args.p;
-  if (BwdWork<kBlockM, kBlockN>(args, blockIdx.x).empty()) return;  // a varlen sequence shorter than this key block
+  constexpr int kBlockM = kTile.block_m, kBlockN = kTile.block_n;
 
   extern __shared__ unsigned char smem_raw[];
   const Smem sm(smem_raw);
@@ -792,44 +921,11 @@ __global__ void __launch_bounds__(bwd_tile_sm90(kHeadDim).threads(), 1)
     regs_dealloc<kTile.producer_regs>();
     if constexpr (!kTile.head_split) {
       if (threadIdx.x / 32 == 1) {
-        dq_writer<kBlockM, kBlockN, kHeadDim>(args, sm.dq(0), threadIdx.x % 32);
+        dq_writer<kBlockM, kBlockN, kHeadDim>(args, sm, sm.dq(0), threadIdx.x % 32);
         return;
       }
     }
-    if (threadIdx.x != 0) return;
-    const BwdWork<kBlockM, kBlockN> w(args, blockIdx.x);
-    const int batch_coord = p.is_varlen() ? 0 : w.b;  // varlen tensors are one batch entry of packed rows
-    prefetch_tensor_map(&args.tm_q);
-    prefetch_tensor_map(&args.tm_do);
-    // K and V once; keys past the sequence belong to the next one (or read as zeros): masked.
-    const int k_row = static_cast<int>(w.si.k_row0 + w.kb);
-    sm.kv_full().arrive_expect_tx(2 * Smem::kKVElems * sizeof(T));
-#pragma unroll
-    for (int pn = 0; pn < kPanels; ++pn) {
-      tma_load(sm.k() + pn * kBlockN * kPanelCols, &args.tm_k, pn * kPanelCols, w.kv_head, k_row, batch_coord, sm.kv_full());
-      tma_load(sm.v() + pn * kBlockN * kPanelCols, &args.tm_v, pn * kPanelCols, w.kv_head, k_row, batch_coord, sm.kv_full());
-    }
-    const std::int64_t prow0 = padded_row0<kBlockM>(p, w.b);
-    auto cur = w.first();
-#pragma unroll 1
-    for (int step = 0; step < w.steps(); ++step, w.next(cur)) {
-      const int stage = step % kStages;
-      const std::uint32_t phase = (step / kStages) & 1;
-      const int head = cur.head, m0 = cur.m_block * kBlockM;
-      sm.q_empty(stage).wait(phase ^ 1);
-      Barrier& full = sm.q_full(stage);
-      full.arrive_expect_tx(2 * Smem::kQElems * sizeof(T) + 2 * kBlockM * sizeof(float));
-      const int q_row = static_cast<int>(w.si.q_row0 + m0);
-#pragma unroll
-      for (int pn = 0; pn < kPanels; ++pn) {
-        tma_load(sm.q(stage) + pn * kBlockM * kPanelCols, &args.tm_q, pn * kPanelCols, head, q_row, batch_coord, full);
-        tma_load(sm.dout(stage) + pn * kBlockM * kPanelCols, &args.tm_do, pn * kPanelCols, head, q_row, batch_coord, full);
-      }
-      // lse and D by a tensor map too: racecheck reported the 1-D bulk copies (cp.async.bulk) into the
-      // stage against the consumers' reads before the q_empty arrival (10 hazards), which the
-      // tensor loads under the same barriers are not.
-      tma_load(sm.lse(stage), &args.tm_rows, static_cast<int>(prow0 + m0), head, 0, full);
-    }
+    if (threadIdx.x == 0) bwd_producer<T, kHeadDim>(args, sm);
     return;
   }
 

@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <string>
 
 #include "common/check.cuh"
@@ -33,6 +34,18 @@ inline int bwd_group_heads(const detail::FwdParams& p, int head_dim_bucket) {
   return heads < 1 ? 1 : static_cast<int>(heads < p.batch * p.h_k ? heads : p.batch * p.h_k);
 }
 
+// The persistent main kernel's blocks: one per multiprocessor, or at most FLASHMONOID_SM90_BWD_BLOCKS
+// (tests: a few blocks then walk many work items each on small shapes; read at every call).
+inline int bwd_persistent_blocks(int sms) {
+  const char* env = std::getenv("FLASHMONOID_SM90_BWD_BLOCKS");
+  if (env == nullptr) return sms;
+  char* end = nullptr;
+  const long n = std::strtol(env, &end, 10);
+  if (end == env || *end != '\0' || n < 1)
+    throw Error("FLASHMONOID_SM90_BWD_BLOCKS", std::string("must be a positive integer (or unset), got '") + env + "'");
+  return n < sms ? static_cast<int>(n) : sms;
+}
+
 template <class T, int kHeadDim>
 void run_bwd_sm90(const detail::BwdParams& p, const BwdLaunch& launch) {
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "the sm90 backward takes head-dim buckets 64, 128, 256");
@@ -48,11 +61,12 @@ void run_bwd_sm90(const detail::BwdParams& p, const BwdLaunch& launch) {
   float* dsum = reinterpret_cast<float*>(base + ws.dsum);
   float* dq_acc = reinterpret_cast<float*>(base + ws.dq_acc);
   int* dq_sem = reinterpret_cast<int*>(base + ws.dq_sem);
+  int* work_next = reinterpret_cast<int*>(base + ws.work_next);
 
   constexpr int kRowsPerBlock = sm90::RowThread<kHeadDim>::kRowsPerBlock;
   const int padded_q = (p.seqlen_q + kTile.block_m - 1) / kTile.block_m * kTile.block_m;
   const dim3 row_grid((padded_q + kRowsPerBlock - 1) / kRowsPerBlock, p.h, p.batch);
-  bwd_preprocess_sm90<T, kHeadDim><<<row_grid, 256, 0, launch.stream>>>(p, lse, dsum, dq_acc, dq_sem, ws.rows);
+  bwd_preprocess_sm90<T, kHeadDim><<<row_grid, 256, 0, launch.stream>>>(p, lse, dsum, dq_acc, dq_sem, work_next, ws.rows);
   FM_CUDA_CHECK_LAUNCH();
 
   if (p.seqlen_k > 0) {
@@ -60,6 +74,7 @@ void run_bwd_sm90(const detail::BwdParams& p, const BwdLaunch& launch) {
     args.p = p;
     args.dq_acc = dq_acc;
     args.dq_sem = dq_sem;
+    args.work_next = work_next;
     args.rows = ws.rows;
     const bool varlen = p.is_varlen();
     const int batch = varlen ? 1 : p.batch;
@@ -79,11 +94,15 @@ void run_bwd_sm90(const detail::BwdParams& p, const BwdLaunch& launch) {
     constexpr std::size_t kSmem = kTile.smem_bytes(kHeadDim);
     if (mods) allow_dynamic_smem<bwd_kernel_sm90<T, kHeadDim, kModVariant>>(kSmem, p.device.index);
     else allow_dynamic_smem<bwd_kernel_sm90<T, kHeadDim, false>>(kSmem, p.device.index);
-    // One block per (key block, batch · KV head) in BwdWork's order (bwd_group_heads).
+    // One work item per (key block, batch · KV head) in BwdWork's order (bwd_group_heads), walked by
+    // one persistent block per multiprocessor.
     args.group_heads = bwd_group_heads(p, kHeadDim);
-    const std::int64_t blocks = static_cast<std::int64_t>((p.seqlen_k + kTile.block_n - 1) / kTile.block_n) * p.batch * p.h_k;
-    if (blocks > 0x7fffffff) throw Error("k", "the sm90 backward takes at most 2^31 - 1 (key block, batch, KV head) blocks");
-    kernel<<<static_cast<unsigned>(blocks), kTile.threads(), kSmem, launch.stream>>>(args);
+    const std::int64_t items = static_cast<std::int64_t>((p.seqlen_k + kTile.block_n - 1) / kTile.block_n) * p.batch * p.h_k;
+    if (items > 0x7fffffff - 0x10000) throw Error("k", "the sm90 backward takes at most 2^31 - 2^16 (key block, batch, KV head) items");
+    args.items = static_cast<int>(items);
+    const int blocks = bwd_persistent_blocks(device_props(p.device.index).num_sms);
+    const unsigned grid = static_cast<unsigned>(items < blocks ? items : blocks);
+    kernel<<<grid, kTile.threads(), kSmem, launch.stream>>>(args);
     FM_CUDA_CHECK_LAUNCH();
   }
 

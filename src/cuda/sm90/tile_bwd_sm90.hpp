@@ -10,10 +10,13 @@ namespace flashmonoid::cuda {
 
 // Two consumer warpgroups. Up to hdim 128 they split the keys: 64 each (kBlockN = 128 keys per
 // block), dK and dV of their keys over the whole head dim in fp32 registers. hdim 128 takes 64
-// queries per step: Sᵀ and dPᵀ (64 keys, 64 queries) per warpgroup, dK and dV 128 of the 240
+// queries per step: Sᵀ and dPᵀ (64 keys, 64 queries) per warpgroup, dK and dV 128 of the 232
 // registers, dQ (64, head dim) split in two column halves. hdim 64 takes 128 queries (FA3's tile):
-// Sᵀ + dPᵀ are 128 registers, dK + dV 64, dQ (128, 64) split in two row halves; it fits the 240
-// registers with the mask applied in a pass of its own before the exp.
+// Sᵀ + dPᵀ are 128 registers, dK + dV 64, dQ (128, 64) split in two row halves; it fits the 232
+// registers with the mask applied in a pass of its own before the exp. Their producer warpgroup (the
+// loads and the dQ writer, walking the persistent kernel's work items) takes 40: with 24 (and the
+// consumers 240) ptxas spilled 8-48 bytes at hdim 64 / 128. hdim 256 keeps 240 / 24: with 232 its
+// consumers' wgmma were serialised (C7512).
 //
 // hdim 256 (head_split): dK and dV of 64 keys × 256 would be 256 registers per thread, so the
 // consumers split the head dim instead: both own all 64 keys, each dK and dV of one 128-column
@@ -46,7 +49,7 @@ struct BwdTileSm90 {
 
 constexpr BwdTileSm90 bwd_tile_sm90(int head_dim_bucket) {
   if (head_dim_bucket > 128) return BwdTileSm90{64, 64, 2, 240, 24, true};
-  return BwdTileSm90{head_dim_bucket <= 64 ? 128 : 64, 128, 2, 240, 24, false};
+  return BwdTileSm90{head_dim_bucket <= 64 ? 128 : 64, 128, 2, 232, 40, false};
 }
 
 // The (key block, batch · KV head) of linear block `block` (BwdWork): with group_heads = 0 key blocks
