@@ -10,7 +10,8 @@
 # FM_PATCHES: patch files (e.g. bench/experiments/*.patch), each one more variant named after its file,
 # whose patched files are written to $FM_VARIANT_DIR/<name>/ first (the tree itself stays unpatched).
 # FM_TEST_EACH=1 runs the test filter on every variant's build as well; FM_TEST_TIMEOUT (default 240 s)
-# bounds each test run (the sm90 backward filter takes ~4.5 min).
+# bounds each test run (the sm90 backward filter takes ~4.5 min in one process); FM_TEST_SHARDS=n runs it
+# as n gtest shards side by side.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 VDIR=${FM_VARIANT_DIR:-build-probe}
@@ -35,18 +36,30 @@ start=$(date +%s)
 cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 >$OUT/build.log 2>&1 &&
   ninja -C $B ${FM_TEST_BIN:-test_fwd_cuda} flashmonoid-gpu-bench >>$OUT/build.log 2>&1 || { tail -30 $OUT/build.log; exit 1; }
 echo "build cur: $(( $(date +%s) - start )) s"; grep -E "[1-9][0-9]* bytes spill|C75[0-9][0-9]" $OUT/build.log | head -3
-cp $B/bench/gpu/flashmonoid-gpu-bench /tmp/bench_cur
+cp $B/bench/gpu/flashmonoid-gpu-bench /tmp/bench_cur; cp $B/tests/cpp/${FM_TEST_BIN:-test_fwd_cuda} /tmp/test_cur
 # The test filter on the build of "cur" (FM_TEST_EACH=1: on every variant's build too).
 run_tests() {
   [ "${FM_TEST_FILTER:-}" = none ] && return
-  timeout ${FM_TEST_TIMEOUT:-240} $B/tests/cpp/${FM_TEST_BIN:-test_fwd_cuda} --gtest_filter="${FM_TEST_FILTER:-*sm90*:CudaForwardGrid*:CudaForwardPath*}" --gtest_brief=1 >$OUT/tests_$1.log 2>&1
-  echo "tests $1 rc=$?"; grep -E "FAILED|PASSED|Failure" $OUT/tests_$1.log | head -20
+  local n=${FM_TEST_SHARDS:-1} i pids=()
+  for ((i = 0; i < n; i++)); do
+    GTEST_TOTAL_SHARDS=$n GTEST_SHARD_INDEX=$i timeout ${FM_TEST_TIMEOUT:-240} stdbuf -oL \
+      /tmp/test_$1 --gtest_filter="${FM_TEST_FILTER:-*sm90*:CudaForwardGrid*:CudaForwardPath*}" >$OUT/tests_$1_$i.log 2>&1 &
+    pids+=($!)
+  done
+  for ((i = 0; i < n; i++)); do wait ${pids[$i]}; echo "tests $1 shard $i rc=$?"; done
+  cat $OUT/tests_$1_*.log >$OUT/tests_$1.log; rm -f $OUT/tests_$1_*.log
+  grep -E "FAILED|PASSED|Failure" $OUT/tests_$1.log | head -20
 }
-run_tests cur
+# FM_RACE=1: the sanitizer (FM_SANITIZER_TOOL, default racecheck) on FM_RACE_FILTER, alongside the tests.
 if [ -n "${FM_RACE:-}" ]; then
-  timeout 200 compute-sanitizer --tool ${FM_SANITIZER_TOOL:-racecheck} --error-exitcode 3 $B/tests/cpp/${FM_TEST_BIN:-test_fwd_cuda} --gtest_filter="${FM_RACE_FILTER:-Hopper/CudaForward.*/sm90_case1:Hopper/CudaForward.*/sm90_case0:CudaForwardGrid*}" >$OUT/race.log 2>&1
-  echo "racecheck rc=$?"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY" $OUT/race.log | head
+  ( timeout ${FM_RACE_TIMEOUT:-200} compute-sanitizer --tool ${FM_SANITIZER_TOOL:-racecheck} --error-exitcode 3 /tmp/test_cur --gtest_filter="${FM_RACE_FILTER:-Hopper/CudaForward.*/sm90_case1:Hopper/CudaForward.*/sm90_case0:CudaForwardGrid*}" >$OUT/race.log 2>&1
+    echo "racecheck rc=$?" >$OUT/race.rc ) &
+  race_pid=$!
 fi
+# The tests of "cur" run from a copy of its (static) test binary while the variants build; their
+# results print before the timings, which wait for them.
+run_tests cur >$OUT/tests_cur.summary 2>&1 &
+tests_pid=$!
 # A variant that is a folder holds files at their repository paths, copied over the tree for its build
 # and restored after it (a file variant is copied over FILE).
 for v in ${FM_VARIANTS:-}; do
@@ -58,9 +71,13 @@ for v in ${FM_VARIANTS:-}; do
   ninja -C $B $targets >>$OUT/build.log 2>&1 || { tail -30 $OUT/build.log; for f in $files; do cp /tmp/ab_orig/$f $f; done; exit 1; }
   echo "build $v: $(( $(date +%s) - start )) s"; grep -E "[1-9][0-9]* bytes spill|C75[0-9][0-9]" $OUT/build.log | sort -u | head -3
   cp $B/bench/gpu/flashmonoid-gpu-bench /tmp/bench_$v
-  [ -n "${FM_TEST_EACH:-}" ] && run_tests $v
+  [ -n "${FM_TEST_EACH:-}" ] && cp $B/tests/cpp/${FM_TEST_BIN:-test_fwd_cuda} /tmp/test_$v && run_tests $v
   for f in $files; do cp /tmp/ab_orig/$f $f; done
 done
+wait $tests_pid; cat $OUT/tests_cur.summary
+if [ -n "${FM_RACE:-}" ]; then
+  wait $race_pid; cat $OUT/race.rc; grep -E "RACECHECK SUMMARY|ERROR SUMMARY" $OUT/race.log | head
+fi
 all="cur ${FM_VARIANTS:-}"
 args=()
 IFS=';' read -ra cases <<<"${FM_CASES}"
