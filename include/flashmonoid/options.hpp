@@ -88,16 +88,16 @@ struct Context {
   CudaPath cuda_path = CudaPath::automatic;
   CpuIsa cpu_isa = CpuIsa::best;
   int num_threads = 0;                       // CPU threads; 0 = OpenMP default
-  // Multiprocessors the persistent kernels (the sm90 forward: one block per SM for the whole call)
-  // leave free for kernels running beside them, such as communication overlapped with attention
-  // (FlashAttention-3's sm_margin). 0 = use every SM; at least one SM is always used.
+  // Multiprocessors the persistent kernels (the sm90 forward and backward: one block per SM for the
+  // whole call) leave free for kernels running beside them, such as communication overlapped with
+  // attention (FlashAttention-3's sm_margin). 0 = use every SM; at least one SM is always used.
   int sm_margin = 0;
-  // false: the persistent kernels launch one block per work tile instead, so that kernels queued
-  // beside them (on a higher-priority stream) get SMs whenever a block retires rather than when the
-  // whole call ends. The ring (flashmonoid/ring.hpp) turns it off while an exchange is in flight:
-  // with a persistent forward, a rank's NCCL kernel could wait for that forward's end while the
-  // other rank's NCCL kernel held SMs waiting for it (ring forward efficiency at 256k tokens on 2 x
-  // H200: 0.80 with it on, 1.03 off; bench/NOTES.md).
+  // false: the persistent kernels launch one block per work tile (backward: per work item) instead,
+  // so that kernels queued beside them (on a higher-priority stream) get SMs whenever a block retires
+  // rather than when the whole call ends. The ring (flashmonoid/ring.hpp) turns it off while an
+  // exchange is in flight: with a persistent forward, a rank's NCCL kernel could wait for that
+  // forward's end while the other rank's NCCL kernel held SMs waiting for it (ring forward efficiency
+  // at 256k tokens on 2 x H200: 0.80 with it on, 1.03 off; bench/NOTES.md).
   bool persistent_kernels = true;
 };
 

@@ -185,7 +185,7 @@ def _stream(x):
 
 
 # Context::persistent_kernels for the calls of this process; the ring turns it off around its
-# forwards while an exchange is in flight (distributed.py), so NCCL's kernels get SMs.
+# forwards and backwards while an exchange is in flight (distributed.py), so NCCL's kernels get SMs.
 _persistent_kernels = True
 
 

@@ -159,10 +159,15 @@ class _Ring:
                 return _ops._fwd_impl(q, k, v, self.scale, False, wl, wr, self.softcap, None, 0.0, None, False)
         return _ops.fwd(q, k, v, self.scale, False, wl, wr, self.softcap, None, 0.0, None, False)
 
-    def bwd(self, dout, q, k, v, out, lse, wl, wr):
-        op = _ops._bwd_impl if _ops._eager(q, k, v) else _ops.bwd
-        return op(dout, q, k, v, out, lse, self.scale, False, wl, wr, self.softcap, None, 0.0, None,
-                  self.deterministic)
+    def bwd(self, dout, q, k, v, out, lse, wl, wr, exchanging=False):
+        """As fwd: an eager call beside an exchange in flight runs the (sm90, persistent) backward
+        kernels one block per work item."""
+        args = (dout, q, k, v, out, lse, self.scale, False, wl, wr, self.softcap, None, 0.0, None,
+                self.deterministic)
+        if _ops._eager(q, k, v):
+            with _backend.persistent_kernels(not exchanging):
+                return _ops._bwd_impl(*args)
+        return _ops.bwd(*args)
 
 
 def _wait(reqs):
@@ -216,7 +221,8 @@ def _ring_backward(ring: _Ring, dout, q, k, v, out, lse):
         for layer in layers:
             for q0, q1, k0, k1, wl, wr in layer:
                 g_q, g_k, g_v = ring.bwd(dout[:, q0:q1], q[:, q0:q1], kv[0][:, k0:k1], kv[1][:, k0:k1],
-                                         out[:, q0:q1], lse[..., q0:q1].contiguous(), wl, wr)
+                                         out[:, q0:q1], lse[..., q0:q1].contiguous(), wl, wr,
+                                         exchanging=kv_pending is not None or dkv_pending is not None)
                 dq[:, q0:q1] += g_q
                 if dkv_pending is not None:  # earlier ranks' sums are needed from the first accumulation on
                     _wait(dkv_pending[0])

@@ -367,6 +367,8 @@ void backward(const detail::BwdParams& p, const Context& ctx) {
   launch.workspace = ctx.workspace;
   launch.workspace_bytes = ctx.workspace_bytes;
   launch.num_sms = device_props(p.device.index).num_sms;
+  launch.sm_margin = ctx.sm_margin;
+  launch.persistent = ctx.persistent_kernels;
   if (path == KernelArch::sm90)
     with_dtype(p.dtype, [&](auto t) { run_bwd_hopper<decltype(t)>(p, launch); });
   else

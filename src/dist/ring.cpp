@@ -289,6 +289,8 @@ void ring_backward(const TensorView& dout, const TensorView& q, const TensorView
         }
         const TensorView dq_task = make(f.dq_task.data, d.dtype, d.device, {d.b, nq, d.h, d.d});
         const KvShard dkv_task = kv_shard(f.dk_task, d.dtype, d, nk);
+        // As in the forward: not persistent while an exchange (K/V or gradient sums) is in flight.
+        lib.persistent_kernels = ctx.persistent_kernels && kv_ticket < 0 && dkv_ticket < 0;
         flashmonoid::backward(rows(dout, task.q_begin, task.q_end), rows(q, task.q_begin, task.q_end),
                               rows(shard.k, task.k_begin, task.k_end), rows(shard.v, task.k_begin, task.k_end),
                               rows(out, task.q_begin, task.q_end), task_lse, dq_task, dkv_task.k, dkv_task.v,

@@ -89,6 +89,7 @@ struct GpuCase {
   bool varlen = false;
   void* ws = nullptr;
   std::size_t ws_bytes = 0;
+  flashmonoid::Context sched;  // the scheduling fields under test (sm_margin, persistent_kernels)
 
   GpuCase(const Problem& problem, bool deterministic)
       : fwd(problem.reference(Precision::f64)),
@@ -120,7 +121,7 @@ struct GpuCase {
     dk.poison();
     dv.poison();
     cudaMemset(ws, 0xFF, ws_bytes);
-    flashmonoid::Context ctx;
+    flashmonoid::Context ctx = sched;
     ctx.workspace = ws;
     ctx.workspace_bytes = ws_bytes;
     ctx.cuda_path = path;
@@ -400,6 +401,43 @@ TEST_P(CudaBackward, PersistentBlocksWalkManyItems) {
   det.causal = true;
   det.window_right = 0;
   check_deterministic(det, 5);
+}
+
+// The sm90 backward's grid: persistent (one block per SM, less ctx.sm_margin) or one block per work
+// item (ctx.persistent_kernels = false, as the ring runs it beside an exchange). Every block takes
+// its items from the same counter in the same order, so the deterministic backward gives the same
+// bits on every grid, and the default one meets the rule on each.
+TEST_P(CudaBackward, PersistentPerItemAndMarginGiveTheSameBits) {
+  if (GetParam() != flashmonoid::CudaPath::sm90) GTEST_SKIP() << "the sm80 backward is one block per item anyway";
+  for (int d : {64, 128}) {
+    Shape s = shape_of(DType::bf16, 2, 500, 700, 6, 2, d);
+    s.causal = d == 64;
+    if (s.causal) s.window_right = 0;
+    SCOPED_TRACE(s.str());
+    ++ran_;
+    const Problem pb(s);
+    flashmonoid::Context per_item, margin;
+    per_item.persistent_kernels = false;
+    margin.sm_margin = 100;
+    GpuCase base(pb, true);
+    base.run(GetParam());
+    if (::testing::Test::HasFatalFailure()) return;
+    fmtest::expect_grads_meet_rule(pb, base.out, base.lse, base.dq_h, base.dk_h, base.dv_h);
+    for (const flashmonoid::Context& sched : {per_item, margin}) {
+      GpuCase det(pb, true);
+      det.sched = sched;
+      det.run(GetParam());
+      if (::testing::Test::HasFatalFailure()) return;
+      EXPECT_TRUE(det.dq_h.buf == base.dq_h.buf && det.dk_h.buf == base.dk_h.buf && det.dv_h.buf == base.dv_h.buf)
+          << "deterministic gradients differ with persistent_kernels " << sched.persistent_kernels << ", sm_margin "
+          << sched.sm_margin;
+      GpuCase g(pb, false);
+      g.sched = sched;
+      g.run(GetParam());
+      if (::testing::Test::HasFatalFailure()) return;
+      fmtest::expect_grads_meet_rule(pb, g.out, g.lse, g.dq_h, g.dk_h, g.dv_h);
+    }
+  }
 }
 
 // Timing, off by default (--gtest_also_run_disabled_tests): bf16, 16k tokens, hidden 2048,

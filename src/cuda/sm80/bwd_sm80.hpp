@@ -18,7 +18,11 @@ struct BwdLaunch {
   cudaStream_t stream = nullptr;
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
-  int num_sms = 0;  // of params.device; sizes nothing today, kept for a future persistent grid
+  int num_sms = 0;  // of params.device
+  // The sm90 backward's persistent grid (Context::sm_margin, Context::persistent_kernels): SMs left
+  // free, or one block per work item instead. sm80's grid is one block per work item anyway.
+  int sm_margin = 0;
+  bool persistent = true;
 };
 
 // Query rows per tile of the backward at hdim 128 and 256; hdim 64 takes twice as many. The

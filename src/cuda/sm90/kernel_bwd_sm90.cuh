@@ -1,7 +1,8 @@
 // The sm90 backward: warp-specialised, TMA + wgmma, three kernels:
 //   1. bwd_preprocess_sm90: per query row D = rowsum(dO∘O) and lse·log2(e) into the workspace,
 //      padded per sequence to whole query blocks (bwd_sm90.hpp); clears the dQ accumulator.
-//   2. bwd_kernel_sm90: persistent, one block per multiprocessor, walking the work items (key block,
+//   2. bwd_kernel_sm90: persistent, one block per multiprocessor (launch_bwd_sm90.cuh: bwd_main_blocks
+//      gives the grid), walking the work items (key block,
 //      KV head, batch) in BwdWork's order, each taken by the block that frees first (work_next). A
 //      producer warpgroup (one thread) loads an item's K and V once, then streams Q, dO, lse and D of
 //      every query block of every query head of the GQA group that sees the keys through a q_stages

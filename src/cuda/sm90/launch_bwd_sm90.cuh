@@ -34,16 +34,23 @@ inline int bwd_group_heads(const detail::FwdParams& p, int head_dim_bucket) {
   return heads < 1 ? 1 : static_cast<int>(heads < p.batch * p.h_k ? heads : p.batch * p.h_k);
 }
 
-// The persistent main kernel's blocks: one per multiprocessor, or at most FLASHMONOID_SM90_BWD_BLOCKS
-// (tests: a few blocks then walk many work items each on small shapes; read at every call).
-inline int bwd_persistent_blocks(int sms) {
-  const char* env = std::getenv("FLASHMONOID_SM90_BWD_BLOCKS");
-  if (env == nullptr) return sms;
-  char* end = nullptr;
-  const long n = std::strtol(env, &end, 10);
-  if (end == env || *end != '\0' || n < 1)
-    throw Error("FLASHMONOID_SM90_BWD_BLOCKS", std::string("must be a positive integer (or unset), got '") + env + "'");
-  return n < sms ? static_cast<int>(n) : sms;
+// The main kernel's blocks for `items` work items: one per multiprocessor less launch.sm_margin (at
+// least one), or one per item where the launch is not persistent (Context::persistent_kernels: the
+// ring runs the backward so beside an exchange, so that NCCL's kernels get SMs as blocks retire);
+// either way at most FLASHMONOID_SM90_BWD_BLOCKS (tests: a few blocks then walk many work items each
+// on small shapes; read at every call). Every block takes its items from the counter, so the grid
+// changes where an item runs, never what it computes.
+inline int bwd_main_blocks(const BwdLaunch& launch, int items) {
+  const int sms = launch.sm_margin < launch.num_sms ? launch.num_sms - launch.sm_margin : 1;
+  int blocks = launch.persistent && sms < items ? sms : items;
+  if (const char* env = std::getenv("FLASHMONOID_SM90_BWD_BLOCKS")) {
+    char* end = nullptr;
+    const long n = std::strtol(env, &end, 10);
+    if (end == env || *end != '\0' || n < 1)
+      throw Error("FLASHMONOID_SM90_BWD_BLOCKS", std::string("must be a positive integer (or unset), got '") + env + "'");
+    if (n < blocks) blocks = static_cast<int>(n);
+  }
+  return blocks;
 }
 
 template <class T, int kHeadDim>
@@ -95,14 +102,12 @@ void run_bwd_sm90(const detail::BwdParams& p, const BwdLaunch& launch) {
     if (mods) allow_dynamic_smem<bwd_kernel_sm90<T, kHeadDim, kModVariant>>(kSmem, p.device.index);
     else allow_dynamic_smem<bwd_kernel_sm90<T, kHeadDim, false>>(kSmem, p.device.index);
     // One work item per (key block, batch · KV head) in BwdWork's order (bwd_group_heads), walked by
-    // one persistent block per multiprocessor.
+    // the blocks of bwd_main_blocks.
     args.group_heads = bwd_group_heads(p, kHeadDim);
     const std::int64_t items = static_cast<std::int64_t>((p.seqlen_k + kTile.block_n - 1) / kTile.block_n) * p.batch * p.h_k;
     if (items > 0x7fffffff - 0x10000) throw Error("k", "the sm90 backward takes at most 2^31 - 2^16 (key block, batch, KV head) items");
     args.items = static_cast<int>(items);
-    const int blocks = bwd_persistent_blocks(device_props(p.device.index).num_sms);
-    const unsigned grid = static_cast<unsigned>(items < blocks ? items : blocks);
-    kernel<<<grid, kTile.threads(), kSmem, launch.stream>>>(args);
+    kernel<<<static_cast<unsigned>(bwd_main_blocks(launch, args.items)), kTile.threads(), kSmem, launch.stream>>>(args);
     FM_CUDA_CHECK_LAUNCH();
   }
 
