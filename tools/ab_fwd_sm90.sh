@@ -9,9 +9,9 @@
 # backward too, reported as fwd/bwd).
 # FM_PATCHES: patch files (e.g. bench/experiments/*.patch), each one more variant named after its file,
 # whose patched files are written to $FM_VARIANT_DIR/<name>/ first (the tree itself stays unpatched).
-# FM_TEST_EACH=1 runs the test filter on every variant's build as well; FM_TEST_TIMEOUT (default 240 s)
-# bounds each test run (the sm90 backward filter takes ~4.5 min in one process); FM_TEST_SHARDS=n runs it
-# as n gtest shards side by side.
+# FM_ROUNDS: rounds of the timings (default 3). FM_TEST_EACH=1 runs the test filter on every variant's
+# build as well; FM_TEST_TIMEOUT (default 240 s) bounds each test run (the sm90 backward filter takes
+# ~4.5 min in one process); FM_TEST_SHARDS=n runs it as n gtest shards side by side.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 VDIR=${FM_VARIANT_DIR:-build-probe}
@@ -83,7 +83,7 @@ args=()
 IFS=';' read -ra cases <<<"${FM_CASES}"
 for c in "${cases[@]}"; do args+=(--case $c); done
 order="$all"
-for rep in 1 2 3; do
+for rep in $(seq ${FM_ROUNDS:-3}); do
   for v in $order; do
     timeout 300 /tmp/bench_$v ${FM_BENCH_ARGS---no-bwd} "${args[@]}" 2>&1 | grep '"impl": "flashmonoid"' |
       sed "s/^/$v /" >>$OUT/ab_raw.txt
