@@ -19,7 +19,7 @@
 //   dropout_keep_bits / dropout_pair_words   the Philox keep rule (detail::dropout_words) for 32
 //       consecutive keys of a row (the backward's per-tile bit table, dropout_keep_tile) or an
 //       even/odd key pair (the forward's fragments); apply_dropout zeroes the forward's dropped P.
-//   apply_mask    the forward's per-row form of the band (two compares per element).
+//   apply_mask    the forward's per-row form of the band (a compare or a bit per element, a select).
 // Forward fragment helpers (ScoreMod::apply, apply_mask, apply_dropout) index query rows through
 // RowCoords (GQA packing) and columns with fragment_col.
 #pragma once
@@ -161,36 +161,67 @@ struct ScoreMod {
 
 // -inf outside the band and past the sequence's last key; only called on tiles that
 // detail::Band::tile_needs_mask flags (the diagonal and ragged tiles). Row i sees exactly the keys
-// [key_begin(i), key_end(i + 1)) of detail::Band, so each element costs two integer compares
-// and a select (per-element Band::visible compiled to 64-bit branches and spilled); without a left
-// bound (causal, right windows, ragged ends: key_begin is 0) one compare. The one-compare path:
-// hdim 64 causal forward +2.8% / +1.2% / +1.1% at 512 / 1k / 2k keys (H100; the masked mainloop
-// step 235 -> 166 instructions).
-template <bool kLeft, int kMTiles, int kNTiles>
+// [key_begin(i), key_end(i + 1)) of detail::Band; per-element Band::visible compiled to 64-bit
+// branches and spilled, so each row's bounds are taken once, relative to the tile, and each element
+// is selected (FSEL) by one of two predicate forms (kBits):
+// - compare: an integer compare per element (two with a left bound);
+// - bits: a lane holds a row's columns 8·ni + c0 + q (c0 = 2·(lane % 4), q = 0, 1), so for each row
+//   and q the visible ni form one run: a bit mask of it, whose bits ptxas moves into predicates 7 at
+//   a time (R2P; FlashAttention-4's mask_r2p). Fewer instructions (hdim 64 sm90 short_band: 466 ->
+//   117 ISETP in SASS; the diagonal step's mask was 10% of that kernel's instructions), but in a
+//   kernel's code it changes ptxas's register assignment of the whole mainloop (the exponents' FFMAs
+//   lose their operand reuse), which costs 1.7-3.9% at 16k keys even where no mask runs (H100), so
+//   only the kernels of short causal work take it (FwdTileSm90::mask_bits).
+// Without a left bound (causal, right windows, ragged ends: key_begin is 0) there is one bound.
+template <bool kLeft, int kNTiles>
+__device__ __forceinline__ std::uint32_t visible_tiles(int lo, int hi) {
+  static_assert(kNTiles < 32, "one 32-bit mask per row covers the key tile's columns");
+  // ceil(x / 8) by an arithmetic shift (negative x too), clamped to [0, kNTiles].
+  auto tiles_below = [](int x) {
+    const int n = (x + 7) >> 3;
+    return n < 0 ? 0 : n > kNTiles ? kNTiles : n;
+  };
+  const std::uint32_t below_hi = (1u << tiles_below(hi)) - 1u;
+  return kLeft ? below_hi & ~((1u << tiles_below(lo)) - 1u) : below_hi;
+}
+template <bool kLeft, bool kBits, int kMTiles, int kNTiles>
 __device__ __forceinline__ void mask_rows(float (&s)[kMTiles][kNTiles][4], const detail::Band& band,
                                           const RowCoords<kMTiles>& rows, int len_k, int n0, int lane) {
+  constexpr int kSpan = 8 * kNTiles + 8;  // bounds clamped to [-8, kSpan]: the shifts cannot overflow
+  const int c0 = fragment_col(0, 0, lane);
 #pragma unroll
   for (int r = 0; r < 2 * kMTiles; ++r) {
-    const int lo = kLeft ? static_cast<int>(band.key_begin(rows.i(r), len_k)) - n0 : 0;
-    const int hi = static_cast<int>(band.key_end(rows.i(r) + 1, len_k)) - n0;
+    int lo = kLeft ? static_cast<int>(band.key_begin(rows.i(r), len_k)) - n0 : 0;
+    int hi = static_cast<int>(band.key_end(rows.i(r) + 1, len_k)) - n0;
     const int mi = r / 2, e0 = 2 * (r % 2);
+    if constexpr (kBits) {
+      lo = lo < -8 ? -8 : lo > kSpan ? kSpan : lo;
+      hi = hi < -8 ? -8 : hi > kSpan ? kSpan : hi;
 #pragma unroll
-    for (int ni = 0; ni < kNTiles; ++ni)
+      for (int q = 0; q < 2; ++q) {
+        const std::uint32_t keep = visible_tiles<kLeft, kNTiles>(lo - c0 - q, hi - c0 - q);
 #pragma unroll
-      for (int e = e0; e < e0 + 2; ++e) {
-        const int j = fragment_col(ni, e, lane);
-        s[mi][ni][e] = j < hi && (!kLeft || j >= lo) ? s[mi][ni][e] : -INFINITY;
+        for (int ni = 0; ni < kNTiles; ++ni) s[mi][ni][e0 + q] = (keep >> ni) & 1u ? s[mi][ni][e0 + q] : -INFINITY;
       }
+    } else {
+#pragma unroll
+      for (int ni = 0; ni < kNTiles; ++ni)
+#pragma unroll
+        for (int e = e0; e < e0 + 2; ++e) {
+          const int j = fragment_col(ni, e, lane);
+          s[mi][ni][e] = j < hi && (!kLeft || j >= lo) ? s[mi][ni][e] : -INFINITY;
+        }
+    }
   }
 }
-template <int kMTiles, int kNTiles>
+template <bool kBits = false, int kMTiles, int kNTiles>
 __device__ __forceinline__ void apply_mask(float (&s)[kMTiles][kNTiles][4], const detail::Band& band,
                                            const RowCoords<kMTiles>& rows, int len_k, int n0, int lane) {
   if (band.left < 0) {
-    mask_rows<false>(s, band, rows, len_k, n0, lane);
+    mask_rows<false, kBits>(s, band, rows, len_k, n0, lane);
     return;
   }
-  mask_rows<true>(s, band, rows, len_k, n0, lane);
+  mask_rows<true, kBits>(s, band, rows, len_k, n0, lane);
 }
 
 // Dropout's keep bits of keys [key0, key0 + 32) of the row row_id (key0 a multiple of 4): bit c

@@ -297,7 +297,7 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kVariant).threads(), 1
           slope_log2[r] = mod.alibi ? detail::alibi_slope(p, w.b, rows.head(r)) * kLog2e : 0.0f;
         mod.apply(s, slope_log2, rows, w.band.diag, key0, lane);
       }
-      if (tiles.needs_mask(key0)) apply_mask(s, w.band, rows, w.si.len_k, key0, lane);
+      if (tiles.needs_mask(key0)) apply_mask<kTile.mask_bits>(s, w.band, rows, w.si.len_k, key0, lane);
       rescale_o = softmax.update_max_lazy(s, mul, factor);
       softmax.exp_and_sum(s, mul, factor);
       if (dropout) {
