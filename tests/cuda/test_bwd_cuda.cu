@@ -406,19 +406,25 @@ TEST_P(CudaBackward, PersistentBlocksWalkManyItems) {
 // The sm90 backward's grid: persistent (one block per SM, less ctx.sm_margin) or one block per work
 // item (ctx.persistent_kernels = false, as the ring runs it beside an exchange). Every block takes
 // its items from the same counter in the same order, so the deterministic backward gives the same
-// bits on every grid, and the default one meets the rule on each.
+// bits on every grid, and the default one meets the rule on each. The shape has more work items
+// (128-key blocks x batch x KV heads) than the device has SMs, so that the three grids differ: one
+// block per item, one per SM, and 7 blocks (the margin leaves 7 SMs) that walk ~20 items each.
 TEST_P(CudaBackward, PersistentPerItemAndMarginGiveTheSameBits) {
   if (GetParam() != flashmonoid::CudaPath::sm90) GTEST_SKIP() << "the sm80 backward is one block per item anyway";
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
   for (int d : {64, 128}) {
-    Shape s = shape_of(DType::bf16, 2, 500, 700, 6, 2, d);
+    Shape s = shape_of(DType::bf16, 2, 300, 1100, 16, 8, d);
     s.causal = d == 64;
     if (s.causal) s.window_right = 0;
     SCOPED_TRACE(s.str());
+    const int items = (s.s_k + 127) / 128 * s.b * s.h_k;
+    ASSERT_GT(items, sms) << "the shape must give the per-item grid more blocks than the persistent one";
     ++ran_;
     const Problem pb(s);
     flashmonoid::Context per_item, margin;
     per_item.persistent_kernels = false;
-    margin.sm_margin = 100;
+    margin.sm_margin = sms - 7;
     GpuCase base(pb, true);
     base.run(GetParam());
     if (::testing::Test::HasFatalFailure()) return;

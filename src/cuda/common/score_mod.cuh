@@ -187,14 +187,14 @@ __device__ __forceinline__ std::uint32_t visible_tiles(int lo, int hi) {
 template <bool kLeft, bool kBits, int kMTiles, int kNTiles>
 __device__ __forceinline__ void mask_rows(float (&s)[kMTiles][kNTiles][4], const detail::Band& band,
                                           const RowCoords<kMTiles>& rows, int len_k, int n0, int lane) {
-  constexpr int kSpan = 8 * kNTiles + 8;  // bounds clamped to [-8, kSpan]: the shifts cannot overflow
-  const int c0 = fragment_col(0, 0, lane);
 #pragma unroll
   for (int r = 0; r < 2 * kMTiles; ++r) {
     int lo = kLeft ? static_cast<int>(band.key_begin(rows.i(r), len_k)) - n0 : 0;
     int hi = static_cast<int>(band.key_end(rows.i(r) + 1, len_k)) - n0;
     const int mi = r / 2, e0 = 2 * (r % 2);
     if constexpr (kBits) {
+      constexpr int kSpan = 8 * kNTiles + 8;  // bounds clamped to [-8, kSpan]: the shifts cannot overflow
+      const int c0 = fragment_col(0, 0, lane);
       lo = lo < -8 ? -8 : lo > kSpan ? kSpan : lo;
       hi = hi < -8 ? -8 : hi > kSpan ? kSpan : hi;
 #pragma unroll
