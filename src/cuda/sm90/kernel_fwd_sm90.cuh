@@ -17,6 +17,7 @@
 #include <cuda.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "api/params.hpp"
 #include "common/block_range.cuh"
@@ -179,20 +180,36 @@ __device__ __forceinline__ void produce(const FwdKernelArgsSm90& args, const Fwd
   sm.q_full(qpos.slot()).arrive();
 }
 
-// S (64, kBlockN) = Q (64, kHeadDim) · K (kBlockN, kHeadDim)ᵀ, issued (not waited for).
-template <class T, int kHeadDim, int kBlockN>
-__device__ __forceinline__ void issue_scores(float (&s)[1][kBlockN / 8][4], std::uint32_t q_addr, std::uint32_t k_addr) {
+// S (64, kKeys) = Q (64, kHeadDim) · K (kKeys, kHeadDim)ᵀ for the first kKeys rows of a K slot of
+// kBlockN rows, issued (not waited for).
+template <class T, int kHeadDim, int kBlockN, int kKeys>
+__device__ __forceinline__ void issue_scores(float (&s)[1][kKeys / 8][4], std::uint32_t q_addr, std::uint32_t k_addr) {
 #pragma unroll
   for (int ks = 0; ks < kHeadDim / 16; ++ks)
     wgmma_ss<0, 0>(flat(s), desc_k_major(q_addr, 64, ks), desc_k_major(k_addr, kBlockN, ks), T{}, ks > 0);
 }
 
-// O (64, kHeadDim) += P (64, kBlockN) · V (kBlockN, kHeadDim), issued (not waited for).
-template <class T, int kHeadDim, int kBlockN>
+// O (64, kHeadDim) += P (64, kKeys) · V (kKeys, kHeadDim) over the first kKeys rows of a V slot of
+// kBlockN rows, issued (not waited for).
+template <class T, int kHeadDim, int kBlockN, int kKeys = kBlockN>
 __device__ __forceinline__ void issue_pv(float (&o)[1][kHeadDim / 8][4], const std::uint32_t (&pa)[kBlockN / 16][4],
                                          std::uint32_t v_addr) {
 #pragma unroll
-  for (int kk = 0; kk < kBlockN / 16; ++kk) wgmma_rs<1>(flat(o), pa[kk], desc_mn_major(v_addr, kBlockN, kk), T{}, 1);
+  for (int kk = 0; kk < kKeys / 16; ++kk) wgmma_rs<1>(flat(o), pa[kk], desc_mn_major(v_addr, kBlockN, kk), T{}, 1);
+}
+
+// The first kCols columns of a (64, 8·kNTiles) accumulator tile and of its P fragments: the
+// diagonal step's narrow form (FwdTileSm90::diag_keys). A wgmma accumulator's column c is in tile
+// c / 8 whatever its N, so the leading tiles of the wide layout are the narrow one.
+template <int kCols, int kNTiles>
+__device__ __forceinline__ float (&leading_cols(float (&s)[1][kNTiles][4]))[1][kCols / 8][4] {
+  static_assert(kCols % 16 == 0 && kCols <= 8 * kNTiles, "whole k steps of P·V");
+  return reinterpret_cast<float (&)[1][kCols / 8][4]>(s);
+}
+template <int kCols, int kKSteps>
+__device__ __forceinline__ std::uint32_t (&leading_cols(std::uint32_t (&pa)[kKSteps][4]))[kCols / 16][4] {
+  static_assert(kCols % 16 == 0 && kCols <= 16 * kKSteps, "whole k steps of P·V");
+  return reinterpret_cast<std::uint32_t (&)[kCols / 16][4]>(pa);
 }
 
 }  // namespace sm90
@@ -287,67 +304,102 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kVariant).threads(), 1
     float factor[2];
     bool rescale_o = true;  // whether the last softmax step moved a row max of the warp
 
-    // Masks, score modifiers and the first two softmax steps on S of the key tile starting at key0;
-    // P stays in s (fp32) for the dropout, then becomes pa after O is rescaled.
-    auto softmax_step = [&](int key0) {
+    // Masks, score modifiers and the first two softmax steps on S (sx: s, or its leading columns in
+    // the narrow diagonal step) of the key tile starting at key0; P stays there (fp32) for the dropout,
+    // then becomes pa after O is rescaled.
+    auto softmax_step = [&](auto& sx, int key0) {
       if (kScoreMods && mod.active()) {
         float slope_log2[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r)
           slope_log2[r] = mod.alibi ? detail::alibi_slope(p, w.b, rows.head(r)) * kLog2e : 0.0f;
-        mod.apply(s, slope_log2, rows, w.band.diag, key0, lane);
+        mod.apply(sx, slope_log2, rows, w.band.diag, key0, lane);
       }
-      if (tiles.needs_mask(key0)) apply_mask<kTile.mask_bits>(s, w.band, rows, w.si.len_k, key0, lane);
-      rescale_o = softmax.update_max_lazy(s, mul, factor);
-      softmax.exp_and_sum(s, mul, factor);
+      if (tiles.needs_mask(key0)) apply_mask<kTile.mask_bits>(sx, w.band, rows, w.si.len_k, key0, lane);
+      rescale_o = softmax.update_max_lazy(sx, mul, factor);
+      softmax.exp_and_sum(sx, mul, factor);
       if (dropout) {
         std::uint32_t row_id[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) row_id[r] = detail::dropout_row_id(p, rows.head(r), w.si, rows.i(r));
-        apply_dropout(s, p, row_id, key0, lane);
+        apply_dropout(sx, p, row_id, key0, lane);
       }
     };
 
     const std::uint32_t q_addr = smem_addr(sm.q(qpos.slot(), consumer));
     const int num_tiles = tiles.count();
     if (num_tiles > 0) {
-      // Step 0: S only.
-      sm.k_full(kpos.slot()).wait(kpos.phase());
-      turns.wait();
-      wgmma_fence();
-      issue_scores<T, kHeadDim, kBlockN>(s, q_addr, smem_addr(sm.k(kpos.slot())));
-      wgmma_commit();
-      turns.pass();
-      wgmma_wait<0>();
-      fence_regs(flat(s));
-      if (lane == 0) sm.k_empty(kpos.slot()).arrive();
-      kpos.advance();
-      softmax_step((tiles.hi - 1) * kBlockN);
-      p_fragments<T>(pa, s);
-#pragma unroll 1
-      for (int j = 1; j < num_tiles; ++j) {
+      // Step 0 (S only) and the P·V of step j - 1 that step j issues: over kCols columns, the key
+      // tile's leading ones in the narrow diagonal step.
+      auto first_step = [&](auto cols) {
+        constexpr int kCols = decltype(cols)::value;
+        auto& sx = leading_cols<kCols>(s);
+        sm.k_full(kpos.slot()).wait(kpos.phase());
+        turns.wait();
+        wgmma_fence();
+        issue_scores<T, kHeadDim, kBlockN, kCols>(sx, q_addr, smem_addr(sm.k(kpos.slot())));
+        wgmma_commit();
+        turns.pass();
+        wgmma_wait<0>();
+        fence_regs(flat(sx));
+        if (lane == 0) sm.k_empty(kpos.slot()).arrive();
+        kpos.advance();
+        softmax_step(sx, (tiles.hi - 1) * kBlockN);
+        p_fragments<T>(leading_cols<kCols>(pa), sx);
+      };
+      auto step = [&](int j, auto pv_cols) {
         const int key0 = (tiles.hi - 1 - j) * kBlockN;
         sm.k_full(kpos.slot()).wait(kpos.phase());
         sm.v_full(vpos.slot()).wait(vpos.phase());
         turns.wait();
         wgmma_fence();
-        issue_scores<T, kHeadDim, kBlockN>(s, q_addr, smem_addr(sm.k(kpos.slot())));
+        issue_scores<T, kHeadDim, kBlockN, kBlockN>(s, q_addr, smem_addr(sm.k(kpos.slot())));
         wgmma_commit();
-        issue_pv<T, kHeadDim, kBlockN>(o, pa, smem_addr(sm.v(vpos.slot())));
+        issue_pv<T, kHeadDim, kBlockN, decltype(pv_cols)::value>(o, pa, smem_addr(sm.v(vpos.slot())));
         wgmma_commit();
         turns.pass();
         wgmma_wait<1>();  // S of step j
         fence_regs(flat(s));
         if (lane == 0) sm.k_empty(kpos.slot()).arrive();
         kpos.advance();
-        softmax_step(key0);
+        softmax_step(s, key0);
         wgmma_wait<0>();  // P·V of step j - 1
         fence_regs(flat(o));
         if (lane == 0) sm.v_empty(vpos.slot()).arrive();
         vpos.advance();
         if (rescale_o) OnlineSoftmax<1>::rescale(o, factor);
         p_fragments<T>(pa, s);
+      };
+      using Full = std::integral_constant<int, kBlockN>;
+      int j = 1;
+      if constexpr (kTile.diag_keys > 0) {
+        using Narrow = std::integral_constant<int, kTile.diag_keys>;
+        // This consumer's rows [i0, i1) see no key at or past the first tile's key0 + diag_keys (or
+        // have no rows at all): warpgroup-uniform, as the products need, and taken from lane 0 so
+        // that ptxas sees it uniform too (else it serialised the wgmmas of both branches: C7520).
+        const int i0 = w.R0 + 64 * consumer, i1 = i0 + 64 < w.si.len_q ? i0 + 64 : w.si.len_q;
+        const bool narrow = __shfl_sync(0xffffffffu, i1 <= i0 || w.band.key_end(i1, w.si.len_k) <=
+                                                                     static_cast<std::int64_t>(tiles.hi - 1) * kBlockN + kTile.diag_keys,
+                                        0);
+        if (narrow) {
+          first_step(Narrow{});
+          if (num_tiles > 1) {
+            step(1, Narrow{});
+            j = 2;
+          } else {
+            // A tile of one step: its P·V (after the loop) runs over the whole slot, with P's columns
+            // past diag_keys zero (as they are anyway).
+#pragma unroll
+            for (int kk = kTile.diag_keys / 16; kk < kNTiles / 2; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
+          }
+        } else {
+          first_step(Full{});
+        }
+      } else {
+        first_step(Full{});
       }
+#pragma unroll 1
+      for (; j < num_tiles; ++j) step(j, Full{});
       // Every read of Q is over (the tile's S products have completed): its buffer goes back to the
       // producer, so the next tile's Q loads under this last P·V and the epilogue. Every thread
       // arrives: each one's release orders its reads of the tile records before the producer rewrites

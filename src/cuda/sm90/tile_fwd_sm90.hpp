@@ -20,9 +20,10 @@ namespace flashmonoid::cuda {
 enum class FwdStore { regs, tma };
 
 // The kernel variants of a head-dim bucket: the plain one; one with softcap, ALiBi and dropout
-// compiled in (the plain one carries none of their registers); at hdim 64, one of 128-row tiles for
-// causal-like masks up to kShortBandRows query rows; at hdim 128, one of 160-key steps for long
-// unmasked key ranges (fwd_long_keys). run_fwd_sm90 chooses.
+// compiled in (the plain one carries none of their registers); one for causal-like masks up to
+// kShortBandRows query rows (short_band: 128-row tiles at hdim 64, the narrow diagonal step at hdim
+// 128 and 256); at hdim 128, one of 160-key steps for long unmasked key ranges (fwd_long_keys).
+// run_fwd_sm90 chooses.
 enum class FwdVariantSm90 { plain, score_mods, short_band, long_keys };
 
 struct FwdTileSm90 {
@@ -38,6 +39,17 @@ struct FwdTileSm90 {
   // hdim 64 causal, against the compare form: 512 / 1k / 2k keys 215.5 -> 220.9 / 304.8 -> 309.4 /
   // 368.4 -> 372.3 TFLOP/s). Elsewhere it cost the mainloop 1.7-3.9% at 16k.
   bool mask_bits = false;
+  // The narrow diagonal step (0: off): a consumer whose rows see no key at or past key0 + diag_keys
+  // of its first (diagonal) key tile computes only those diag_keys columns of S and of P·V there
+  // (kernel_fwd_sm90.cuh). With 128-row tiles and 128-key steps that is the upper consumer of every
+  // causal tile: its diagonal step costs half; at hdim 256 (80-key steps) the upper consumer sees at
+  // most 17 columns of its first tile. The result is the same bits: the columns left out are masked
+  // (P = 0) for these rows. H100, causal, against the same kernels without it: hdim 128 1k / 2k
+  // +2.2% / +1.5%, hdim 256 1k / 2k +2.1% / +1.0%, nothing at 512. Only in the short_band kernels,
+  // so the long mainloops keep their SASS; not at hdim 64, where the extra code paths (the kernel
+  // grew from 2896 to 4264 instructions, and its two consumers run different ones) missed the
+  // instruction cache: causal 512 230 -> 207 TFLOP/s, ncu's no-instruction stalls 9x.
+  int diag_keys = 0;
 
   constexpr int block_m() const { return 64 * consumers; }
   constexpr int threads() const { return 128 * (consumers + 1); }
@@ -73,8 +85,9 @@ constexpr FwdTileSm90 fwd_tile_sm90(int head_dim_bucket, FwdVariantSm90 variant)
   if (head_dim_bucket <= 64 && variant == FwdVariantSm90::plain) return {3, 128, 4, 160, 24, 2, true, FwdStore::tma};
   if (head_dim_bucket <= 64 && variant == FwdVariantSm90::short_band) return {2, 128, 4, 240, 24, 2, true, FwdStore::tma, true};
   if (head_dim_bucket == 128 && variant == FwdVariantSm90::long_keys) return {2, 160, 2, 240, 24, 1, true, FwdStore::tma};
-  if (head_dim_bucket <= 128) return {2, 128, 2, 240, 24, 2, !mods, FwdStore::tma};
-  return {2, 80, 2, 240, 24, 1, false, FwdStore::regs};
+  const bool band = variant == FwdVariantSm90::short_band;
+  if (head_dim_bucket <= 128) return {2, 128, 2, 240, 24, 2, !mods, FwdStore::tma, false, band ? 64 : 0};
+  return {2, 80, 2, 240, 24, 1, false, FwdStore::regs, false, band ? 32 : 0};
 }
 
 inline constexpr int kShortBandRows = 2048;
