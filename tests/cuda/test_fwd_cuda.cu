@@ -218,12 +218,13 @@ std::vector<Shape> sm90_grid() {
     }
   // hdim 64 under causal-like masks: the 128-row short_band variant up to 2048 query rows (a window,
   // GQA, a head dim of 32 inside the bucket, whose TMA store writes half of each box), the 192-row
-  // one above.
+  // one above; hdim 128's short_band (the narrow diagonal step) up to 8192 rows: 2600 of them, and
+  // keys beyond the rows (the diagonal then falls inside key tiles, not at their start).
   struct Band {
     int sq, sk, d, window_left, window_right;  // no window: causal
   };
   for (const Band& c : {Band{1031, 1031, 64, -1, -1}, Band{300, 633, 32, -1, -1}, Band{1031, 1100, 64, 90, 17},
-                        Band{2100, 2100, 64, -1, -1}}) {
+                        Band{2100, 2100, 64, -1, -1}, Band{2600, 2600, 128, -1, -1}, Band{700, 1000, 128, -1, -1}}) {
     Shape s = shape_of(c.d == 32 ? DType::f16 : DType::bf16, 1, c.sq, c.sk, 6, 3, c.d);
     s.causal = c.window_right < 0;
     s.window_left = c.window_left;

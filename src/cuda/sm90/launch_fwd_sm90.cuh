@@ -54,7 +54,7 @@ void run_fwd_sm90(const detail::FwdParams& p, const FwdLaunchSm90& launch) {
   if constexpr (kHeadDim <= 128) {
     if (p.score_mods()) return launch_fwd_sm90<T, kHeadDim, V::score_mods>(p, launch);
   }
-  if (p.window_right >= 0 && p.seqlen_q <= kShortBandRows) return launch_fwd_sm90<T, kHeadDim, V::short_band>(p, launch);
+  if (p.window_right >= 0 && p.seqlen_q <= short_band_rows(kHeadDim)) return launch_fwd_sm90<T, kHeadDim, V::short_band>(p, launch);
   if constexpr (kHeadDim == 128) {
     if (fwd_long_keys(p.window_left >= 0 || p.window_right >= 0, p.seqlen_k))
       return launch_fwd_sm90<T, kHeadDim, V::long_keys>(p, launch);

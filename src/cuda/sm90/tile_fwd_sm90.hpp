@@ -21,7 +21,7 @@ enum class FwdStore { regs, tma };
 
 // The kernel variants of a head-dim bucket: the plain one; one with softcap, ALiBi and dropout
 // compiled in (the plain one carries none of their registers); one for causal-like masks up to
-// kShortBandRows query rows (short_band: 128-row tiles at hdim 64, the narrow diagonal step at hdim
+// short_band_rows query rows (short_band: 128-row tiles at hdim 64, the narrow diagonal step at hdim
 // 128 and 256); at hdim 128, one of 160-key steps for long unmasked key ranges (fwd_long_keys).
 // run_fwd_sm90 chooses.
 enum class FwdVariantSm90 { plain, score_mods, short_band, long_keys };
@@ -90,7 +90,11 @@ constexpr FwdTileSm90 fwd_tile_sm90(int head_dim_bucket, FwdVariantSm90 variant)
   return {2, 80, 2, 240, 24, 1, false, FwdStore::regs, false, band ? 32 : 0};
 }
 
-inline constexpr int kShortBandRows = 2048;
+// Query rows up to which causal-like masks take the short_band kernel. hdim 64: its 128-row tiles
+// against the plain kernel's 192 rows (above). hdim 128: the narrow diagonal step pays up to 8k rows
+// (H100, causal, five alternated rounds against 2048: 4k 623 -> 633 TFLOP/s, 8k 655 -> 671; 16k
+// equal). hdim 256: 4k -0.7%, 8k +1.4%, so 2048.
+constexpr int short_band_rows(int head_dim_bucket) { return head_dim_bucket == 128 ? 8192 : 2048; }
 
 // hdim 128 without a window (no causal mask) over at least kLongKeys keys: 160 keys per step
 // amortise the per-step costs (the O rescale, the row reductions, the ping-pong turns) over 1.25x the
