@@ -22,6 +22,7 @@
 #include "attention_case.hpp"
 #include "flashmonoid/attention.hpp"
 #include "cuda/sm80/bwd_sm80.hpp"
+#include "sm90/tile_bwd_sm90.hpp"
 
 namespace {
 
@@ -407,8 +408,9 @@ TEST_P(CudaBackward, PersistentBlocksWalkManyItems) {
 // item (ctx.persistent_kernels = false, as the ring runs it beside an exchange). Every block takes
 // its items from the same counter in the same order, so the deterministic backward gives the same
 // bits on every grid, and the default one meets the rule on each. The shape has more work items
-// (128-key blocks x batch x KV heads) than the device has SMs, so that the three grids differ: one
-// block per item, one per SM, and 7 blocks (the margin leaves 7 SMs) that walk ~20 items each.
+// (key blocks of the sm90 tile x batch x KV heads) than the device has SMs, so that the three grids
+// differ: one block per item, one per SM, and 7 blocks (the margin leaves 7 SMs) that walk ~20 items
+// each.
 TEST_P(CudaBackward, PersistentPerItemAndMarginGiveTheSameBits) {
   if (GetParam() != flashmonoid::CudaPath::sm90) GTEST_SKIP() << "the sm80 backward is one block per item anyway";
   int sms = 0;
@@ -418,7 +420,8 @@ TEST_P(CudaBackward, PersistentPerItemAndMarginGiveTheSameBits) {
     s.causal = d == 64;
     if (s.causal) s.window_right = 0;
     SCOPED_TRACE(s.str());
-    const int items = (s.s_k + 127) / 128 * s.b * s.h_k;
+    const int block_n = flashmonoid::cuda::bwd_tile_sm90(d).block_n;
+    const int items = (s.s_k + block_n - 1) / block_n * s.b * s.h_k;
     ASSERT_GT(items, sms) << "the shape must give the per-item grid more blocks than the persistent one";
     ++ran_;
     const Problem pb(s);
