@@ -199,18 +199,40 @@ TensorView view4(void* p, DType t, int b, int s, int h, int d) { return TensorVi
 
 bool g_with_sm80 = false;  // --with-sm80: also time the sm80 family forced
 
-void bench_train(int d, bool causal, int s, bool with_bwd, const std::string& dev) {
-  const int b = 16384 / s, h = 2048 / d;
-  const std::size_t elems = static_cast<std::size_t>(b) * s * h * d;
-  Buf q(elems * 2, true), k(elems * 2, true), v(elems * 2, true), o(elems * 2), lse(static_cast<std::size_t>(b) * h * s * 4);
-  TensorView qv = view4(q.p, DType::bf16, b, s, h, d), kv = view4(k.p, DType::bf16, b, s, h, d),
-             vv = view4(v.p, DType::bf16, b, s, h, d), ov = view4(o.p, DType::bf16, b, s, h, d);
-  TensorView lv(lse.p, DType::f32, Device::cuda(0), {b, h, s});
+// A training shape: 16k tokens, hidden 2048, bf16 random q, k, v; its out and lse; its forward FLOPs.
+struct TrainShape {
+  int b, h;
+  std::size_t elems;
+  Buf q, k, v, o, lse;
+  TensorView qv, kv, vv, ov, lv;
   flashmonoid::Options opt;
-  opt.causal = causal;
-  const double flops = 4.0 * b * h * static_cast<double>(s) * s * d / (causal ? 2 : 1);
+  double flops;
+  TrainShape(int d, bool causal, int s)
+      : b(16384 / s), h(2048 / d), elems(static_cast<std::size_t>(b) * s * h * d), q(elems * 2, true),
+        k(elems * 2, true), v(elems * 2, true), o(elems * 2), lse(static_cast<std::size_t>(b) * h * s * 4),
+        qv(view4(q.p, DType::bf16, b, s, h, d)), kv(view4(k.p, DType::bf16, b, s, h, d)),
+        vv(view4(v.p, DType::bf16, b, s, h, d)), ov(view4(o.p, DType::bf16, b, s, h, d)),
+        lv(lse.p, DType::f32, Device::cuda(0), {b, h, s}),
+        flops(4.0 * b * h * static_cast<double>(s) * s * d / (causal ? 2 : 1)) {
+    opt.causal = causal;
+  }
+};
+
+void bench_train(int d, bool causal, int s, bool with_bwd, const std::string& dev) {
+  TrainShape t(d, causal, s);
+  const int b = t.b, h = t.h;
+  const std::size_t elems = t.elems;
+  const TensorView &qv = t.qv, &kv = t.kv, &vv = t.vv, &ov = t.ov, &lv = t.lv;
+  const flashmonoid::Options& opt = t.opt;
+  const double flops = t.flops;
   // The default kernels (sm90 on Hopper), then (--with-sm80) the sm80 family forced, for the comparison.
-  const double fwd = device_ms([&] { flashmonoid::forward(qv, kv, vv, ov, lv, opt); });
+  // With the workspace a caller passes (the sm90 forward's split tail; Python passes it too).
+  const std::size_t fwd_ws = flashmonoid::forward_workspace_size(qv, kv, opt);
+  Buf fwd_work(fwd_ws);
+  flashmonoid::Context fwd_ctx;
+  fwd_ctx.workspace = fwd_work.p;
+  fwd_ctx.workspace_bytes = fwd_ws;
+  const double fwd = device_ms([&] { flashmonoid::forward(qv, kv, vv, ov, lv, opt, fwd_ctx); });
   record("fwd", d, causal, b, h, h, s, s, fwd, "tflops", flops / fwd / 1e9, dev);
   flashmonoid::Context sm80;
   sm80.cuda_path = flashmonoid::CudaPath::sm80;
@@ -251,6 +273,38 @@ void bench_train(int d, bool causal, int s, bool with_bwd, const std::string& de
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bwd d%d s%d: %s\n", d, s, e.what());
   }
+}
+
+// The forward's partial last round (issue 8, tile_fwd_sm90.hpp: fwd_split_tail): TFLOP/s of the
+// default kernels without the workspace, with it (the split tail, hdim 64), and without it on
+// ctx.sm_margin 4 (128 blocks on the H100), rounds alternated, medians.
+void grid_probe() {
+  constexpr int kRounds = 3;
+  std::printf("%-5s %-6s %-6s %9s %9s %9s\n", "hdim", "causal", "s", "no_ws", "ws", "margin4");
+  for (int d : {64, 128, 256})
+    for (bool causal : {false, true})
+      for (int s : {512, 1024, 2048, 4096, 16384}) {
+        TrainShape sh(d, causal, s);
+        const std::size_t ws = flashmonoid::forward_workspace_size(sh.qv, sh.kv, sh.opt);
+        Buf work(ws);
+        std::vector<double> t[3];
+        for (int r = 0; r < kRounds; ++r)
+          for (int m = 0; m < 3; ++m) {
+            flashmonoid::Context ctx;
+            if (m == 1) {
+              ctx.workspace = work.p;
+              ctx.workspace_bytes = ws;
+            }
+            if (m == 2) ctx.sm_margin = 4;
+            t[m].push_back(device_ms([&] { flashmonoid::forward(sh.qv, sh.kv, sh.vv, sh.ov, sh.lv, sh.opt, ctx); }));
+          }
+        std::printf("%-5d %-6d %-6d", d, causal ? 1 : 0, s);
+        for (auto& x : t) {
+          std::sort(x.begin(), x.end());
+          std::printf(" %9.1f", sh.flops / x[kRounds / 2] / 1e9);
+        }
+        std::printf("\n");
+      }
 }
 
 // The decoding shape: s_q = 1, 32 query heads over 8 KV heads, hdim 128, bf16.
@@ -569,7 +623,8 @@ void write_records(const char* out_path) {
 // the decoding shapes, --sweep the host cost of single CUDA calls and the decoding shapes over forced
 // split counts, --kvcache-only
 // the device copy and the forward_kvcache decoding shapes (pass "decode"), --no-kvcache all but those,
-// --kvcache-host only the host time of the C++ forward_kvcache (pass "decode_host").
+// --kvcache-host only the host time of the C++ forward_kvcache (pass "decode_host"), --grid-probe the
+// forward's partial last round (grid_probe).
 int main(int argc, char** argv) {
   const std::string dev = device_name();
   const char* out_path = nullptr;
@@ -584,6 +639,10 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--no-kvcache")) with_kvcache = false;
     else if (!std::strcmp(argv[i], "--kvcache-host")) kvcache_host = true;
     else if (!std::strcmp(argv[i], "--kv-probe")) kv_probe_only = true;
+    else if (!std::strcmp(argv[i], "--grid-probe")) {
+      grid_probe();
+      return 0;
+    }
     else if (!std::strcmp(argv[i], "--kv-probe-all")) kv_probe_only = kv_probe_all = true;
     else if (!std::strcmp(argv[i], "--kv-case") && i + 4 < argc) {
       // One decoding shape (b, s_k, page, s_q; append and rotary), 20 calls on the default stream

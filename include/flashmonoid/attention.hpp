@@ -47,7 +47,9 @@ void merge(std::span<const TensorView> outs, std::span<const TensorView> lses, c
 // Bytes of ctx.workspace the CUDA backward needs (0 on the CPU).
 std::size_t backward_workspace_size(const TensorView& q, const TensorView& k, const Options& options = {},
                                     const Varlen* varlen = nullptr);
-// Bytes of ctx.workspace a CUDA forward may use for split-KV partials; with less, it runs unsplit.
+// Bytes of ctx.workspace a CUDA forward may use: split-KV partials (decoding shapes), or the Hopper
+// kernels' exchange for a persistent grid's split last round (hdim <= 64). With less it runs
+// unsplit, and the same result to rounding. The workspace may hold anything on entry.
 std::size_t forward_workspace_size(const TensorView& q, const TensorView& k, const Options& options = {},
                                    const Varlen* varlen = nullptr);
 

@@ -20,6 +20,7 @@
 #include "sm80/tile_fwd_sm80.hpp"
 #include "sm90/bwd_sm90.hpp"
 #include "sm90/fwd_sm90.hpp"
+#include "sm90/tile_fwd_sm90.hpp"
 
 namespace flashmonoid::cuda {
 namespace {
@@ -317,8 +318,13 @@ void check_pointers(const detail::BwdParams& p) {
 
 std::size_t forward_workspace_size(const detail::FwdParams& p) {
   DeviceGuard guard(p.device.index);
-  if (forward_path(p, Context{}) == KernelArch::sm90) return 0;
   const DeviceProps props = device_props(p.device.index);
+  if (forward_path(p, Context{}) == KernelArch::sm90) {
+    // The split tail's exchange for a grid of every multiprocessor (a margin only shrinks it).
+    const int bucket = head_dim_bucket(p.d);
+    const FwdTileSm90 tile = fwd_tile_sm90(bucket, fwd_variant_sm90(p, bucket));
+    return p.is_varlen() || !fwd_split_tail(bucket) ? 0 : fwd_tail_layout_sm90(tile, bucket, props.num_sms).total;
+  }
   return fwd_split_workspace_bytes(p, fwd_choose_num_splits(p, props.num_sms, props.smem_per_sm));
 }
 
@@ -333,7 +339,8 @@ std::size_t backward_workspace_size(const detail::BwdParams& p) {
 void forward(const detail::FwdParams& p, const Context& ctx, bool after_own_kernel) {
   DeviceGuard guard(p.device.index);
   if (forward_path(p, ctx) == KernelArch::sm90) {
-    const FwdLaunchSm90 launch{static_cast<cudaStream_t>(ctx.stream), ctx.sm_margin, ctx.persistent_kernels};
+    const FwdLaunchSm90 launch{static_cast<cudaStream_t>(ctx.stream), ctx.sm_margin, ctx.persistent_kernels,
+                               ctx.workspace, ctx.workspace == nullptr ? 0 : ctx.workspace_bytes};
     with_dtype(p.dtype, [&](auto t) { run_fwd_hopper<decltype(t)>(p, launch); });
     return;
   }

@@ -43,7 +43,7 @@ struct GpuResult {
 // ctx carries the scheduling fields under test (persistent_kernels, sm_margin); workspace, splits and
 // path are set here.
 GpuResult gpu_forward(const Problem& pb, int splits = 0, flashmonoid::CudaPath path = flashmonoid::CudaPath::automatic,
-                      Context ctx = {}) {
+                      Context ctx = {}, bool with_workspace = true) {
   DeviceTensor q(pb.q), k(pb.k), v(pb.v), alibi(pb.alibi), cu_q(pb.cu_q), cu_k(pb.cu_k);
   GpuResult r{pb.new_out(), pb.new_lse()};
   DeviceTensor out(r.out), lse(r.lse);  // NaN-poisoned
@@ -61,9 +61,9 @@ GpuResult gpu_forward(const Problem& pb, int splits = 0, flashmonoid::CudaPath p
     // Generous: (d + 1) fp32 per (split, head, row) plus alignment.
     ws = std::max<std::size_t>(ws, static_cast<std::size_t>(splits) * p.h * p.total_q * (p.d + 1) * 4 + 1024);
   }
-  DeviceBuffer work(ws);
+  DeviceBuffer work(with_workspace ? ws : 0);
   ctx.workspace = work.ptr;
-  ctx.workspace_bytes = ws;
+  ctx.workspace_bytes = work.bytes;
   ctx.num_splits = splits;
   ctx.cuda_path = path;
   if (vlp)
@@ -271,10 +271,10 @@ INSTANTIATE_TEST_SUITE_P(Hopper, CudaForward,
                          path_case_name);
 
 // The sm90 forward's grid: persistent (one block per SM, less ctx.sm_margin) or one block per work
-// unit (ctx.persistent_kernels = false, as the ring runs it beside an exchange). A block computes
-// its tiles the same way wherever they land, so every grid gives the same bits.
-TEST(CudaForwardGrid, PersistentPerTileAndMarginGiveTheSameBits) {
-  SKIP_WITHOUT_GPU();
+// unit (ctx.persistent_kernels = false, as the ring runs it beside an exchange). Without the split
+// tail (no workspace) a block computes its tiles the same way wherever they land, so every grid
+// gives the same bits.
+std::vector<Shape> grid_shapes() {
   std::vector<Shape> shapes;
   for (int n = 0; n < 3; ++n) {
     Shape s;
@@ -288,20 +288,99 @@ TEST(CudaForwardGrid, PersistentPerTileAndMarginGiveTheSameBits) {
     s.causal = n != 1;
     shapes.push_back(s);
   }
-  for (const Shape& s : shapes) {
+  return shapes;
+}
+
+TEST(CudaForwardGrid, PersistentPerTileAndMarginGiveTheSameBits) {
+  SKIP_WITHOUT_GPU();
+  for (const Shape& s : grid_shapes()) {
     if (!sm90_runs(s)) GTEST_SKIP() << "not an sm90 device";
     Problem pb(s);
-    const GpuResult base = gpu_forward(pb, 1, flashmonoid::CudaPath::sm90);
+    const GpuResult base = gpu_forward(pb, 1, flashmonoid::CudaPath::sm90, {}, false);
     check_against_reference(pb, base);
     Context per_tile, margin;
     per_tile.persistent_kernels = false;
     margin.sm_margin = 100;
     for (const Context& ctx : {per_tile, margin}) {
-      const GpuResult g = gpu_forward(pb, 1, flashmonoid::CudaPath::sm90, ctx);
+      const GpuResult g = gpu_forward(pb, 1, flashmonoid::CudaPath::sm90, ctx, false);
       EXPECT_TRUE(g.out.buf == base.out.buf) << "out differs, d " << s.d;
       EXPECT_TRUE(g.lse.buf == base.lse.buf) << "lse differs, d " << s.d;
     }
   }
+}
+
+// The split tail (block_range.cuh: WorkTiles): grids whose last round the units leave partial cut
+// the tail units at key steps and merge the pieces across blocks. Grids of 5..31 blocks (margins)
+// cut these shapes' 36-72 units (varied remainders, pairs cut inside either tile, blocks with one
+// to three pieces): every output within the FlashAttention rule, the same bits on a second run (a
+// new epoch), and on graph replays (the same epoch again: the flags must have been set back).
+TEST(CudaForwardGrid, SplitTailMatchesTheReference) {
+  SKIP_WITHOUT_GPU();
+  int sms = 0;
+  cuda_ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  // The split tail runs at hdim 64 (tile_fwd_sm90.hpp: fwd_split_tail): the short_band kernel
+  // (causal 700), the plain one (non-causal, 700 x 1100) and the score-modifier one (softcap).
+  std::vector<Shape> shapes = {grid_shapes()[0], grid_shapes()[1], grid_shapes()[1]};
+  shapes[1].d = shapes[2].d = 64;
+  shapes[2].softcap = 30.0f;
+  for (const Shape& s : shapes) {
+    if (!sm90_runs(s)) GTEST_SKIP() << "not an sm90 device";
+    Problem pb(s);
+    for (int grid : {5, 7, 13, 31}) {
+      Context ctx;
+      ctx.sm_margin = sms - grid;
+      const GpuResult g = gpu_forward(pb, 1, flashmonoid::CudaPath::sm90, ctx);
+      SCOPED_TRACE("d " + std::to_string(s.d) + " causal " + std::to_string(s.causal) + " grid " + std::to_string(grid));
+      check_against_reference(pb, g);
+      const GpuResult again = gpu_forward(pb, 1, flashmonoid::CudaPath::sm90, ctx);
+      EXPECT_TRUE(again.out.buf == g.out.buf) << "out differs between runs";
+      EXPECT_TRUE(again.lse.buf == g.lse.buf) << "lse differs between runs";
+    }
+  }
+}
+
+TEST(CudaForwardGrid, SplitTailReplaysInAGraph) {
+  SKIP_WITHOUT_GPU();
+  int sms = 0;
+  cuda_ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  Shape s = grid_shapes()[1];
+  s.d = 64;
+  if (!sm90_runs(s)) GTEST_SKIP() << "not an sm90 device";
+  Problem pb(s);
+  DeviceTensor q(pb.q), k(pb.k), v(pb.v);
+  GpuResult r{pb.new_out(), pb.new_lse()};
+  DeviceTensor out(r.out), lse(r.lse);
+  const std::size_t ws = flashmonoid::forward_workspace_size(q.view, k.view, pb.opt);
+  DeviceBuffer work(ws);
+  Context ctx;
+  ctx.workspace = work.ptr;
+  ctx.workspace_bytes = ws;
+  ctx.sm_margin = sms - 7;
+  ctx.cuda_path = flashmonoid::CudaPath::sm90;
+  cudaStream_t stream;
+  cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  ctx.stream = stream;
+  cudaGraph_t graph;
+  cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  flashmonoid::forward(q.view, k.view, v.view, out.view, lse.view, pb.opt, ctx);
+  cuda_ok(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  cuda_ok(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 3; ++replay) {
+    r.out.poison();
+    r.lse.poison();
+    out.copy_from(r.out);
+    lse.copy_from(r.lse);
+    cuda_ok(cudaGraphLaunch(exec, stream));
+    cuda_ok(cudaStreamSynchronize(stream));
+    out.copy_to(r.out);
+    lse.copy_to(r.lse);
+    SCOPED_TRACE("replay " + std::to_string(replay));
+    check_against_reference(pb, r);
+  }
+  cuda_ok(cudaGraphExecDestroy(exec));
+  cuda_ok(cudaGraphDestroy(graph));
+  cuda_ok(cudaStreamDestroy(stream));
 }
 
 // The automatic choice: sm90 for prefill shapes on Hopper, reported by supports().

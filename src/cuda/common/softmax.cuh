@@ -162,6 +162,25 @@ struct OnlineSoftmax {
     }
   }
 
+  // Merge a finished part of the same rows (another key range's normalised output y and natural-log
+  // lse_part) into the state, the monoid's merge in the state's form: the part weighs as one more key
+  // of score lse_part / (mul · ln 2) whose value row is y. The caller then sets
+  // o = o·factor + y·weight; the part's share of l goes to each quad's first lane. A part without
+  // keys (lse -inf) adds nothing.
+  __device__ __forceinline__ void absorb(const float (&lse_part)[kRows], float mul, int lane, float (&factor)[kRows],
+                                         float (&weight)[kRows]) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const float part = lse_part[r] * (1.0f / detail::kLn2);  // log2 units; -inf stays
+      const float m_old = m[r] == -INFINITY ? -INFINITY : m[r] * mul;
+      const float m_new = fmaxf(m_old, part);
+      factor[r] = m_old == -INFINITY ? 0.0f : fast_exp2(m_old - m_new);
+      weight[r] = part == -INFINITY ? 0.0f : fast_exp2(part - m_new);
+      l[r] = l[r] * factor[r] + (lane % 4 == 0 ? weight[r] : 0.0f);
+      m[r] = m_new == -INFINITY ? -INFINITY : m_new / mul;
+    }
+  }
+
   // Finished form of row r: (1/l or 0, lse in natural log or -inf), through detail::RowState
   // (whose m is in log2 units). kApproxRcp takes 1/l from fast_rcp instead of the IEEE division: the
   // sm90 forward's epilogue, +0.4-0.6% geomean in two A/B calls (16 and 19 shapes, H100); the sm80 kernels

@@ -5,6 +5,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
+
 #include "api/params.hpp"
 
 namespace flashmonoid::cuda {
@@ -27,6 +29,10 @@ struct FwdLaunchSm90 {
   cudaStream_t stream = nullptr;
   int sm_margin = 0;
   bool persistent = true;
+  // The split tail's exchange (WorkTiles, tile_fwd_sm90.hpp: fwd_tail_layout_sm90); without enough
+  // bytes here the persistent grid runs its last round as it falls.
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
 };
 
 // Queue the forward on launch.stream (never synchronises, never allocates). T is __half or

@@ -29,6 +29,18 @@
 
 namespace flashmonoid::cuda {
 
+// The split tail's exchange (WorkTiles::tail_units > 0): per merging block (slot) and consumer, a
+// tail piece's normalised O and lse in its threads' register order, and a flag the tail's block
+// sets to `epoch` once they are written; the head's block waits for it and sets it back to 0. The
+// epoch is new for every launch (and never 0), so a flag left in a reused workspace is never
+// mistaken for this launch's; a graph replays its launches' epochs, whose flags were set back to 0.
+struct FwdTailSm90 {
+  float* o = nullptr;  // (slots, consumers, 64 · kHeadDim)
+  float* lse = nullptr;  // (slots, consumers, 128 · 2)
+  unsigned long long* flag = nullptr;  // (slots, consumers)
+  unsigned long long epoch = 0;
+};
+
 struct FwdKernelArgsSm90 {
   CUtensorMap tm_q;  // (d, h, rows, batch), box (64, 1, 64, 1): one panel of one consumer's rows
   CUtensorMap tm_k;  // (d, h_k, rows, batch), box (64, 1, kBlockN, 1)
@@ -36,6 +48,7 @@ struct FwdKernelArgsSm90 {
   CUtensorMap tm_o;  // (d, h, rows, batch), box (64, 1, 64, 1): the TMA store of one consumer's O panel
   detail::FwdParams p;
   WorkTiles work;  // num_m_blocks per (head, batch): ceil(max_seqlen_q / kBlockM)
+  FwdTailSm90 tail;
 };
 
 namespace sm90 {
@@ -104,12 +117,12 @@ struct FwdWork {
   detail::SeqInfo si;
   detail::Band band;
   KeyTiles tiles;
-  bool empty;  // a varlen sequence shorter than this query block: nothing to do at all
+  // A piece of a split-tail unit (WorkTiles), merged in the exchange slot of the head's block.
+  TailRole role = TailRole::whole;
 
   __device__ __forceinline__ FwdWork(const detail::FwdParams& p, WorkTiles::Tile t)
       : head(t.head), b(t.batch), R0(t.m_block * kBlockM), kv_head(t.head / p.group()),
         si(detail::seq_info(p, t.batch)), band(detail::band_of(p, si)) {
-    empty = R0 >= si.len_q;
     const int i_end = R0 + kBlockM < si.len_q ? R0 + kBlockM : si.len_q;
     tiles = key_tiles<kBlockN>(band, R0, i_end, si.len_k);
   }
@@ -146,16 +159,12 @@ __device__ __forceinline__ void produce(const FwdKernelArgsSm90& args, const Fwd
     for (int pn = 0; pn < kPanels; ++pn)
       tma_load(dst + pn * kTile.block_n * kPanelCols, map, pn * kPanelCols, kv_head, row, batch_coord, full);
   };
-#pragma unroll 1
-  for (int t = 0; t < work.end(gridDim.x); ++t) {
-    const WorkTiles::Tile tile = work.at(t, blockIdx.x, gridDim.x);
-    if (tile.m_block < 0) continue;
-    const FwdWork<kTile.block_m(), kTile.block_n> w(p, tile);
-    if (w.empty) continue;
+  using Work = FwdWork<kTile.block_m(), kTile.block_n>;
+  auto run_tile = [&](const Work& w) {
     const int batch_coord = p.is_varlen() ? 0 : w.b;  // varlen tensors are one batch entry of packed rows
     auto load_q = [&] {
       sm.q_empty(qpos.slot()).wait(qpos.phase() ^ 1);
-      sm.template record<FwdWork<kTile.block_m(), kTile.block_n>>(qpos.n) = w;  // visible through q_full's release
+      sm.template record<Work>(qpos.n) = w;  // visible through q_full's release
       sm.q_full(qpos.slot()).arrive_expect_tx(kQBytes);
 #pragma unroll
       for (int c = 0; c < kTile.consumers; ++c)
@@ -174,9 +183,46 @@ __device__ __forceinline__ void produce(const FwdKernelArgsSm90& args, const Fwd
       load_kv(&args.tm_v, sm.v(pos.slot()), sm.v_empty(pos.slot()), sm.v_full(pos.slot()), row, batch_coord, w.kv_head);
       pos.advance();
     }
+  };
+  // Positions t < work.end(grid): the whole units of the rounds; then, with a split tail, this block's
+  // stretch of it, [s0, s1) in units of 1 / grid (unit i spans [i·grid, (i + 1)·grid)), cut at key
+  // steps (block_range.cuh: tail_piece). The stretch is under two units long, so it touches at most
+  // three. One loop and one copy of the tile's loads for both, everything derived from t again (kept
+  // live across the loads, the tail's values overflowed the producer's 24 registers).
+  const int t_end = work.end(gridDim.x), t_tail = work.tail_units > 0 ? 3 * work.tiles_per_unit() : 0;
+#pragma unroll 1
+  for (int t = 0; t < t_end + t_tail; ++t) {
+    WorkTiles::Tile tile;
+    TailPiece piece{0, 0, TailRole::whole};
+    if (t < t_end) {
+      tile = work.at(t, blockIdx.x, gridDim.x);
+      if (tile.m_block < 0) continue;
+    } else {
+      const int k = t - t_end, grid = gridDim.x, s0 = static_cast<int>(blockIdx.x) * work.tail_units;
+      const int s1 = s0 + work.tail_units;
+      const int i = s0 / grid + k / work.tiles_per_unit(), x = k % work.tiles_per_unit();
+      const int u = work.units() - work.tail_units + i;
+      if (i * grid >= s1) break;
+      tile = work.unit_tile(u, x);
+      if (tile.m_block < 0) continue;
+      const int lo = (s0 > i * grid ? s0 : i * grid) - i * grid, hi = (s1 < (i + 1) * grid ? s1 : (i + 1) * grid) - i * grid;
+      // The unit's step counts: its first tile's, then its second's.
+      const int na = Work(p, work.unit_tile(u, 0)).tiles.count();
+      const WorkTiles::Tile tb = work.unit_tile(u, 1);
+      const int nb = tb.m_block >= 0 ? Work(p, tb).tiles.count() : 0;
+      if (!tail_piece(x == 0 ? 0 : na, x == 0 ? na : nb, na + nb, lo, hi, grid, &piece)) continue;
+    }
+    Work w(p, tile);
+    if (w.R0 >= w.si.len_q) continue;  // a varlen sequence shorter than this query block: nothing to do
+    if (piece.role != TailRole::whole) {
+      w.role = piece.role;
+      w.tiles.lo = w.tiles.hi - piece.step_end;
+      w.tiles.hi -= piece.step_begin;
+    }
+    run_tile(w);
   }
   sm.q_empty(qpos.slot()).wait(qpos.phase() ^ 1);
-  sm.template record<FwdWork<kTile.block_m(), kTile.block_n>>(qpos.n).head = -1;
+  sm.template record<Work>(qpos.n).head = -1;
   sm.q_full(qpos.slot()).arrive();
 }
 
@@ -211,6 +257,64 @@ __device__ __forceinline__ std::uint32_t (&leading_cols(std::uint32_t (&pa)[kKSt
   static_assert(kCols % 16 == 0 && kCols <= 16 * kKSteps, "whole k steps of P·V");
   return reinterpret_cast<std::uint32_t (&)[kCols / 16][4]>(pa);
 }
+
+// One consumer's side of the split tail's exchange (FwdTailSm90) in slot `slot`: its 128 threads'
+// O (64, kHeadDim) and lse in register order, so the head's threads read back exactly the values
+// of their own rows and columns.
+template <int kHeadDim, int kConsumers>
+struct TailExchange {
+  float* o;
+  float2* lse;
+  unsigned long long* flag;
+  unsigned long long epoch;
+  int consumer, tid;
+  __device__ __forceinline__ TailExchange(const FwdTailSm90& t, int slot, int consumer_, int tid_)
+      : o(t.o + (static_cast<std::size_t>(slot) * kConsumers + consumer_) * 64 * kHeadDim),
+        lse(reinterpret_cast<float2*>(t.lse) + (static_cast<std::size_t>(slot) * kConsumers + consumer_) * 128),
+        flag(t.flag + slot * kConsumers + consumer_), epoch(t.epoch), consumer(consumer_), tid(tid_) {}
+
+  // The tail: its normalised O and lse, then (every thread's stores fenced, the warpgroup synced)
+  // the flag.
+  __device__ __forceinline__ void leave(const float (&acc)[1][kHeadDim / 8][4], const float (&inv_l)[2],
+                                        const float (&l)[2]) {
+#pragma unroll
+    for (int dt = 0; dt < kHeadDim / 8; ++dt)
+      __stcg(reinterpret_cast<float4*>(o) + dt * 128 + tid,
+             make_float4(acc[0][dt][0] * inv_l[0], acc[0][dt][1] * inv_l[0], acc[0][dt][2] * inv_l[1],
+                         acc[0][dt][3] * inv_l[1]));
+    __stcg(lse + tid, make_float2(l[0], l[1]));
+    __threadfence();
+    named_sync(1 + consumer, 128);
+    if (tid == 0) asm volatile("st.release.gpu.global.u64 [%0], %1;\n" ::"l"(flag), "l"(epoch) : "memory");
+  }
+
+  // The head: waits for the tail's flag (set by the next block's first piece, which waits for
+  // nothing, so the wait ends), then takes the tail's part into its softmax state and O
+  // (OnlineSoftmax::absorb), before the epilogue finishes them as usual.
+  __device__ __forceinline__ void take(OnlineSoftmax<1>& softmax, float (&acc)[1][kHeadDim / 8][4], float mul,
+                                       int lane) {
+    if (tid == 0) {
+      unsigned long long seen;
+      do {
+        asm volatile("ld.acquire.gpu.global.u64 %0, [%1];\n" : "=l"(seen) : "l"(flag) : "memory");
+      } while (seen != epoch);
+      *flag = 0;  // for a replay of this launch (the same epoch)
+    }
+    named_sync(1 + consumer, 128);
+    const float2 lt = __ldcg(lse + tid);
+    const float part[2] = {lt.x, lt.y};
+    float factor[2], weight[2];
+    softmax.absorb(part, mul, lane, factor, weight);
+#pragma unroll
+    for (int dt = 0; dt < kHeadDim / 8; ++dt) {
+      const float4 y = __ldcg(reinterpret_cast<const float4*>(o) + dt * 128 + tid);
+      acc[0][dt][0] = acc[0][dt][0] * factor[0] + y.x * weight[0];
+      acc[0][dt][1] = acc[0][dt][1] * factor[0] + y.y * weight[0];
+      acc[0][dt][2] = acc[0][dt][2] * factor[1] + y.z * weight[1];
+      acc[0][dt][3] = acc[0][dt][3] * factor[1] + y.w * weight[1];
+    }
+  }
+};
 
 }  // namespace sm90
 
@@ -425,6 +529,19 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kVariant).threads(), 1
     const BlockRows blk{we.b, we.head, 1, we.si.len_q, we.si};
     const RowCoords<1> erows(we.R0 + 64 * consumer + 16 * warp, we.si.len_q, 1, we.head, lane);
     float inv_l[2], lse[2];
+    if (we.role != TailRole::whole) {
+      // A split-tail piece (WorkTiles): the tail leaves its finished state (O normalised, without
+      // the dropout scale, a constant) to the head's block; the head takes it into its own.
+      const int slot = static_cast<int>(blockIdx.x) - (we.role == TailRole::tail ? 1 : 0);
+      TailExchange<kHeadDim, kTile.consumers> x(args.tail, slot, consumer, tid);
+      if (we.role == TailRole::tail) {
+        softmax.template finish<true>(mul, inv_l, lse);
+        x.leave(o, inv_l, lse);
+        qpos.advance();
+        continue;
+      }
+      x.take(softmax, o, mul, lane);
+    }
     softmax.template finish<true>(mul, inv_l, lse);
     if (dropout) {
 #pragma unroll

@@ -4,7 +4,10 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <chrono>
 #include <climits>
+#include <random>
 
 #include "common/check.cuh"
 #include "common/device_props.cuh"
@@ -14,6 +17,17 @@
 #include "sm90/tile_fwd_sm90.hpp"
 
 namespace flashmonoid::cuda {
+
+// FwdTailSm90::epoch: new at every launch of the process and never 0 (odd), from a random start, so
+// that no flag left in a reused workspace by an earlier launch or another process matches it.
+inline unsigned long long next_launch_epoch() {
+  static std::atomic<unsigned long long> next{[] {
+    std::random_device rd;
+    const unsigned long long t = static_cast<unsigned long long>(std::chrono::steady_clock::now().time_since_epoch().count());
+    return ((static_cast<unsigned long long>(rd()) << 32) ^ rd() ^ (t * 0x9E3779B97F4A7C15ull)) | 1ull;
+  }()};
+  return next.fetch_add(2, std::memory_order_relaxed);
+}
 
 template <class T, int kHeadDim, FwdVariantSm90 kVariant>
 void launch_fwd_sm90(const detail::FwdParams& p, const FwdLaunchSm90& launch) {
@@ -42,24 +56,40 @@ void launch_fwd_sm90(const detail::FwdParams& p, const FwdLaunchSm90& launch) {
   args.work = WorkTiles{num_m_blocks, p.h, p.batch, p.window_right >= 0};
   const int units = args.work.units();
   if (units == 0) return;
-  kernel<<<units < blocks_max ? units : blocks_max, kTile.threads(), kSmem, launch.stream>>>(args);
+  int grid = units < blocks_max ? units : blocks_max;
+  // A partial last round (tile_fwd_sm90.hpp: fwd_split_tail): the split tail where the workspace
+  // holds its exchange (varlen units are of unequal lengths, so not there), or the balanced grid.
+  const FwdTailLayoutSm90 tail = fwd_tail_layout_sm90(kTile, kHeadDim, grid);
+  if (launch.persistent && !fwd_split_tail(kHeadDim) && p.seqlen_k <= kBalancedGridKeys) grid = balanced_grid(units, grid);
+  if (launch.persistent && fwd_split_tail(kHeadDim) && !varlen && launch.workspace != nullptr &&
+      launch.workspace_bytes >= tail.total) {
+    args.work.tail_units = split_tail_units(units, grid);
+    char* ws = static_cast<char*>(launch.workspace);
+    args.tail.o = reinterpret_cast<float*>(ws + tail.o);
+    args.tail.lse = reinterpret_cast<float*>(ws + tail.lse);
+    args.tail.flag = reinterpret_cast<unsigned long long*>(ws + tail.flag);
+    args.tail.epoch = next_launch_epoch();
+  }
+  kernel<<<grid, kTile.threads(), kSmem, launch.stream>>>(args);
   FM_CUDA_CHECK_LAUNCH();
 }
 
-// The one choice among a head-dim bucket's variants (tile_fwd_sm90.hpp).
+// The one choice among a head-dim bucket's variants (tile_fwd_sm90.hpp: fwd_variant_sm90).
 template <class T, int kHeadDim>
 void run_fwd_sm90(const detail::FwdParams& p, const FwdLaunchSm90& launch) {
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head-dim buckets are 64, 128, 256");
   using V = FwdVariantSm90;
-  if constexpr (kHeadDim <= 128) {
-    if (p.score_mods()) return launch_fwd_sm90<T, kHeadDim, V::score_mods>(p, launch);
+  switch (fwd_variant_sm90(p, kHeadDim)) {
+    case V::score_mods:
+      if constexpr (kHeadDim <= 128) return launch_fwd_sm90<T, kHeadDim, V::score_mods>(p, launch);
+      break;  // hdim 256 with modifiers runs on sm80 (fwd_sm90_eligible)
+    case V::short_band: return launch_fwd_sm90<T, kHeadDim, V::short_band>(p, launch);
+    case V::long_keys:
+      if constexpr (kHeadDim == 128) return launch_fwd_sm90<T, kHeadDim, V::long_keys>(p, launch);
+      break;
+    case V::plain: break;
   }
-  if (p.window_right >= 0 && p.seqlen_q <= short_band_rows(kHeadDim)) return launch_fwd_sm90<T, kHeadDim, V::short_band>(p, launch);
-  if constexpr (kHeadDim == 128) {
-    if (fwd_long_keys(p.window_left >= 0 || p.window_right >= 0, p.seqlen_k))
-      return launch_fwd_sm90<T, kHeadDim, V::long_keys>(p, launch);
-  }
-  launch_fwd_sm90<T, kHeadDim, V::plain>(p, launch);  // hdim 256 with modifiers runs on sm80 (fwd_sm90_eligible)
+  launch_fwd_sm90<T, kHeadDim, V::plain>(p, launch);
 }
 
 }  // namespace flashmonoid::cuda

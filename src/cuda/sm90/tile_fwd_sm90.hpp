@@ -4,6 +4,7 @@
 
 #include <cstddef>
 
+#include "api/params.hpp"
 #include "sm90/setmaxnreg.hpp"
 
 namespace flashmonoid::cuda {
@@ -106,5 +107,43 @@ constexpr int short_band_rows(int head_dim_bucket) { return head_dim_bucket == 1
 // pays.
 inline constexpr int kLongKeys = 2048;
 constexpr bool fwd_long_keys(bool windowed, long long seqlen_k) { return !windowed && seqlen_k >= kLongKeys; }
+
+// How the persistent grid meets a partial last round (block_range.cuh), by measurement (H100, bf16,
+// 16k tokens, one build, alternated rounds; bench/NOTES.md):
+// - hdim 64: the split tail, +0.1-2.6% at 1k-16k keys (causal 4k 449 -> 459 TFLOP/s, 16k 500 -> 513),
+//   equal at 512;
+// - hdim 128 and 256: the split tail lost 1-19% (at hdim 256 also with the exchange turned off: the
+//   extra piece boundaries, where each tile's Q load and pipeline fill are exposed, and the pieces'
+//   spread over more heads' K/V, cost more than the idle half round). Up to kBalancedGridKeys keys,
+//   the balanced grid instead (128 blocks of 16 full rounds for 132 of 15.5): +0.6-7% at 512-2k
+//   (hdim 128 causal 512 287-298 -> 306-309 TFLOP/s in four runs), -0.5 to -3.6% at 4k.
+constexpr bool fwd_split_tail(int head_dim_bucket) { return head_dim_bucket <= 64; }
+inline constexpr int kBalancedGridKeys = 2048;
+
+// The one choice among a head-dim bucket's variants (run_fwd_sm90 launches it; the workspace size
+// query asks it too). hdim 256 with score modifiers runs on sm80 (fwd_sm90_eligible).
+inline FwdVariantSm90 fwd_variant_sm90(const detail::FwdParams& p, int head_dim_bucket) {
+  if (head_dim_bucket <= 128 && p.score_mods()) return FwdVariantSm90::score_mods;
+  if (p.window_right >= 0 && p.seqlen_q <= short_band_rows(head_dim_bucket)) return FwdVariantSm90::short_band;
+  if (head_dim_bucket == 128 && fwd_long_keys(p.window_left >= 0 || p.window_right >= 0, p.seqlen_k))
+    return FwdVariantSm90::long_keys;
+  return FwdVariantSm90::plain;
+}
+
+// Workspace bytes of the split tail (kernel_fwd_sm90.cuh: FwdTailSm90) for a grid of `grid` blocks:
+// per block and consumer, O (64, head_dim) and lse (128 · 2) fp32 and a flag, each region
+// 256-byte aligned.
+struct FwdTailLayoutSm90 {
+  std::size_t o = 0, lse = 0, flag = 0, total = 0;  // byte offsets of the regions, and the size
+};
+constexpr FwdTailLayoutSm90 fwd_tail_layout_sm90(const FwdTileSm90& tile, int head_dim_bucket, int grid) {
+  auto align = [](std::size_t n) { return (n + 255) / 256 * 256; };
+  const std::size_t pieces = static_cast<std::size_t>(grid) * tile.consumers;
+  FwdTailLayoutSm90 l;
+  l.lse = align(pieces * 64 * head_dim_bucket * 4);
+  l.flag = l.lse + align(pieces * 256 * 4);
+  l.total = l.flag + align(pieces * 8);
+  return l;
+}
 
 }  // namespace flashmonoid::cuda
