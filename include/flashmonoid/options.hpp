@@ -91,6 +91,9 @@ struct Context {
   // Multiprocessors the persistent kernels (the sm90 forward and backward: one block per SM for the
   // whole call) leave free for kernels running beside them, such as communication overlapped with
   // attention (FlashAttention-3's sm_margin). 0 = use every SM; at least one SM is always used.
+  // With a workspace (forward_workspace_size) the hdim <= 64 forward splits the keys of its last
+  // units over the grid, so its result may differ in the last bits between margins (never between
+  // runs with the same margin and device).
   int sm_margin = 0;
   // false: the persistent kernels launch one block per work tile (backward: per work item) instead,
   // so that kernels queued beside them (on a higher-priority stream) get SMs whenever a block retires
