@@ -11,9 +11,11 @@
 #include <cmath>
 #include <tuple>
 #include <memory>
+#include <random>
 #include <vector>
 
 #include "attention_case.hpp"
+#include "common/block_range.cuh"
 #include "device_tensor.hpp"
 #include "flashmonoid/detail/philox.hpp"
 
@@ -337,6 +339,89 @@ TEST(CudaForwardGrid, SplitTailMatchesTheReference) {
       EXPECT_TRUE(again.lse.buf == g.lse.buf) << "lse differs between runs";
     }
   }
+}
+
+// The split tail's assignment of pieces (block_range.cuh: tail_position, tail_piece, tail_slot), run
+// on the host as the kernel's producer runs it, over random tails: grids of 2-140 blocks, units of
+// one or two tiles (causal pairs) with random step counts, some tiles without keys. Every key step of
+// every tile is computed exactly once; a cut tile has one head and one tail piece with the same slot,
+// the head's block; the tail's block is the head's minus one, so a block waits only for a lower
+// block index; and no block holds a head piece (which waits) before its tail piece (waited for).
+TEST(SplitTail, PiecesCoverEveryStepOnceAndWaitOnlyDownward) {
+  std::mt19937 rng(20261127);
+  auto uniform = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  int cut = 0;
+  for (int trial = 0; trial < 2000; ++trial) {
+    const int grid = uniform(2, 140), units = uniform(grid + 1, 6 * grid), tpu = uniform(1, 2);
+    if (units % grid == 0) continue;
+    const int tail_units = flashmonoid::cuda::split_tail_units(units, grid), steps_max = uniform(1, 40);
+    ASSERT_GT(tail_units, grid);
+    ASSERT_LT(tail_units, 2 * grid);
+    std::vector<std::vector<int>> counts(tail_units);  // key steps of each tail unit's tiles
+    for (auto& c : counts) {
+      c.push_back(uniform(0, steps_max));
+      if (tpu == 2 && uniform(0, 9) > 0) c.push_back(uniform(0, steps_max));
+    }
+    struct Piece {
+      int block, step_begin, step_end, slot;
+      flashmonoid::cuda::TailRole role;
+    };
+    std::vector<std::vector<std::vector<Piece>>> pieces(tail_units, std::vector<std::vector<Piece>>(2));
+    std::vector<std::vector<flashmonoid::cuda::TailRole>> order(grid);  // each block's roles, in its order
+    for (int block = 0; block < grid; ++block)
+      for (int k = 0; k < 3 * tpu; ++k) {
+        flashmonoid::cuda::TailPosition at;
+        if (!flashmonoid::cuda::tail_position(tail_units, grid, block, tpu, k, &at)) break;
+        ASSERT_LT(at.i, tail_units);
+        const std::vector<int>& c = counts[at.i];
+        if (at.x >= static_cast<int>(c.size())) continue;
+        const int na = c[0], nb = c.size() > 1 ? c[1] : 0;
+        flashmonoid::cuda::TailPiece p;
+        if (!flashmonoid::cuda::tail_piece(at.x == 0 ? 0 : na, at.x == 0 ? na : nb, na + nb, at.lo, at.hi, grid, &p))
+          continue;
+        pieces[at.i][at.x].push_back({block, p.step_begin, p.step_end, flashmonoid::cuda::tail_slot(block, p.role), p.role});
+        order[block].push_back(p.role);
+      }
+    using flashmonoid::cuda::TailRole;
+    for (int i = 0; i < tail_units; ++i)
+      for (int x = 0; x < static_cast<int>(counts[i].size()); ++x) {
+        const auto& ps = pieces[i][x];
+        const int count = counts[i][x];
+        SCOPED_TRACE("trial " + std::to_string(trial) + " unit " + std::to_string(i) + " tile " + std::to_string(x));
+        if (count == 0) {
+          ASSERT_EQ(ps.size(), 1u);
+          EXPECT_EQ(ps[0].role, TailRole::whole);
+          continue;
+        }
+        std::vector<int> seen(count, 0);
+        for (const Piece& p : ps)
+          for (int j = p.step_begin; j < p.step_end; ++j) ++seen[j];
+        EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), count) << "every step once";
+        if (ps.size() == 1) {
+          EXPECT_EQ(ps[0].role, TailRole::whole);
+          continue;
+        }
+        ASSERT_EQ(ps.size(), 2u);
+        const Piece& head = ps[0].role == TailRole::head ? ps[0] : ps[1];
+        const Piece& tail = ps[0].role == TailRole::head ? ps[1] : ps[0];
+        ASSERT_EQ(head.role, TailRole::head);
+        ASSERT_EQ(tail.role, TailRole::tail);
+        EXPECT_EQ(head.step_begin, 0);
+        EXPECT_EQ(tail.step_end, count);
+        EXPECT_EQ(head.slot, head.block);
+        EXPECT_EQ(tail.slot, head.slot);
+        EXPECT_EQ(tail.block, head.block - 1);
+        ++cut;
+      }
+    for (const auto& roles : order) {
+      const auto head = std::find(roles.begin(), roles.end(), TailRole::head);
+      const auto tail = std::find(roles.begin(), roles.end(), TailRole::tail);
+      EXPECT_LE(std::count(roles.begin(), roles.end(), TailRole::head), 1);
+      EXPECT_LE(std::count(roles.begin(), roles.end(), TailRole::tail), 1);
+      if (head != roles.end() && tail != roles.end()) EXPECT_LT(tail - roles.begin(), head - roles.begin());
+    }
+  }
+  EXPECT_GT(cut, 10000);  // the trials do cut tiles
 }
 
 TEST(CudaForwardGrid, SplitTailReplaysInAGraph) {

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "flashmonoid/detail/host_device.hpp"
 #include "flashmonoid/detail/mask.hpp"
 
 namespace flashmonoid::cuda {
@@ -72,9 +73,10 @@ __device__ __forceinline__ QueryTiles query_tiles(const detail::Band& band, std:
 // rounds of 132 blocks), and in the last round the blocks without a unit idle: the H100 ran 128
 // blocks as fast as 132 at every training shape (TFLOP/s equal within 1%; 124 blocks, 17 rounds,
 // lost 4-17%). So the last tail_units units (grid + units % grid of them) are shared out by key
-// steps: block c takes the stretch [c, c + 1) · tail_units / grid of them, in units, cut at key
-// steps (TailPiece); a unit cut between blocks c and c + 1 is computed in two parts whose states
-// are merged (the monoid's merge) by block c. tail_units = 0: every unit whole, in rounds.
+// steps: stretch c, [c, c + 1) · tail_units / grid of them in units, cut at key steps (TailPiece),
+// goes to block grid - 1 - c; a unit cut between stretches c and c + 1 is computed in two parts
+// whose states are merged (the monoid's merge) by stretch c's block, which waits for the other
+// part from stretch c + 1's block, one of lower index. tail_units = 0: every unit whole, in rounds.
 struct WorkTiles {
   int num_m_blocks = 0, heads = 0, batch = 0;
   bool paired = false;
@@ -133,11 +135,30 @@ struct TailPiece {
   TailRole role;
 };
 
+// Position k of block `block`'s stretch of the split tail (stretch grid - 1 - block, [s0, s1) in
+// units of 1 / grid, unit i spanning [i·grid, (i + 1)·grid)): tail unit i, its tile x, and the
+// stretch's share [lo, hi) of unit i (lo, hi in [0, grid]); false past the stretch. A stretch is
+// under two units long, so k < 3 · tiles_per_unit covers it. Reverse block order: the piece a
+// stretch's head waits for is the first of the next stretch, whose block has the lower index.
+struct TailPosition {
+  int i, x, lo, hi;
+};
+FM_HD bool tail_position(int tail_units, int grid, int block, int tiles_per_unit, int k, TailPosition* pos) {
+  const int s0 = (grid - 1 - block) * tail_units, s1 = s0 + tail_units;
+  const int i = s0 / grid + k / tiles_per_unit;
+  if (i * grid >= s1) return false;
+  pos->i = i;
+  pos->x = k % tiles_per_unit;
+  pos->lo = (s0 > i * grid ? s0 : i * grid) - i * grid;
+  pos->hi = (s1 < (i + 1) * grid ? s1 : (i + 1) * grid) - i * grid;
+  return true;
+}
+
 // This block's piece of tile x of a tail unit whose tiles take unit steps [x0, x0 + count) of the
 // unit's [0, steps), given the block's stretch of the unit [lo, hi) in units of 1 / grid (lo, hi
 // in [0, grid]). Cut points are floor(pos · steps / grid): the neighbour computes the same cut.
 // A tile without key steps is whole in the block holding the unit's start (lo == 0). Empty: no piece.
-__device__ __forceinline__ bool tail_piece(int x0, int count, int steps, int lo, int hi, int grid, TailPiece* piece) {
+FM_HD bool tail_piece(int x0, int count, int steps, int lo, int hi, int grid, TailPiece* piece) {
   if (count == 0) {
     *piece = {0, 0, TailRole::whole};
     return lo == 0;
@@ -150,6 +171,9 @@ __device__ __forceinline__ bool tail_piece(int x0, int count, int steps, int lo,
   *piece = {s0, s1, role};
   return true;
 }
+
+// The exchange slot of a cut unit: its head's block. The tail's block is the next one down.
+FM_HD int tail_slot(int block, TailRole role) { return block + (role == TailRole::tail ? 1 : 0); }
 
 // Deterministic dQ, both backward families: the key blocks that see a query tile (rows from row0)
 // form a contiguous range from the key block of band.key_begin(row0) on (a band mask's visible keys

@@ -32,8 +32,12 @@ namespace flashmonoid::cuda {
 // The split tail's exchange (WorkTiles::tail_units > 0): per merging block (slot) and consumer, a
 // tail piece's normalised O and lse in its threads' register order, and a flag the tail's block
 // sets to `epoch` once they are written; the head's block waits for it and sets it back to 0. The
-// epoch is new for every launch (and never 0), so a flag left in a reused workspace is never
-// mistaken for this launch's; a graph replays its launches' epochs, whose flags were set back to 0.
+// tail's block is the one before the head's (block b takes stretch grid - 1 - b of the tail, so the
+// stretch after block b's is block b - 1's): a block waits only for a lower block index, which the
+// hardware dispatches first (the rule the sm80 deterministic backward relies on too), so a grid
+// larger than the SMs it gets (green contexts, MPS limits, kernels beside it) cannot hang. The epoch
+// is new for every launch (and never 0), so a flag left in a reused workspace is never mistaken for
+// this launch's; a graph replays its launches' epochs, whose flags were set back to 0.
 struct FwdTailSm90 {
   float* o = nullptr;  // (slots, consumers, 64 · kHeadDim)
   float* lse = nullptr;  // (slots, consumers, 128 · 2)
@@ -185,10 +189,9 @@ __device__ __forceinline__ void produce(const FwdKernelArgsSm90& args, const Fwd
     }
   };
   // Positions t < work.end(grid): the whole units of the rounds; then, with a split tail, this block's
-  // stretch of it, [s0, s1) in units of 1 / grid (unit i spans [i·grid, (i + 1)·grid)), cut at key
-  // steps (block_range.cuh: tail_piece). The stretch is under two units long, so it touches at most
-  // three. One loop and one copy of the tile's loads for both, everything derived from t again (kept
-  // live across the loads, the tail's values overflowed the producer's 24 registers).
+  // stretch of it, cut at key steps (block_range.cuh: tail_position, tail_piece). One loop and one
+  // copy of the tile's loads for both, everything derived from t again (kept live across the loads,
+  // the tail's values overflowed the producer's 24 registers).
   const int t_end = work.end(gridDim.x), t_tail = work.tail_units > 0 ? 3 * work.tiles_per_unit() : 0;
 #pragma unroll 1
   for (int t = 0; t < t_end + t_tail; ++t) {
@@ -198,19 +201,16 @@ __device__ __forceinline__ void produce(const FwdKernelArgsSm90& args, const Fwd
       tile = work.at(t, blockIdx.x, gridDim.x);
       if (tile.m_block < 0) continue;
     } else {
-      const int k = t - t_end, grid = gridDim.x, s0 = static_cast<int>(blockIdx.x) * work.tail_units;
-      const int s1 = s0 + work.tail_units;
-      const int i = s0 / grid + k / work.tiles_per_unit(), x = k % work.tiles_per_unit();
-      const int u = work.units() - work.tail_units + i;
-      if (i * grid >= s1) break;
-      tile = work.unit_tile(u, x);
+      TailPosition at;
+      if (!tail_position(work.tail_units, gridDim.x, blockIdx.x, work.tiles_per_unit(), t - t_end, &at)) break;
+      const int u = work.units() - work.tail_units + at.i;
+      tile = work.unit_tile(u, at.x);
       if (tile.m_block < 0) continue;
-      const int lo = (s0 > i * grid ? s0 : i * grid) - i * grid, hi = (s1 < (i + 1) * grid ? s1 : (i + 1) * grid) - i * grid;
       // The unit's step counts: its first tile's, then its second's.
       const int na = Work(p, work.unit_tile(u, 0)).tiles.count();
       const WorkTiles::Tile tb = work.unit_tile(u, 1);
       const int nb = tb.m_block >= 0 ? Work(p, tb).tiles.count() : 0;
-      if (!tail_piece(x == 0 ? 0 : na, x == 0 ? na : nb, na + nb, lo, hi, grid, &piece)) continue;
+      if (!tail_piece(at.x == 0 ? 0 : na, at.x == 0 ? na : nb, na + nb, at.lo, at.hi, gridDim.x, &piece)) continue;
     }
     Work w(p, tile);
     if (w.R0 >= w.si.len_q) continue;  // a varlen sequence shorter than this query block: nothing to do
@@ -288,7 +288,7 @@ struct TailExchange {
     if (tid == 0) asm volatile("st.release.gpu.global.u64 [%0], %1;\n" ::"l"(flag), "l"(epoch) : "memory");
   }
 
-  // The head: waits for the tail's flag (set by the next block's first piece, which waits for
+  // The head: waits for the tail's flag (set by the previous block's first piece, which waits for
   // nothing, so the wait ends), then takes the tail's part into its softmax state and O
   // (OnlineSoftmax::absorb), before the epilogue finishes them as usual.
   __device__ __forceinline__ void take(OnlineSoftmax<1>& softmax, float (&acc)[1][kHeadDim / 8][4], float mul,
@@ -532,8 +532,7 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kVariant).threads(), 1
     if (we.role != TailRole::whole) {
       // A split-tail piece (WorkTiles): the tail leaves its finished state (O normalised, without
       // the dropout scale, a constant) to the head's block; the head takes it into its own.
-      const int slot = static_cast<int>(blockIdx.x) - (we.role == TailRole::tail ? 1 : 0);
-      TailExchange<kHeadDim, kTile.consumers> x(args.tail, slot, consumer, tid);
+      TailExchange<kHeadDim, kTile.consumers> x(args.tail, tail_slot(blockIdx.x, we.role), consumer, tid);
       if (we.role == TailRole::tail) {
         softmax.template finish<true>(mul, inv_l, lse);
         x.leave(o, inv_l, lse);
