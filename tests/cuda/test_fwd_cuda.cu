@@ -4,6 +4,7 @@
 // Tolerance: the FlashAttention rule, error vs float64 at most 2x the error of the same math in
 // the input dtype (plus a 1e-6 relative floor for exact cases). Outputs are NaN-poisoned on the
 // device before every launch, so an unwritten element fails.
+#include <cuda.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -339,6 +340,76 @@ TEST(CudaForwardGrid, SplitTailMatchesTheReference) {
       EXPECT_TRUE(again.lse.buf == g.lse.buf) << "lse differs between runs";
     }
   }
+}
+
+// A grid larger than the SMs it gets: a green context of 16 SMs runs the hdim-64 causal forward,
+// whose persistent grid (132 blocks on the H100, the device's count) then runs in waves while its
+// split tail's heads wait for other blocks' pieces. Those waits point at lower block indices, which
+// start first (block_range.cuh: tail_position); had they pointed up, the 16 resident blocks would
+// wait for blocks that cannot start, and this test would hang.
+TEST(CudaForwardGrid, SplitTailInAGreenContextOfFewSms) {
+  SKIP_WITHOUT_GPU();
+  Shape s;
+  s.b = 3;
+  s.s_q = s.s_k = 2048;  // 8 causal pairs of 128-row tiles per head: 144 units, a split tail of 144
+  s.h = s.h_k = 6;
+  s.d = 64;
+  s.dtype = DType::bf16;
+  s.causal = true;
+  if (!sm90_runs(s)) GTEST_SKIP() << "not an sm90 device";
+  auto entry = [](const char* name, int version) {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion(name, &f, version, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      f = nullptr;
+    return f;
+  };
+  auto get_resource = reinterpret_cast<decltype(&cuDeviceGetDevResource)>(entry("cuDeviceGetDevResource", 12040));
+  auto split = reinterpret_cast<decltype(&cuDevSmResourceSplitByCount)>(entry("cuDevSmResourceSplitByCount", 12040));
+  auto make_desc = reinterpret_cast<decltype(&cuDevResourceGenerateDesc)>(entry("cuDevResourceGenerateDesc", 12040));
+  auto create = reinterpret_cast<decltype(&cuGreenCtxCreate)>(entry("cuGreenCtxCreate", 12040));
+  auto create_stream = reinterpret_cast<decltype(&cuGreenCtxStreamCreate)>(entry("cuGreenCtxStreamCreate", 12050));
+  auto destroy = reinterpret_cast<decltype(&cuGreenCtxDestroy)>(entry("cuGreenCtxDestroy", 12040));
+  if (!get_resource || !split || !make_desc || !create || !create_stream || !destroy)
+    GTEST_SKIP() << "the driver has no green contexts";
+  int dev = 0;
+  cuda_ok(cudaGetDevice(&dev));
+  cuda_ok(cudaFree(nullptr));  // the primary context, which the green context shares memory with
+  CUdevResource all{}, part{}, rest{};
+  unsigned groups = 1;
+  ASSERT_EQ(get_resource(dev, &all, CU_DEV_RESOURCE_TYPE_SM), CUDA_SUCCESS);
+  ASSERT_EQ(split(&part, &groups, &all, &rest, 0, 16), CUDA_SUCCESS);
+  ASSERT_EQ(groups, 1u);
+  int sms = 0;
+  cuda_ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  ASSERT_LT(static_cast<int>(part.sm.smCount), sms / 2) << "the green context must hold far fewer SMs than the grid";
+  CUdevResourceDesc desc{};
+  ASSERT_EQ(make_desc(&desc, &part, 1), CUDA_SUCCESS);
+  CUgreenCtx green{};
+  ASSERT_EQ(create(&green, desc, dev, CU_GREEN_CTX_DEFAULT_STREAM), CUDA_SUCCESS);
+  CUstream stream{};
+  ASSERT_EQ(create_stream(&stream, green, CU_STREAM_NON_BLOCKING, 0), CUDA_SUCCESS);
+
+  Problem pb(s);
+  DeviceTensor q(pb.q), k(pb.k), v(pb.v);
+  GpuResult r{pb.new_out(), pb.new_lse()};
+  DeviceTensor out(r.out), lse(r.lse);  // NaN-poisoned
+  const std::size_t ws = flashmonoid::forward_workspace_size(q.view, k.view, pb.opt);
+  ASSERT_GT(ws, 0u) << "hdim 64 on sm90 takes the split tail's workspace";
+  DeviceBuffer work(ws);
+  Context ctx;
+  ctx.workspace = work.ptr;
+  ctx.workspace_bytes = ws;
+  ctx.cuda_path = flashmonoid::CudaPath::sm90;
+  ctx.stream = stream;
+  flashmonoid::forward(q.view, k.view, v.view, out.view, lse.view, pb.opt, ctx);
+  cuda_ok(cudaStreamSynchronize(stream));
+  out.copy_to(r.out);
+  lse.copy_to(r.lse);
+  check_against_reference(pb, r);
+  cuda_ok(cudaStreamDestroy(stream));
+  EXPECT_EQ(destroy(green), CUDA_SUCCESS);
 }
 
 // The split tail's assignment of pieces (block_range.cuh: tail_position, tail_piece, tail_slot), run
