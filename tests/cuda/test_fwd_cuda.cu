@@ -329,6 +329,11 @@ TEST(CudaForwardGrid, SplitTailMatchesTheReference) {
   for (const Shape& s : shapes) {
     if (!sm90_runs(s)) GTEST_SKIP() << "not an sm90 device";
     Problem pb(s);
+    {
+      // gpu_forward passes forward_workspace_size's bytes: with none the tail would not be split.
+      DeviceTensor q(pb.q), k(pb.k);
+      ASSERT_GT(flashmonoid::forward_workspace_size(q.view, k.view, pb.opt), 0u) << "hdim 64 on sm90 splits the tail";
+    }
     for (int grid : {5, 7, 13, 31}) {
       Context ctx;
       ctx.sm_margin = sms - grid;

@@ -192,7 +192,9 @@ __device__ __forceinline__ void produce(const FwdKernelArgsSm90& args, const Fwd
   // stretch of it, cut at key steps (block_range.cuh: tail_position, tail_piece). One loop and one
   // copy of the tile's loads for both, everything derived from t again (kept live across the loads,
   // the tail's values overflowed the producer's 24 registers).
-  const int t_end = work.end(gridDim.x), t_tail = work.tail_units > 0 ? 3 * work.tiles_per_unit() : 0;
+  // The split tail only where the launcher runs it (fwd_split_tail): the other kernels carry none of it.
+  const int t_end = work.end(gridDim.x);
+  const int t_tail = fwd_split_tail(kHeadDim) && work.tail_units > 0 ? 3 * work.tiles_per_unit() : 0;
 #pragma unroll 1
   for (int t = 0; t < t_end + t_tail; ++t) {
     WorkTiles::Tile tile;
@@ -529,7 +531,7 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kVariant).threads(), 1
     const BlockRows blk{we.b, we.head, 1, we.si.len_q, we.si};
     const RowCoords<1> erows(we.R0 + 64 * consumer + 16 * warp, we.si.len_q, 1, we.head, lane);
     float inv_l[2], lse[2];
-    if (we.role != TailRole::whole) {
+    if (fwd_split_tail(kHeadDim) && we.role != TailRole::whole) {
       // A split-tail piece (WorkTiles): the tail leaves its finished state (O normalised, without
       // the dropout scale, a constant) to the head's block; the head takes it into its own.
       TailExchange<kHeadDim, kTile.consumers> x(args.tail, tail_slot(blockIdx.x, we.role), consumer, tid);
