@@ -323,7 +323,7 @@ std::size_t forward_workspace_size(const detail::FwdParams& p) {
     // The split tail's exchange for a grid of every multiprocessor (a margin only shrinks it).
     const int bucket = head_dim_bucket(p.d);
     const FwdTileSm90 tile = fwd_tile_sm90(bucket, fwd_variant_sm90(p, bucket));
-    return p.is_varlen() || !fwd_split_tail(bucket) ? 0 : fwd_tail_layout_sm90(tile, bucket, props.num_sms).total;
+    return p.is_varlen() || !fwd_split_tail(bucket, fwd_variant_sm90(p, bucket)) ? 0 : fwd_tail_layout_sm90(tile, bucket, props.num_sms).total;
   }
   return fwd_split_workspace_bytes(p, fwd_choose_num_splits(p, props.num_sms, props.smem_per_sm));
 }

@@ -321,9 +321,12 @@ TEST(CudaForwardGrid, SplitTailMatchesTheReference) {
   SKIP_WITHOUT_GPU();
   int sms = 0;
   cuda_ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  // The split tail runs at hdim 64 (tile_fwd_sm90.hpp: fwd_split_tail): the short_band kernel
-  // (causal 700), the plain one (non-causal, 700 x 1100) and the score-modifier one (softcap).
+  // The split tail runs in the hdim-64 plain and score-modifier kernels (tile_fwd_sm90.hpp:
+  // fwd_split_tail): the plain one causal past the short_band kernel's 2048 rows (2200: 12 tiles of
+  // 192 rows, of 1-12 key steps) and non-causal (700 x 1100), the score-modifier one (softcap).
   std::vector<Shape> shapes = {grid_shapes()[0], grid_shapes()[1], grid_shapes()[1]};
+  shapes[0].s_q = shapes[0].s_k = 2200;
+  shapes[0].h = shapes[0].h_k = 3;
   shapes[1].d = shapes[2].d = 64;
   shapes[2].softcap = 30.0f;
   for (const Shape& s : shapes) {
@@ -347,17 +350,18 @@ TEST(CudaForwardGrid, SplitTailMatchesTheReference) {
   }
 }
 
-// A grid larger than the SMs it gets: a green context of 16 SMs runs the hdim-64 causal forward,
-// whose persistent grid (132 blocks on the H100, the device's count) then runs in waves while its
-// split tail's heads wait for other blocks' pieces. Those waits point at lower block indices, which
+// A grid larger than the SMs it gets: a green context of 16 SMs runs the hdim-64 causal forward (the
+// plain kernel, past the short_band kernel's 2048 rows), whose persistent grid (132 blocks on the
+// H100, the device's count) then runs in waves while its split tail's heads wait for other blocks'
+// pieces. Those waits point at lower block indices, which
 // start first (block_range.cuh: tail_position); had they pointed up, the 16 resident blocks would
 // wait for blocks that cannot start, and this test would hang.
 TEST(CudaForwardGrid, SplitTailInAGreenContextOfFewSms) {
   SKIP_WITHOUT_GPU();
   Shape s;
-  s.b = 3;
-  s.s_q = s.s_k = 2048;  // 8 causal pairs of 128-row tiles per head: 144 units, a split tail of 144
-  s.h = s.h_k = 6;
+  s.b = 1;
+  s.s_q = s.s_k = 3072;  // 16 tiles of 192 rows per head: 144 units, a split tail of 144 on 132 blocks
+  s.h = s.h_k = 9;
   s.d = 64;
   s.dtype = DType::bf16;
   s.causal = true;

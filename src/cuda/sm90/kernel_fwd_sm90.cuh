@@ -146,7 +146,7 @@ struct RingPos {
 // Q (into a buffer the consumers have released: with one Q buffer that waits for the previous
 // tile's last S product, which the K copy need not), then the
 // rest of the K/V ring in visit order.
-template <class T, int kHeadDim, FwdTileSm90 kTile>
+template <class T, int kHeadDim, FwdTileSm90 kTile, bool kSplitTail>
 __device__ __forceinline__ void produce(const FwdKernelArgsSm90& args, const FwdSmem<T, kHeadDim, kTile>& sm,
                                         const WorkTiles& work) {
   constexpr int kPanels = kHeadDim / kPanelCols;
@@ -194,7 +194,7 @@ __device__ __forceinline__ void produce(const FwdKernelArgsSm90& args, const Fwd
   // the tail's values overflowed the producer's 24 registers).
   // The split tail only where the launcher runs it (fwd_split_tail): the other kernels carry none of it.
   const int t_end = work.end(gridDim.x);
-  const int t_tail = fwd_split_tail(kHeadDim) && work.tail_units > 0 ? 3 * work.tiles_per_unit() : 0;
+  const int t_tail = kSplitTail && work.tail_units > 0 ? 3 * work.tiles_per_unit() : 0;
 #pragma unroll 1
   for (int t = 0; t < t_end + t_tail; ++t) {
     WorkTiles::Tile tile;
@@ -375,7 +375,7 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kVariant).threads(), 1
       prefetch_tensor_map(&args.tm_q);
       prefetch_tensor_map(&args.tm_k);
       prefetch_tensor_map(&args.tm_v);
-      produce<T, kHeadDim, kTile>(args, sm, work);
+      produce<T, kHeadDim, kTile, fwd_split_tail(kHeadDim, kVariant)>(args, sm, work);
     }
     return;
   }
@@ -531,7 +531,7 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kVariant).threads(), 1
     const BlockRows blk{we.b, we.head, 1, we.si.len_q, we.si};
     const RowCoords<1> erows(we.R0 + 64 * consumer + 16 * warp, we.si.len_q, 1, we.head, lane);
     float inv_l[2], lse[2];
-    if (fwd_split_tail(kHeadDim) && we.role != TailRole::whole) {
+    if (fwd_split_tail(kHeadDim, kVariant) && we.role != TailRole::whole) {
       // A split-tail piece (WorkTiles): the tail leaves its finished state (O normalised, without
       // the dropout scale, a constant) to the head's block; the head takes it into its own.
       TailExchange<kHeadDim, kTile.consumers> x(args.tail, tail_slot(blockIdx.x, we.role), consumer, tid);

@@ -59,9 +59,9 @@ void launch_fwd_sm90(const detail::FwdParams& p, const FwdLaunchSm90& launch) {
   int grid = units < blocks_max ? units : blocks_max;
   // A partial last round (tile_fwd_sm90.hpp: fwd_split_tail): the split tail where the workspace
   // holds its exchange (varlen units are of unequal lengths, so not there), or the balanced grid.
-  if (launch.persistent && !fwd_split_tail(kHeadDim) && p.seqlen_k <= kBalancedGridKeys) grid = balanced_grid(units, grid);
+  if (launch.persistent && !fwd_split_tail(kHeadDim, kVariant) && p.seqlen_k <= kBalancedGridKeys) grid = balanced_grid(units, grid);
   const FwdTailLayoutSm90 tail = fwd_tail_layout_sm90(kTile, kHeadDim, grid);
-  if (launch.persistent && fwd_split_tail(kHeadDim) && !varlen && launch.workspace != nullptr &&
+  if (launch.persistent && fwd_split_tail(kHeadDim, kVariant) && !varlen && launch.workspace != nullptr &&
       launch.workspace_bytes >= tail.total) {
     args.work.tail_units = split_tail_units(units, grid);
     char* ws = static_cast<char*>(launch.workspace);

@@ -110,14 +110,19 @@ constexpr bool fwd_long_keys(bool windowed, long long seqlen_k) { return !window
 
 // How the persistent grid meets a partial last round (block_range.cuh), by measurement (H100, bf16,
 // 16k tokens, one build, alternated rounds; bench/NOTES.md):
-// - hdim 64: the split tail, +0.1-2.6% at 1k-16k keys (causal 4k 449 -> 459 TFLOP/s, 16k 500 -> 513),
-//   equal at 512;
+// - hdim 64, the plain (and score-modifier) kernels: the split tail, +0.1-2.6% at 1k-16k keys (causal
+//   4k 449 -> 459 TFLOP/s, 16k 500 -> 513; against a build without its code, causal 16k 495 -> 526);
+// - hdim 64, the short_band kernel (causal up to 2k rows): the balanced grid and none of the split
+//   tail's code, which cost it 3% at causal 512 (232 -> 225 TFLOP/s, ~1070 more instructions in a
+//   kernel whose tiles are 1-4 steps) and 1% at 1k, equal at 2k;
 // - hdim 128 and 256: the split tail lost 1-19% (at hdim 256 also with the exchange turned off: the
 //   extra piece boundaries, where each tile's Q load and pipeline fill are exposed, and the pieces'
 //   spread over more heads' K/V, cost more than the idle half round). Up to kBalancedGridKeys keys,
 //   the balanced grid instead (128 blocks of 16 full rounds for 132 of 15.5): +0.6-7% at 512-2k
 //   (hdim 128 causal 512 287-298 -> 306-309 TFLOP/s in four runs), -0.5 to -3.6% at 4k.
-constexpr bool fwd_split_tail(int head_dim_bucket) { return head_dim_bucket <= 64; }
+constexpr bool fwd_split_tail(int head_dim_bucket, FwdVariantSm90 variant) {
+  return head_dim_bucket <= 64 && variant != FwdVariantSm90::short_band;
+}
 inline constexpr int kBalancedGridKeys = 2048;
 
 // The one choice among a head-dim bucket's variants (run_fwd_sm90 launches it; the workspace size
