@@ -20,6 +20,12 @@
 #include <vector>
 
 #include "api/pointer_source.hpp"  // the bindings' route, for --kvcache-host
+#ifdef FLASHMONOID_TRACE
+#include "cuda/common/trace.cuh"  // --kv-trace (a -DFLASHMONOID_TRACE=ON build)
+namespace flashmonoid::cuda {
+void set_trace_buffer(void* buffer);
+}
+#endif
 #include "flashmonoid/flashmonoid.hpp"
 
 namespace {
@@ -452,6 +458,74 @@ struct KvDecode {
 
 double g_copy_tbps = 0.0;
 
+#ifdef FLASHMONOID_TRACE
+// The block timeline of one decoding call (src/cuda/common/trace.cuh), graph-replayed back to back
+// as bench_kvcache times it: the last call's marks, in us after the first block of the call started
+// (the append's, else the forward's). Rows: each kernel's events over its blocks (min / 10% / median
+// / 90% / max), then per-block durations from clock64 (cycles).
+void kv_trace(int b, int sk, int page, int sq, bool append) {
+  namespace fc = flashmonoid::cuda;
+  Buf trace(fc::kTraceBytes);
+  CHECK(cudaMemset(trace.p, 0, fc::kTraceBytes));
+  fc::set_trace_buffer(trace.p);
+  KvDecode pb(b, sk, page, sq, append, append);
+  const double ms = graph_ms([&](cudaStream_t s) { pb.run(s); });
+  fc::set_trace_buffer(nullptr);
+  std::vector<unsigned long long> h(fc::kTraceBytes / 8);
+  CHECK(cudaMemcpy(h.data(), trace.p, fc::kTraceBytes, cudaMemcpyDeviceToHost));
+  auto at = [&](int k, int blk, int e, int c) {
+    return h[((static_cast<std::size_t>(k) * fc::kTraceBlocks + blk) * fc::kTraceEvents + e) * 2 + c];
+  };
+  auto blocks = [&](int k) {
+    int n = 0;
+    while (n < fc::kTraceBlocks && at(k, n, 0, 0) != 0) ++n;
+    return n;
+  };
+  const int first = blocks(0) > 0 ? 0 : 1;
+  unsigned long long t0 = ~0ull;
+  for (int i = 0; i < blocks(first); ++i) t0 = std::min(t0, at(first, i, 0, 0));
+  auto row = [](const char* name, std::vector<double> v) {
+    if (v.empty()) return;
+    std::sort(v.begin(), v.end());
+    auto q = [&](double f) { return v[static_cast<std::size_t>(f * (v.size() - 1) + 0.5)]; };
+    std::printf("  %-34s %9.2f %9.2f %9.2f %9.2f %9.2f\n", name, q(0), q(0.1), q(0.5), q(0.9), q(1));
+  };
+  std::printf("kv-trace b %d s_k %d page %d s_q %d append %d: %.2f us per call, %.3f of copy\n", b, sk, page, sq,
+              append, ms * 1e3, pb.tbps(ms) / g_copy_tbps);
+  std::printf("  %-34s %9s %9s %9s %9s %9s\n", "(us after the call's first block)", "min", "10%", "median", "90%",
+              "max");
+  const char* kernels[] = {"append", "forward", "combine"};
+  const char* events[] = {"entry", "after wait", "mainloop done", "exit"};
+  std::vector<unsigned long long> stamps;
+  for (int k = 0; k < fc::kTraceKernels; ++k) {
+    const int n = blocks(k);
+    for (int e = 0; e < fc::kTraceEvents; ++e) {
+      std::vector<double> v;
+      for (int i = 0; i < n; ++i)
+        if (at(k, i, e, 0) != 0) {
+          v.push_back((static_cast<double>(at(k, i, e, 0)) - static_cast<double>(t0)) / 1e3);
+          stamps.push_back(at(k, i, e, 0));
+        }
+      const std::string name = std::string(kernels[k]) + " (" + std::to_string(n) + ") " + events[e];
+      row(name.c_str(), v);
+    }
+  }
+  // clock64 durations within a forward block: entry -> after wait -> mainloop done -> exit.
+  for (int e = 1; e < fc::kTraceEvents; ++e) {
+    std::vector<double> v;
+    for (int i = 0; i < blocks(1); ++i)
+      if (at(1, i, e, 0) != 0 && at(1, i, e - 1, 0) != 0) v.push_back(static_cast<double>(at(1, i, e, 1) - at(1, i, e - 1, 1)));
+    const std::string name = std::string("forward cycles ") + events[e - 1] + " -> " + events[e];
+    row(name.c_str(), v);
+  }
+  std::sort(stamps.begin(), stamps.end());
+  unsigned long long step = ~0ull;
+  for (std::size_t i = 1; i < stamps.size(); ++i)
+    if (stamps[i] != stamps[i - 1]) step = std::min(step, stamps[i] - stamps[i - 1]);
+  std::printf("  globaltimer: smallest step between distinct stamps %llu ns\n", step);
+}
+#endif
+
 void bench_kvcache(int b, int sk, int page, int sq, bool append, bool rotary, const std::string& dev) {
   constexpr std::size_t kMaxBytes = std::size_t{60} << 30;  // skip shapes over the H100's memory
   if (2 * KvDecode::rows(b, sk) > kMaxBytes) return;
@@ -624,13 +698,15 @@ void write_records(const char* out_path) {
 // split counts, --kvcache-only
 // the device copy and the forward_kvcache decoding shapes (pass "decode"), --no-kvcache all but those,
 // --kvcache-host only the host time of the C++ forward_kvcache (pass "decode_host"), --grid-probe the
-// forward's partial last round (grid_probe).
+// forward's partial last round (grid_probe), --kv-trace B S_K PAGE S_Q APPEND one decoding call's
+// block timeline (kv_trace; a -DFLASHMONOID_TRACE=ON build).
 int main(int argc, char** argv) {
   const std::string dev = device_name();
   const char* out_path = nullptr;
   bool with_bwd = true, decode_only = false, kvcache_only = false, with_kvcache = true, kvcache_host = false;
   bool kv_probe_only = false, kv_probe_all = false;
   std::vector<std::array<int, 3>> cases;  // (hdim, causal, seqlen)
+  std::vector<std::array<int, 5>> traces;  // --kv-trace (b, s_k, page, s_q, append)
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--no-bwd")) with_bwd = false;
     else if (!std::strcmp(argv[i], "--with-sm80")) g_with_sm80 = true;
@@ -655,6 +731,13 @@ int main(int argc, char** argv) {
                   pb.tbps(graph_ms([&](cudaStream_t s) { pb.run(s); })));
       return 0;
     }
+    else if (!std::strcmp(argv[i], "--kv-trace") && i + 5 < argc) {
+      // A decoding shape's block timeline (b, s_k, page, s_q, append 0/1), repeatable; a
+      // -DFLASHMONOID_TRACE=ON build.
+      traces.push_back({std::atoi(argv[i + 1]), std::atoi(argv[i + 2]), std::atoi(argv[i + 3]), std::atoi(argv[i + 4]),
+                        std::atoi(argv[i + 5])});
+      i += 5;
+    }
     else if (!std::strcmp(argv[i], "--sweep")) {
       host_costs();
       sweep_decode_splits(1, 32768);
@@ -667,6 +750,16 @@ int main(int argc, char** argv) {
       cases.push_back({std::atoi(argv[i + 1]), std::atoi(argv[i + 2]), std::atoi(argv[i + 3])});
       i += 3;
     } else out_path = argv[i];
+  }
+  if (!traces.empty()) {
+#ifdef FLASHMONOID_TRACE
+    bench_copy(dev);
+    for (const auto& t : traces) kv_trace(t[0], t[1], t[2], t[3], t[4] != 0);
+    return 0;
+#else
+    std::fprintf(stderr, "--kv-trace needs a build with -DFLASHMONOID_TRACE=ON\n");
+    return 1;
+#endif
   }
   if (!cases.empty()) {
     for (const auto& c : cases) bench_train(c[0], c[1] != 0, c[2], with_bwd, dev);

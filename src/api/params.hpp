@@ -65,6 +65,9 @@ struct FwdParams {
   std::uint64_t seed = 0, offset = 0;
 
   KvCacheParams kv;  // K/V addressing of forward_kvcache and paged varlen; inactive otherwise
+#ifdef FLASHMONOID_TRACE
+  unsigned long long* trace = nullptr;  // block timelines (src/cuda/common/trace.cuh), profiling builds only
+#endif
 
   Device device{};
   FM_HD bool is_varlen() const { return cu_seqlens_q != nullptr; }

@@ -43,6 +43,12 @@ void merge(const detail::MergeParams& p, const Context& ctx);
 // forward_kvcache (src/cuda/kvcache.cu): at most one append/rotary launch, then the forward.
 std::size_t forward_kvcache_workspace_size(const detail::KvCacheCall& c);
 void forward_kvcache(const detail::KvCacheCall& c, const Context& ctx, PointerSource source);
+#ifdef FLASHMONOID_TRACE
+// The buffer (common/trace.cuh: kTraceBytes) that forward_kvcache's kernels record their block
+// timelines into; nullptr stops them. Profiling builds only.
+void set_trace_buffer(void* buffer);
+void* trace_buffer();
+#endif
 
 bool available();  // a device of compute capability >= 8.0 is visible
 

@@ -14,6 +14,7 @@
 #include "common/check.cuh"
 #include "common/device_guard.cuh"
 #include "common/pdl.cuh"
+#include "common/trace.cuh"
 #include "common/types.cuh"
 #include "cuda_backend.hpp"
 #include "flashmonoid/detail/rotary.hpp"
@@ -104,6 +105,7 @@ template <class T>
 __global__ void __launch_bounds__(kAppendWarps * 32) append_rotary_kernel(const __grid_constant__ AppendArgs a) {
   pdl_launch_dependents();  // the forward may launch now: it waits for this grid where it must
   const detail::FwdParams& p = a.c.attn;
+  trace_mark(p, TraceKernel::append, 0);
   const int lane = threadIdx.x % 32;
   std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kAppendWarps + threadIdx.x / 32;
   const bool rotary = a.c.rotary.dim > 0;
@@ -124,6 +126,7 @@ __global__ void __launch_bounds__(kAppendWarps * 32) append_rotary_kernel(const 
                  detail::kv_offset(p, is_v ? p.v_stride : p.k_stride, b, dst_row, hk);
         },
         lane);
+    trace_mark(p, TraceKernel::append, 3);  // warp 0's row done
     return;
   }
   row -= 2 * a.k_rows;
@@ -140,6 +143,7 @@ __global__ void __launch_bounds__(kAppendWarps * 32) append_rotary_kernel(const 
         return detail::rotary_query_position(held, i, a.c.rotary.per_row, a.c.rotary.seqlen);
       },
       [&] { return dst; }, lane);
+  trace_mark(p, TraceKernel::append, 3);
 }
 
 void check_kvcache_pointers(const detail::KvCacheCall& c, PointerSource src) {
@@ -151,7 +155,16 @@ void check_kvcache_pointers(const detail::KvCacheCall& c, PointerSource src) {
   check_device_pointer(c.rotary.sin, "rotary.sin", dev, 2, src);
 }
 
+#ifdef FLASHMONOID_TRACE
+void* g_trace = nullptr;
+#endif
+
 }  // namespace
+
+#ifdef FLASHMONOID_TRACE
+void set_trace_buffer(void* buffer) { g_trace = buffer; }
+void* trace_buffer() { return g_trace; }
+#endif
 
 std::size_t forward_kvcache_workspace_size(const detail::KvCacheCall& c) {
   return rotated_q_bytes(c) + forward_workspace_size(c.attn);
@@ -162,6 +175,9 @@ void forward_kvcache(const detail::KvCacheCall& c, const Context& ctx, PointerSo
   check_kvcache_pointers(c, source);
   AppendArgs a;
   a.c = c;
+#ifdef FLASHMONOID_TRACE
+  a.c.attn.trace = static_cast<unsigned long long*>(trace_buffer());
+#endif
   a.q = c.attn.q;
   a.q_stride = c.attn.q_stride;
   a.k_rows = static_cast<std::int64_t>(c.attn.batch) * c.attn.kv.seqlen_new * c.attn.h_k;

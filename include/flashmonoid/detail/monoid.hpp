@@ -56,6 +56,13 @@ FM_HD float merge_lse(float lse_a, float lse_b, float* wa, float* wb) {
   return m + ::logf(s);
 }
 
+// The finished merge of n parts at once (the split-KV combine): with m the largest part's lse, part
+// j's weight in the union is rescale_factor(lse_j, m) / s, s the sum of those factors, and the
+// union's lse is m + ln s (-inf, every weight 0, where every part is empty). The same result as a
+// fold of merge_lse up to rounding, with independent weights instead of a chain of exp, log and
+// division per part.
+FM_HD float lse_of_sum(float m, float s) { return s > 0.0f ? m + ::logf(s) : -INFINITY; }
+
 // Finish a state: lse = ln 2·(m + log2 l), natural units (or -inf for a row that saw no key),
 // inverse normaliser 1/l (0 for an empty row, so its output is exactly 0).
 FM_HD float finish_lse(RowState s) { return s.l > 0.0f ? kLn2 * (s.m + ::log2f(s.l)) : -INFINITY; }

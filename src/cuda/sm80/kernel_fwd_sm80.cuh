@@ -18,6 +18,7 @@
 #include "common/pdl.cuh"
 #include "common/score_mod.cuh"
 #include "common/softmax.cuh"
+#include "common/trace.cuh"
 #include "sm80/mma_sm80.cuh"
 #include "sm80/paged_kv_sm80.cuh"
 #include "sm80/smem_tile.cuh"
@@ -70,6 +71,7 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
   T* sK = sQ + kBlockM * kHeadDim;
 
   const detail::FwdParams& p = args.p;
+  trace_mark(p, TraceKernel::forward, 0);
   const int split = static_cast<int>(blockIdx.x) % args.num_splits;
   // Reversed so that the longest causal blocks (the last query rows) start first.
   const int m_block = args.num_m_blocks - 1 - static_cast<int>(blockIdx.x) / args.num_splits;
@@ -185,6 +187,7 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
       // Launched under forward_kvcache's append (pdl.cuh), which writes the rotated q and the appended
       // K/V rows: every read of them waits for it.
       if (args.programmatic) pdl_wait();
+      trace_mark(p, TraceKernel::forward, 1);
       load_tile_async<kBlockM, kHeadDim, kThreads>(sQ, q_row, p.d, q);
 #pragma unroll
       for (int t = 0; t < kStages - 1; ++t) load_kv(t, window_of(t));
@@ -302,6 +305,7 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
   // The split-KV combine may launch once every block is here; it waits for this grid before reading
   // the partials. Not at the start: waiting combine blocks resident beside the mainloops slowed
   // decoding by 7-20% (H200, b <= 8).
+  trace_mark(p, TraceKernel::forward, 2);
   if (args.programmatic_dependents) pdl_launch_dependents();
   float inv_l[2 * kMTiles], lse[2 * kMTiles];
   softmax.finish(mul, inv_l, lse);
@@ -313,6 +317,7 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
     store_partial<kHeadDim>(p, blk, split, args.out_partial, args.lse_partial, o, inv_l, lse, rows, lane);
   else
     store_output<T, kHeadDim, kMTiles, kBlockM, kThreads>(p, blk, R0, o, inv_l, lse, rows, sQ, warp_row0, lane);
+  trace_mark(p, TraceKernel::forward, 3);
 }
 
 }  // namespace flashmonoid::cuda
