@@ -15,13 +15,11 @@ namespace {
 using detail::KvCacheCall;
 using detail::RotaryParams;
 
-constexpr int kMaxHeadDim = 256;
-
 // The row of d features at src[so] rotated at position pos (detail/rotary.hpp) into dst[dof];
 // features past the rotary dim are copied.
 void rotate_row(const RotaryParams& r, DType t, const void* src, std::int64_t so, void* dst, std::int64_t dof, int d,
                 std::int64_t pos) {
-  float x[kMaxHeadDim];
+  float x[detail::kMaxHeadDim];
   for (int c = 0; c < d; ++c) x[c] = load(src, t, so + c);
   for (int i = 0; i < r.dim / 2; ++i) {
     const detail::RotaryPair pr = detail::rotary_pair(i, r.dim, r.interleaved);
