@@ -606,7 +606,9 @@ class CudaSplitKV : public ::testing::TestWithParam<Shape> {};
 TEST_P(CudaSplitKV, HeuristicForcedAndUnsplitMatchReference) {
   SKIP_WITHOUT_GPU();
   Problem pb(GetParam());
-  for (int splits : {0, 1, 7, 128}) {
+  // 7: the combine's warp-per-row form (common/combine.cuh); 128 and 300 (past the heuristic's cap,
+  // kMaxSplits): its block-per-row form over several batches per warp, many splits empty (lse -inf).
+  for (int splits : {0, 1, 7, 128, 300}) {
     SCOPED_TRACE("num_splits " + std::to_string(splits));
     check_against_reference(pb, gpu_forward(pb, splits));
   }
