@@ -1,10 +1,13 @@
 // The oracle itself: its backward against finite differences; the merge monoid (associativity,
 // identity); extreme scores; fully masked rows.
 #include <algorithm>
+#include <array>
+#include <cmath>
 #include <functional>
 
 #include "attention_case.hpp"
 #include "flashmonoid/detail/mask.hpp"
+#include "flashmonoid/detail/monoid.hpp"
 #include "flashmonoid/detail/philox.hpp"
 
 namespace fmtest {
@@ -178,6 +181,54 @@ TEST(Merge, IdentityChangesNothing) {
     flashmonoid::merge(outs, lses, o.view, l.view);
     EXPECT_EQ(o.values(), a.first.values());
     EXPECT_EQ(l.values(), a.second.values());
+  }
+}
+
+// The split-KV combine merges all of a row's parts at once (common/combine.cuh): weights
+// exp(lse_j - m) from the largest lse m, their sum s, lse = m + ln s (detail::lse_of_sum). Against the
+// fold of detail::merge_lse, part by part: random lse of scale 1 and 1e4, empty parts (-inf, the
+// identity) among them, and every part empty.
+TEST(Merge, AllPartsAtOnceEqualTheFold) {
+  namespace d = flashmonoid::detail;
+  constexpr int kCols = 8;
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int parts = 1 + trial % 40;
+    const float spread = trial % 2 ? 1e4f : 1.0f;
+    const bool all_empty = trial % 50 == 7;
+    std::vector<float> lse(parts);
+    std::vector<std::array<float, kCols>> out(parts);
+    for (int j = 0; j < parts; ++j) {
+      lse[j] = all_empty || rng()() % 5 == 0 ? -INFINITY : spread * u(rng());
+      for (float& x : out[j]) x = u(rng());
+    }
+    float fold_lse = -INFINITY;
+    std::array<float, kCols> fold{};
+    for (int j = 0; j < parts; ++j) {
+      float wa, wb;
+      fold_lse = d::merge_lse(fold_lse, lse[j], &wa, &wb);
+      for (int c = 0; c < kCols; ++c) fold[c] = fold[c] * wa + out[j][c] * wb;
+    }
+    float m = -INFINITY, sum = 0.0f;
+    for (float l : lse) m = std::max(m, l);
+    std::array<float, kCols> acc{};
+    for (int j = 0; j < parts; ++j) {
+      const float w = d::rescale_factor(lse[j], m);
+      sum += w;
+      for (int c = 0; c < kCols; ++c) acc[c] += out[j][c] * w;
+    }
+    const float at_once = d::lse_of_sum(m, sum);
+    const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;  // as the combine's store: 0 for an empty row
+    SCOPED_TRACE("trial " + std::to_string(trial) + ", " + std::to_string(parts) + " parts");
+    if (all_empty) EXPECT_EQ(m, -INFINITY);
+    if (m == -INFINITY) {  // every part empty (also by chance): the identity, out 0
+      EXPECT_EQ(fold_lse, -INFINITY);
+      EXPECT_EQ(at_once, -INFINITY);
+      for (int c = 0; c < kCols; ++c) EXPECT_EQ(acc[c] * inv_sum, 0.0f);
+      continue;
+    }
+    EXPECT_NEAR(at_once, fold_lse, 1e-6f * std::max(1.0f, std::fabs(fold_lse)));
+    for (int c = 0; c < kCols; ++c) EXPECT_NEAR(acc[c] * inv_sum, fold[c], 1e-5f);
   }
 }
 
