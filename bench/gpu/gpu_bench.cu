@@ -476,14 +476,12 @@ void kv_trace(int b, int sk, int page, int sq, bool append) {
   auto at = [&](int k, int blk, int e, int c) {
     return h[((static_cast<std::size_t>(k) * fc::kTraceBlocks + blk) * fc::kTraceEvents + e) * 2 + c];
   };
-  auto blocks = [&](int k) {
-    int n = 0;
-    while (n < fc::kTraceBlocks && at(k, n, 0, 0) != 0) ++n;
-    return n;
-  };
-  const int first = blocks(0) > 0 ? 0 : 1;
+  int blocks[fc::kTraceKernels];  // blocks that marked their entry, per kernel
+  for (int k = 0; k < fc::kTraceKernels; ++k)
+    for (blocks[k] = 0; blocks[k] < fc::kTraceBlocks && at(k, blocks[k], 0, 0) != 0;) ++blocks[k];
+  const int first = blocks[0] > 0 ? 0 : 1;
   unsigned long long t0 = ~0ull;
-  for (int i = 0; i < blocks(first); ++i) t0 = std::min(t0, at(first, i, 0, 0));
+  for (int i = 0; i < blocks[first]; ++i) t0 = std::min(t0, at(first, i, 0, 0));
   auto row = [](const char* name, std::vector<double> v) {
     if (v.empty()) return;
     std::sort(v.begin(), v.end());
@@ -498,7 +496,7 @@ void kv_trace(int b, int sk, int page, int sq, bool append) {
   const char* events[] = {"entry", "after wait", "mainloop done", "exit"};
   std::vector<unsigned long long> stamps;
   for (int k = 0; k < fc::kTraceKernels; ++k) {
-    const int n = blocks(k);
+    const int n = blocks[k];
     for (int e = 0; e < fc::kTraceEvents; ++e) {
       std::vector<double> v;
       for (int i = 0; i < n; ++i)
@@ -513,7 +511,7 @@ void kv_trace(int b, int sk, int page, int sq, bool append) {
   // clock64 durations within a forward block: entry -> after wait -> mainloop done -> exit.
   for (int e = 1; e < fc::kTraceEvents; ++e) {
     std::vector<double> v;
-    for (int i = 0; i < blocks(1); ++i)
+    for (int i = 0; i < blocks[1]; ++i)
       if (at(1, i, e, 0) != 0 && at(1, i, e - 1, 0) != 0) v.push_back(static_cast<double>(at(1, i, e, 1) - at(1, i, e - 1, 1)));
     const std::string name = std::string("forward cycles ") + events[e - 1] + " -> " + events[e];
     row(name.c_str(), v);

@@ -322,8 +322,9 @@ std::size_t forward_workspace_size(const detail::FwdParams& p) {
   if (forward_path(p, Context{}) == KernelArch::sm90) {
     // The split tail's exchange for a grid of every multiprocessor (a margin only shrinks it).
     const int bucket = head_dim_bucket(p.d);
-    const FwdTileSm90 tile = fwd_tile_sm90(bucket, fwd_variant_sm90(p, bucket));
-    return p.is_varlen() || !fwd_split_tail(bucket, fwd_variant_sm90(p, bucket)) ? 0 : fwd_tail_layout_sm90(tile, bucket, props.num_sms).total;
+    const FwdVariantSm90 variant = fwd_variant_sm90(p, bucket);
+    if (p.is_varlen() || !fwd_split_tail(bucket, variant)) return 0;
+    return fwd_tail_layout_sm90(fwd_tile_sm90(bucket, variant), bucket, props.num_sms).total;
   }
   return fwd_split_workspace_bytes(p, fwd_choose_num_splits(p, props.num_sms, props.smem_per_sm));
 }

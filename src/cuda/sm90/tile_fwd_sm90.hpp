@@ -110,8 +110,9 @@ constexpr bool fwd_long_keys(bool windowed, long long seqlen_k) { return !window
 
 // How the persistent grid meets a partial last round (block_range.cuh), by measurement (H100, bf16,
 // 16k tokens, one build, alternated rounds; bench/NOTES.md):
-// - hdim 64, the plain (and score-modifier) kernels: the split tail, +0.1-2.6% at 1k-16k keys (causal
-//   4k 449 -> 459 TFLOP/s, 16k 500 -> 513; against a build without its code, causal 16k 495 -> 526);
+// - hdim 64, the plain kernel: the split tail, +0.1-2.6% at 1k-16k keys (causal 4k 449 -> 459
+//   TFLOP/s, 16k 500 -> 513; against a build without its code, causal 16k 495 -> 526); the
+//   score-modifier kernel takes it too (tested, its speed with and without it not measured);
 // - hdim 64, the short_band kernel (causal up to 2k rows): the balanced grid and none of the split
 //   tail's code, which cost it 3% at causal 512 (232 -> 225 TFLOP/s, ~1070 more instructions in a
 //   kernel whose tiles are 1-4 steps) and 1% at 1k, equal at 2k;
