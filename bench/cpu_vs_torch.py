@@ -12,7 +12,8 @@ build-bench/ and imported from there, so the numbers are this tree's; --installe
 importable flashmonoid instead.
 
 Implementations: flashmonoid (the ISA the library picks: AVX-512 where the CPU has it, with bf16
-inputs' products from bf16 pairs where it has AVX512_BF16), flashmonoid_avx2 (Context cpu_isa =
+inputs' products from bf16 pairs on AMX tiles where it has AMX-BF16, or with VDPBF16PS on AMD CPUs
+with AVX512_BF16), flashmonoid_avx2 (Context cpu_isa =
 avx2, the fallback), torch_cpu (SDPBackend.FLASH_ATTENTION). The environment variable
 FLASHMONOID_CPU_ISA caps what flashmonoid picks for the whole process (avx512: AVX-512 without the
 bf16 products, to compare them with the fp32 products on one machine); the JSON records it as

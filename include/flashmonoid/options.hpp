@@ -69,11 +69,12 @@ enum class CpuAlgorithm : std::uint8_t { flash, reference };
 enum class CudaPath : std::uint8_t { automatic, sm80, sm90 };
 
 // Which instruction set the CPU flash path may use. best: AVX-512 where the CPU has it, else AVX2,
-// with bf16 inputs' products from bf16 pairs (AVX512_BF16) on AMD CPUs, where they measured faster;
-// the environment variable FLASHMONOID_CPU_ISA sets it for the whole process: avx2 caps it, avx512
-// turns the bf16 pairs off, avx512_bf16 turns them on where the CPU has AVX512_BF16 (on Intel Xeons
-// they measured slower than the fp32 products). avx2: the AVX2 path even on AVX-512 CPUs (tests and
-// benchmarks compare the two).
+// with bf16 inputs' products from bf16 pairs on AMX tiles where the CPU has AMX-BF16, and with
+// VDPBF16PS (AVX512_BF16) on AMD CPUs, where they measured faster than fp32 products; the
+// environment variable FLASHMONOID_CPU_ISA sets it for the whole process: avx2 caps it, avx512
+// turns the bf16 pairs off, avx512_bf16 caps them at VDPBF16PS (on Intel Xeons it measured slower
+// than the fp32 products), amx_bf16 is the default's ceiling. avx2: the AVX2 path even on AVX-512
+// CPUs (tests and benchmarks compare the two).
 enum class CpuIsa : std::uint8_t { best, avx2 };
 
 // Where and how a call runs. The library never synchronises and never allocates device memory:

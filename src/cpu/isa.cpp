@@ -1,6 +1,8 @@
 #include "cpu/isa.hpp"
 
 #include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -33,7 +35,26 @@ bool detect_avx512_bf16() {
   return (a & (1u << 5)) != 0;
 }
 
+// AMX-TILE and AMX-BF16: cpuid leaf 7, subleaf 0, EDX bits 24 and 22; XCR0 bits 17 and 18 (tile
+// configuration and data saved by the OS); and, on Linux, the process's permission to use the tile
+// data (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA; without it the first tile load faults).
+bool detect_amx_bf16() {
+  unsigned a, b, c, d;
+  if (!detect_avx512_bf16() || __get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return false;
+  if ((d & (1u << 24)) == 0 || (d & (1u << 22)) == 0) return false;
+  unsigned lo, hi;
+  __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  if (((lo >> 17) & 3u) != 3u) return false;
+#ifdef SYS_arch_prctl
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+
 Isa detect_best() {
+  if (detect_amx_bf16()) return Isa::amx_bf16;
   if (detect_avx512_bf16()) return Isa::avx512_bf16;
   return detect_avx512() ? Isa::avx512 : Isa::avx2;
 }
@@ -48,11 +69,13 @@ Isa read_default() {
   const Isa best = detect_best();
   const char* env = std::getenv("FLASHMONOID_CPU_ISA");
   const std::string want = env ? env : "";
-  if (want == "avx512_bf16") return best;
-  if (want.empty() || want == "best") return bf16_products_by_default() ? best : std::min(best, Isa::avx512);
+  if (want == "amx_bf16") return best;
+  if (want == "avx512_bf16") return std::min(best, Isa::avx512_bf16);
+  if (want.empty() || want == "best")
+    return best == Isa::amx_bf16 || bf16_products_by_default() ? best : std::min(best, Isa::avx512);
   if (want == "avx512") return std::min(best, Isa::avx512);
   if (want == "avx2") return Isa::avx2;
-  throw Error("FLASHMONOID_CPU_ISA", "'" + want + "' is not one of avx2, avx512, avx512_bf16, best");
+  throw Error("FLASHMONOID_CPU_ISA", "'" + want + "' is not one of avx2, avx512, avx512_bf16, amx_bf16, best");
 }
 
 }  // namespace
@@ -70,6 +93,7 @@ const char* to_string(Isa isa) {
   switch (isa) {
     case Isa::avx512: return "avx512";
     case Isa::avx512_bf16: return "avx512_bf16";
+    case Isa::amx_bf16: return "amx_bf16";
     default: return "avx2";
   }
 }

@@ -13,7 +13,9 @@ namespace flashmonoid::cpu {
 // avx2: AVX2 + FMA + F16C (x86-64-v3), the baseline the library is built for.
 // avx512: AVX-512 F, BW, VL and DQ with the OS saving zmm state.
 // avx512_bf16: avx512 plus AVX512_BF16 (VDPBF16PS): bf16 inputs' block products from bf16 pairs.
-enum class Isa : std::uint8_t { avx2, avx512, avx512_bf16 };
+// amx_bf16: avx512_bf16 plus AMX-TILE and AMX-BF16 (TDPBF16PS), the OS saving the tile state and
+//   granting it to this process (Linux: arch_prctl ARCH_REQ_XCOMP_PERM): the same products on tiles.
+enum class Isa : std::uint8_t { avx2, avx512, avx512_bf16, amx_bf16 };
 
 const char* to_string(Isa isa);
 
@@ -25,10 +27,11 @@ bool cpu_has(Isa isa);
 // (isa.cpp has the numbers).
 bool bf16_products_by_default();
 
-// The ISA calls run by default: the best this CPU has, short of avx512_bf16 unless
-// bf16_products_by_default(); or as FLASHMONOID_CPU_ISA says: avx2 forces the fallback, avx512 the
-// AVX-512 kernels without bf16 products (where the CPU has AVX-512), avx512_bf16 the bf16 products
-// where the CPU has them, best the default. Any other value throws flashmonoid::Error on first use.
+// The ISA calls run by default: the best this CPU has (amx_bf16 where it has AMX), short of
+// avx512_bf16 on a CPU without AMX unless bf16_products_by_default(); or as FLASHMONOID_CPU_ISA says:
+// avx2 forces the fallback, avx512 the AVX-512 kernels without bf16 products (where the CPU has
+// AVX-512), avx512_bf16 the VDPBF16PS products (where the CPU has them), amx_bf16 the AMX ones (where
+// the CPU has them), best the default. Any other value throws flashmonoid::Error on first use.
 Isa default_isa();
 
 // The ISA a call with this Context::cpu_isa runs.

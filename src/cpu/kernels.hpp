@@ -1,10 +1,10 @@
 // The ISA-specific kernels of the CPU flash path: the block matrix product and the online-softmax
 // row operations. One generic source (kernels_impl.hpp) compiled once per ISA, each copy in its
 // own translation unit: kernels_avx2.cpp (x86-64-v3, runs on every supported CPU),
-// kernels_avx512.cpp (AVX-512 F/BW/VL/DQ flags) and kernels_avx512_bf16.cpp (the same plus
-// AVX512_BF16), the last two called only where cpuid says so. flash_fwd.cpp and
-// flash_bwd.cpp stay x86-64-v3 and reach them through this table, chosen once per call by
-// kernels_for(isa) (src/cpu/isa.hpp).
+// kernels_avx512.cpp (AVX-512 F/BW/VL/DQ flags), kernels_avx512_bf16.cpp (the same plus
+// AVX512_BF16) and kernels_amx.cpp (the same plus AMX), the last three called only where cpuid says
+// so. flash_fwd.cpp and flash_bwd.cpp stay x86-64-v3 and reach them through this table, chosen once
+// per call by kernels_for(isa) (src/cpu/isa.hpp).
 //
 // Own kernels rather than a BLAS or small-GEMM library, by measurement at the flash tiles' shapes
 // (one thread): OpenBLAS 0.3.21's cblas_sgemm in place of the products changed the forward from
@@ -73,11 +73,13 @@ struct Kernels {
 const Kernels& kernels_avx2();
 const Kernels& kernels_avx512();       // call only where cpu_has(Isa::avx512)
 const Kernels& kernels_avx512_bf16();  // call only where cpu_has(Isa::avx512_bf16)
+const Kernels& kernels_amx();          // call only where cpu_has(Isa::amx_bf16)
 
 inline const Kernels& kernels_for(Isa isa) {
   switch (isa) {
     case Isa::avx512: return kernels_avx512();
     case Isa::avx512_bf16: return kernels_avx512_bf16();
+    case Isa::amx_bf16: return kernels_amx();
     default: return kernels_avx2();
   }
 }

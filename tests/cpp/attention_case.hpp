@@ -16,6 +16,9 @@ const Kernels& kernels_avx512_emulated();
 // src/cpu/kernels_avx512_bf16.cpp compiled for AVX2: the same plus the products from bf16 pairs,
 // VDPBF16PS and VCVTNE2PS2BF16 emulated (src/cpu/simd_bf16.hpp).
 const Kernels& kernels_avx512_bf16_emulated();
+// src/cpu/kernels_amx.cpp compiled for AVX2: those products on emulated AMX tiles (blocking,
+// configurations and remainders as on the real tiles).
+const Kernels& kernels_amx_emulated();
 }  // namespace flashmonoid::cpu
 
 namespace fmtest {

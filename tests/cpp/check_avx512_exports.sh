@@ -1,6 +1,6 @@
 #!/bin/sh
 # An AVX-512 object must define exactly one global symbol, its kernel table (kernels_avx512() or
-# kernels_avx512_bf16()), and no weak (inline, template) ones: a weak definition compiled with
+# kernels_avx512_bf16() or kernels_amx()), and no weak (inline, template) ones: a weak definition compiled with
 # AVX-512 flags could be the copy the linker keeps for the x86-64-v3 code too, which would then
 # fault on AVX2-only CPUs.
 # usage: check_avx512_exports.sh OBJECT TABLE

@@ -29,9 +29,11 @@ struct Table {
 std::vector<Table> tables() {
   std::vector<Table> t{{"avx2", &cpu::kernels_avx2()},
                        {"avx512_emulated", &cpu::kernels_avx512_emulated()},
-                       {"avx512_bf16_emulated", &cpu::kernels_avx512_bf16_emulated()}};
+                       {"avx512_bf16_emulated", &cpu::kernels_avx512_bf16_emulated()},
+                       {"amx_emulated", &cpu::kernels_amx_emulated()}};
   if (cpu::cpu_has(cpu::Isa::avx512)) t.push_back({"avx512", &cpu::kernels_avx512()});
   if (cpu::cpu_has(cpu::Isa::avx512_bf16)) t.push_back({"avx512_bf16", &cpu::kernels_avx512_bf16()});
+  if (cpu::cpu_has(cpu::Isa::amx_bf16)) t.push_back({"amx_bf16", &cpu::kernels_amx()});
   return t;
 }
 
@@ -239,7 +241,7 @@ TEST(CpuKernels, Bf16PairGemmMatchesFloat64) {
   auto bf16_normal = [&] { return flashmonoid::cpu::round_to(DType::bf16, normal(gen)); };
   const int ms[] = {1, 5, 7, 8, 9, 17, 96};
   const int ns[] = {8, 16, 24, 32, 40, 72, 128};
-  const int k2s[] = {1, 3, 32, 64};
+  const int k2s[] = {1, 3, 32, 64, 21};  // 21: 16 pairs on AMX tiles, 5 through VDPBF16PS
   for (const Table& t : bf16_tables())
     for (bool acc : {false, true}) {
       const cpu::GemmPairsFn fn = acc ? t.kn->gemm_bf16_acc : t.kn->gemm_bf16;
@@ -342,24 +344,28 @@ TEST(CpuKernels, Bf16PairsOfFloatsFollowIntelPseudoCode) {
 TEST(CpuIsa, ContextAndEnvironmentChooseTheIsa) {
   const char* env = std::getenv("FLASHMONOID_CPU_ISA");
   const std::string want = env != nullptr ? env : "";
-  const cpu::Isa best = cpu::cpu_has(cpu::Isa::avx512_bf16) ? cpu::Isa::avx512_bf16
-                        : cpu::cpu_has(cpu::Isa::avx512)    ? cpu::Isa::avx512
-                                                            : cpu::Isa::avx2;
-  const cpu::Isa by_default = cpu::bf16_products_by_default() ? best : std::min(best, cpu::Isa::avx512);
+  const cpu::Isa best = cpu::cpu_has(cpu::Isa::amx_bf16)      ? cpu::Isa::amx_bf16
+                        : cpu::cpu_has(cpu::Isa::avx512_bf16) ? cpu::Isa::avx512_bf16
+                        : cpu::cpu_has(cpu::Isa::avx512)      ? cpu::Isa::avx512
+                                                              : cpu::Isa::avx2;
+  const cpu::Isa by_default =
+      best == cpu::Isa::amx_bf16 || cpu::bf16_products_by_default() ? best : std::min(best, cpu::Isa::avx512);
   const cpu::Isa expected = want == "avx2"          ? cpu::Isa::avx2
-                            : want == "avx512_bf16" ? best
+                            : want == "amx_bf16"    ? best
+                            : want == "avx512_bf16" ? std::min(best, cpu::Isa::avx512_bf16)
                             : want == "avx512"      ? std::min(best, cpu::Isa::avx512)
                                                     : by_default;
   EXPECT_EQ(cpu::default_isa(), expected);
   EXPECT_EQ(cpu::isa_for(flashmonoid::CpuIsa::best), cpu::default_isa());
   EXPECT_EQ(cpu::isa_for(flashmonoid::CpuIsa::avx2), cpu::Isa::avx2);
-  for (cpu::Isa isa : {cpu::Isa::avx2, cpu::Isa::avx512, cpu::Isa::avx512_bf16})
+  for (cpu::Isa isa : {cpu::Isa::avx2, cpu::Isa::avx512, cpu::Isa::avx512_bf16, cpu::Isa::amx_bf16})
     if (cpu::cpu_has(isa)) {
       EXPECT_EQ(cpu::kernels_for(isa).isa, isa);
-      EXPECT_EQ(cpu::kernels_for(isa).gemm_bf16 != nullptr, isa == cpu::Isa::avx512_bf16);
+      EXPECT_EQ(cpu::kernels_for(isa).gemm_bf16 != nullptr, isa >= cpu::Isa::avx512_bf16);
     }
-  std::printf("CPU has AVX-512: %s, AVX512_BF16: %s; default ISA: %s\n", cpu::cpu_has(cpu::Isa::avx512) ? "yes" : "no",
-              cpu::cpu_has(cpu::Isa::avx512_bf16) ? "yes" : "no", cpu::to_string(cpu::default_isa()));
+  std::printf("CPU has AVX-512: %s, AVX512_BF16: %s, AMX-BF16: %s; default ISA: %s\n",
+              cpu::cpu_has(cpu::Isa::avx512) ? "yes" : "no", cpu::cpu_has(cpu::Isa::avx512_bf16) ? "yes" : "no",
+              cpu::cpu_has(cpu::Isa::amx_bf16) ? "yes" : "no", cpu::to_string(cpu::default_isa()));
 }
 
 // The public API's Context::cpu_isa reaches the kernels: forcing AVX2 gives exactly the AVX2

@@ -92,11 +92,13 @@ TEST_P(FlashForward, SixteenLaneKernelsMatchFloat64Reference) {
   expect_forward_close(pb, out, lse);
 }
 
-// The kernel tables with products from bf16 pairs: the emulated AVX512_BF16 table, and the real
-// one where the CPU has it.
+// The kernel tables with products from bf16 pairs: the emulated AVX512_BF16 and AMX tables, and the
+// real ones where the CPU has them.
 std::vector<const flashmonoid::cpu::Kernels*> bf16_tables() {
-  std::vector<const flashmonoid::cpu::Kernels*> t{&flashmonoid::cpu::kernels_avx512_bf16_emulated()};
-  if (flashmonoid::cpu::cpu_has(flashmonoid::cpu::Isa::avx512_bf16)) t.push_back(&flashmonoid::cpu::kernels_avx512_bf16());
+  namespace cpu = flashmonoid::cpu;
+  std::vector<const cpu::Kernels*> t{&cpu::kernels_avx512_bf16_emulated(), &cpu::kernels_amx_emulated()};
+  if (cpu::cpu_has(cpu::Isa::avx512_bf16)) t.push_back(&cpu::kernels_avx512_bf16());
+  if (cpu::cpu_has(cpu::Isa::amx_bf16)) t.push_back(&cpu::kernels_amx());
   return t;
 }
 
@@ -261,7 +263,8 @@ TEST(FlashCpu, BitIdenticalForAnyThreadCount) {
   using flashmonoid::cpu::Kernels;
   const std::pair<const Problem*, const Kernels*> runs[] = {{&pb, &flashmonoid::cpu::kernels_avx2()},
                                                             {&pb, &flashmonoid::cpu::kernels_avx512_emulated()},
-                                                            {&pb16, &flashmonoid::cpu::kernels_avx512_bf16_emulated()}};
+                                                            {&pb16, &flashmonoid::cpu::kernels_avx512_bf16_emulated()},
+                                                            {&pb16, &flashmonoid::cpu::kernels_amx_emulated()}};
   for (auto [problem, kn] : runs) {
     SCOPED_TRACE(flashmonoid::to_string(problem->shape.dtype));
     auto [o, l] = problem->flash(*kn, 1);
