@@ -110,8 +110,13 @@ void pack_pairs(const void* base, Row&& row, int n, int rows, int d, int dp, std
   const auto* x = static_cast<const std::uint16_t*>(base);
   const int d2 = (d + 1) / 2;
   if (along != nullptr)
-    for (int r = 0; r < rows; ++r)
-      for (int c = 0; c < d2; ++c) along[r * d2 + c] = r < n ? tiles::pair_along_row(x + row(r), d, c) : 0u;
+    for (int r = 0; r < rows; ++r) {
+      std::uint32_t* dst = along + static_cast<std::int64_t>(r) * d2;
+      if (r < n)
+        tiles::pairs_of_row(x + row(r), d, dst);
+      else
+        std::fill(dst, dst + d2, 0u);
+    }
   if (across != nullptr)
     for (int j = 0; j < rows / 2; ++j) {
       std::uint32_t* dst = across + static_cast<std::int64_t>(j) * dp;

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "api/params.hpp"
 #include "cpu/numeric.hpp"
@@ -142,12 +143,17 @@ inline void transpose8x8(const float* s, int lds, float* d, int ldd) {
 }
 
 // dst[c·ldd + r] = src[r·lds + c] for r < rows, c < cols: 8×8 blocks, the edges element by element.
-inline void transpose(const float* src, int rows, int cols, int lds, float* dst, int ldd) {
+// T: any 4-byte element (floats, or bf16 pairs: the shuffles move bits, never round them).
+template <class T>
+inline void transpose(const T* src, int rows, int cols, int lds, T* dst, int ldd) {
+  static_assert(sizeof(T) == 4, "8×8 blocks of 4-byte elements");
   auto at = [](int i, int j, int ld) { return static_cast<std::int64_t>(i) * ld + j; };
   int r = 0;
   for (; r + 8 <= rows; r += 8) {
     int c = 0;
-    for (; c + 8 <= cols; c += 8) transpose8x8(src + at(r, c, lds), lds, dst + at(c, r, ldd), ldd);
+    for (; c + 8 <= cols; c += 8)
+      transpose8x8(reinterpret_cast<const float*>(src + at(r, c, lds)), lds, reinterpret_cast<float*>(dst + at(c, r, ldd)),
+                   ldd);
     for (; c < cols; ++c)
       for (int i = r; i < r + 8; ++i) dst[at(c, i, ldd)] = src[at(i, c, lds)];
   }
@@ -159,19 +165,25 @@ inline void transpose(const float* src, int rows, int cols, int lds, float* dst,
 // [rows, cols) zeroed), written straight into column panels of `panel` columns (to_panels' layout,
 // panel a multiple of 8): (c, r) at dst[(r / panel)·d·panel + c·panel + r % panel]. tmp holds 8 rows
 // (8·d floats): rows are loaded 8 at a time and each 8×8 block lands in its panel.
-template <class RowOffset>
-inline void load_rows_transposed_panels(const void* base, DType t, RowOffset&& row_offset, int rows, int d, int cols,
-                                        int panel, float mul, float* tmp, float* dst) {
+// rows_transposed_panels does it for any 4-byte T, row r written into tmp by load(r, out) (d elements).
+template <class T, class LoadRow>
+inline void rows_transposed_panels(LoadRow&& load, int rows, int d, int cols, int panel, T* tmp, T* dst) {
   const auto column = [&](int r) { return dst + static_cast<std::int64_t>(r / panel) * d * panel + r % panel; };
   for (int r0 = 0; r0 < rows; r0 += 8) {
     const int k = rows - r0 < 8 ? rows - r0 : 8;
-    for (int i = 0; i < k; ++i) load_row(base, t, row_offset(r0 + i), d, mul, tmp + static_cast<std::int64_t>(i) * d);
+    for (int i = 0; i < k; ++i) load(r0 + i, tmp + static_cast<std::int64_t>(i) * d);
     transpose(tmp, k, d, d, column(r0), panel);
   }
   for (int r = rows; r < cols; ++r) {
-    float* col = column(r);
-    for (int c = 0; c < d; ++c) col[static_cast<std::int64_t>(c) * panel] = 0.0f;
+    T* col = column(r);
+    for (int c = 0; c < d; ++c) col[static_cast<std::int64_t>(c) * panel] = T{};
   }
+}
+template <class RowOffset>
+inline void load_rows_transposed_panels(const void* base, DType t, RowOffset&& row_offset, int rows, int d, int cols,
+                                        int panel, float mul, float* tmp, float* dst) {
+  rows_transposed_panels([&](int r, float* out) { load_row(base, t, row_offset(r), d, mul, out); }, rows, d, cols,
+                         panel, tmp, dst);
 }
 
 // load_rows' tile (rows_pad, cols), written straight into column panels of `panel` columns
@@ -224,6 +236,16 @@ inline std::uint32_t pair_along_row(const std::uint16_t* src, int d, int j) {
   return src[2 * j] | (2 * j + 1 < d ? static_cast<std::uint32_t>(src[2 * j + 1]) << 16 : 0u);
 }
 
+// dst[j] <- pair_along_row(src, d, j) for j < (d + 1) / 2: for an even d the row's bits as they are
+// (x86 is little-endian: element 2j is the low half of word j).
+inline void pairs_of_row(const std::uint16_t* src, int d, std::uint32_t* dst) {
+  if (d % 2 == 0) {
+    std::memcpy(dst, src, 2 * static_cast<std::size_t>(d));
+    return;
+  }
+  for (int j = 0; j < (d + 1) / 2; ++j) dst[j] = pair_along_row(src, d, j);
+}
+
 // dst[c] <- (r0[c], r1[c]) for c < d, zero for c in [d, ld); r1 = nullptr reads zeros: two rows of
 // a bf16 tensor paired across rows (V paired along the keys, the B operand of O += P·V).
 inline void pairs_across_rows(const std::uint16_t* r0, const std::uint16_t* r1, int d, int ld, std::uint32_t* dst) {
@@ -237,6 +259,9 @@ inline void store_row(void* base, DType t, std::int64_t offset, int d, const flo
   if (t == DType::f32) {
     float* dst = static_cast<float*>(base) + offset;
     for (int c = 0; c < d; ++c) dst[c] = mul * src[c];
+  } else if (t == DType::bf16) {  // one loop the compiler vectorises
+    std::uint16_t* dst = static_cast<std::uint16_t*>(base) + offset;
+    for (int c = 0; c < d; ++c) dst[c] = float_to_bf16(mul * src[c]);
   } else {
     for (int c = 0; c < d; ++c) store(base, t, offset + c, mul * src[c]);
   }

@@ -96,28 +96,31 @@ template <int T>
 void tile_zero();
 template <int C, int A, int B>
 void tile_dp();
-#define FM_TILE(N)                                                                              \
-  template <>                                                                                   \
-  void tile_load<N>(const void* src, std::size_t stride) {                                      \
-    _tile_loadd(N, src, stride);                                                                \
-  }                                                                                             \
-  template <>                                                                                   \
-  void tile_store<N>(void* dst, std::size_t stride) {                                           \
-    _tile_stored(N, dst, stride);                                                               \
-  }                                                                                             \
-  template <>                                                                                   \
-  void tile_zero<N>() {                                                                         \
-    _tile_zero(N);                                                                              \
+#define FM_TILE_LOAD(N)                                \
+  template <>                                          \
+  void tile_load<N>(const void* src, std::size_t stride) { \
+    _tile_loadd(N, src, stride);                       \
   }
-FM_TILE(0)
-FM_TILE(1)
-FM_TILE(2)
-FM_TILE(3)
-FM_TILE(4)
-FM_TILE(5)
-FM_TILE(6)
-FM_TILE(7)
-#undef FM_TILE
+#define FM_TILE_C(N)                                   \
+  FM_TILE_LOAD(N)                                      \
+  template <>                                          \
+  void tile_store<N>(void* dst, std::size_t stride) {  \
+    _tile_stored(N, dst, stride);                      \
+  }                                                    \
+  template <>                                          \
+  void tile_zero<N>() {                                \
+    _tile_zero(N);                                     \
+  }
+FM_TILE_C(0)
+FM_TILE_C(1)
+FM_TILE_C(2)
+FM_TILE_C(3)
+FM_TILE_LOAD(4)
+FM_TILE_LOAD(5)
+FM_TILE_LOAD(6)
+FM_TILE_LOAD(7)
+#undef FM_TILE_C
+#undef FM_TILE_LOAD
 #define FM_TILE_DP(C, A, B) \
   template <>               \
   void tile_dp<C, A, B>() { \
