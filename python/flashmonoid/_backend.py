@@ -35,7 +35,8 @@ _cpu_isa = _C.CpuIsa.best
 
 
 def set_cpu_isa(name):
-    """"best" (AVX-512 where the CPU has it, unless FLASHMONOID_CPU_ISA=avx2) or "avx2" for CPU calls."""
+    """"best" (AVX-512 where the CPU has it, bf16 products on AMX tiles where it has AMX-BF16; capped by
+    FLASHMONOID_CPU_ISA) or "avx2" for CPU calls."""
     global _cpu_isa
     _cpu_isa = _C.CpuIsa.__members__[name]
 
