@@ -30,6 +30,7 @@
 
 #include "cpu/flash_tiles.hpp"
 #include "cpu/numeric.hpp"
+#include "cpu/profile.hpp"
 #include "flashmonoid/flashmonoid.hpp"
 
 #ifdef FLASHMONOID_HAVE_BLAS
@@ -379,6 +380,7 @@ void run_cpu(const Config& c, std::vector<Row>& rows) {
       standard = [&] { fm::forward(q.view, k.view, v.view, o_std.view, lse.view, opt, ref_ctx); };
     measure(c.repeats, standard, row.standard,
             [&] { fm::forward(q.view, k.view, v.view, o_flash.view, lse.view, opt, flash_ctx); }, row.flash);
+    fm::cpu::profile::print(stderr);  // a -DFLASHMONOID_CPU_PROFILE=ON build's phases of these runs
 
     double mx = 0.0;
     for (std::int64_t i = 0; i < o_std.numel(); ++i) {

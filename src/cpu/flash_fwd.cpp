@@ -21,6 +21,7 @@
 #include "cpu/cpu_backend.hpp"
 #include "cpu/flash_tiles.hpp"
 #include "cpu/kernels.hpp"
+#include "cpu/profile.hpp"
 #include "flashmonoid/detail/monoid.hpp"
 #include "flashmonoid/detail/philox.hpp"
 
@@ -329,7 +330,9 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
   const int m = static_cast<int>(std::min<std::int64_t>(kBlockM, si.len_q - i0));
   const float slope = detail::alibi_slope(p, it.b, it.hq);
 
+  profile::Lap lap;
   load_q(p, kv, si, it, i0, m, ws);
+  lap.charge(profile::load_q);
   std::fill(ws.o.begin(), ws.o.end(), 0.0f);
   std::fill(ws.state.begin(), ws.state.end(), RowState{});
 
@@ -345,6 +348,7 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
     const std::int64_t tile = kv.tile(it.b, j0 / kBlockN, hk, p.h_k);
 
     scores(kn, kv, tile, m, ws);
+    lap.charge(profile::scores);
 
     const bool needs_mask = band.tile_needs_mask(i0, i0 + m, j0, j0 + n, si.len_k);
     // Where the table asks for it (Kernels::prefetch_kv), V of this key block and Kᵀ of the next
@@ -365,6 +369,7 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
     // to the tile's max only where that exceeds the running m by more than kLazyRescale (else O is
     // not rescaled).
     kn.softmax_rows(ws.s.data(), m, kBlockN, mul, kLazyRescale, ws.m_run.data(), ws.sums.data());
+    lap.charge(profile::softmax);
     for (int r = 0; r < m; ++r) {
       float* s = ws.s.data() + r * kBlockN;
       kt_next.slice(r);
@@ -374,9 +379,12 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
       if (p.dropout_p > 0.0f) apply_dropout(p, detail::dropout_row_id(p, it.hq, si, i0 + r), j0, n, s);
       if (kv.pairs) kn.to_bf16_pairs(s, kBlockN, ws.p2.data() + r * (kBlockN / 2));
     }
+    lap.charge(profile::to_pairs);
     for (int r = 0; r < m; ++r)
       if (ws.alpha[r] != 1.0f) kn.scale_row(ws.o.data() + r * dp, dp, ws.alpha[r]);
+    lap.charge(profile::rescale);
     accumulate(kn, kv, tile, m, n, ws);
+    lap.charge(profile::accumulate);
   }
   return m;
 }
@@ -452,8 +460,12 @@ void flash_forward(const FwdParams& p, int num_threads, const Kernels& kn) {
 #pragma omp parallel num_threads(threads)
   {
     Workspace ws(p.d, kv.pairs);
-#pragma omp for schedule(static)
+    profile::Lap lap;
+#pragma omp for schedule(static) nowait
     for (std::int64_t t = 0; t < n_tiles; ++t) pack_tile(p, kv, t, ws);
+    lap.charge(profile::pack);
+#pragma omp barrier
+    lap.charge(profile::merge);  // waiting for the other threads' packing
     // Dynamic: under causal masks a block's work grows with its row index. Splits outermost, so
     // that the first tasks taken cover every item once.
 #pragma omp for schedule(dynamic, 1) nowait
@@ -462,9 +474,12 @@ void flash_forward(const FwdParams& p, int num_threads, const Kernels& kn) {
       const int c = static_cast<int>(task / tasks.items());
       const Item it = item_at(tasks, t);
       const std::int64_t kblocks = (seq_info(p, it.b).len_k + kBlockN - 1) / kBlockN;
+      lap.charge(profile::merge);  // the loop's scheduling since the last task
       const int m = fold_keys(p, kn, kv, it, kblocks * c / tasks.splits, kblocks * (c + 1) / tasks.splits, ws);
+      lap = profile::Lap();
       if (tasks.splits == 1) {
         store_rows(p, it, m, ws.o.data(), ws.dp, ws.state.data());
+        lap.charge(profile::store);
         continue;
       }
       std::copy(ws.o.begin(), ws.o.begin() + static_cast<std::ptrdiff_t>(m) * ws.dp, parts.o_slot(task));
@@ -473,8 +488,41 @@ void flash_forward(const FwdParams& p, int num_threads, const Kernels& kn) {
       // order whichever task runs it, so the bits do not depend on the schedule.
       if (parts.done[t].fetch_add(1, std::memory_order_acq_rel) == tasks.splits - 1)
         merge_splits(p, tasks, parts, t, ws);
+      lap.charge(profile::merge);
     }
+    profile::flush();
   }
 }
+
+#ifdef FLASHMONOID_CPU_PROFILE
+namespace profile {
+namespace {
+thread_local unsigned long long t_cycles[kPhases];
+std::atomic<unsigned long long> g_cycles[kPhases];
+constexpr const char* kNames[kPhases] = {"pack K/V", "load Q", "S = QK^T", "softmax", "P to pairs, merge",
+                                         "rescale O", "O += PV", "store O", "scheduling, split merge"};
+}  // namespace
+Lap::Lap() : last_(__rdtsc()) {}
+void Lap::charge(Phase phase) {
+  const unsigned long long now = __rdtsc();
+  t_cycles[phase] += now - last_;
+  last_ = now;
+}
+void flush() {
+  for (int i = 0; i < kPhases; ++i) {
+    g_cycles[i].fetch_add(t_cycles[i], std::memory_order_relaxed);
+    t_cycles[i] = 0;
+  }
+}
+void print(std::FILE* out) {
+  unsigned long long c[kPhases], total = 0;
+  for (int i = 0; i < kPhases; ++i) total += c[i] = g_cycles[i].exchange(0);
+  std::fprintf(out, "cpu profile (rdtsc cycles over all threads):");
+  for (int i = 0; i < kPhases; ++i)
+    std::fprintf(out, " %s %.1f%%;", kNames[i], total ? 100.0 * static_cast<double>(c[i]) / static_cast<double>(total) : 0.0);
+  std::fprintf(out, " total %.3g\n", static_cast<double>(total));
+}
+}  // namespace profile
+#endif
 
 }  // namespace flashmonoid::cpu
