@@ -235,8 +235,7 @@ void pack_q_pairs(const PackedQ& pq, const void* base, Row&& row, int m, std::ui
   std::vector<std::uint32_t> along(static_cast<std::size_t>(kBlockM) * pq.d2), t(along.size()),
       x(static_cast<std::size_t>(kBlockM) / 2 * pq.dp);
   pack_pairs(base, row, m, kBlockM, pq.d, pq.dp, along.data(), x.data());
-  for (int c = 0; c < pq.d2; ++c)
-    for (int r = 0; r < kBlockM; ++r) t[c * kBlockM + r] = along[r * pq.d2 + c];
+  tiles::transpose(along.data(), kBlockM, pq.d2, pq.d2, t.data(), kBlockM);
   tiles::to_panels(t.data(), pq.d2, kBlockM, kBlockM, pq.panel, along_t);
   tiles::to_panels(x.data(), kBlockM / 2, pq.dp, pq.dp, pq.panel, across);
 }
