@@ -10,7 +10,10 @@ namespace flashmonoid::cpu {
 // Precision of the reference. f64: every operation in double (the oracle). input: the same math
 // with the products' inputs, S, P and O rounded to the input dtype (fp32 accumulation), i.e.
 // "standard attention done in the input dtype", whose error sets the FlashAttention tolerance.
-enum class Precision { f64, input };
+// f64_given_out (backward; the forward takes it as f64): float64, with D = rowsum(dO∘O) of the
+// given output as FlashAttention's backward defines it instead of Σ P∘dP, i.e. the exact value of
+// the backward on the inputs a kernel receives, O's storage rounding included.
+enum class Precision { f64, f64_given_out, input };
 
 void reference_forward(const detail::FwdParams& p, Precision prec = Precision::f64);
 void reference_backward(const detail::BwdParams& p, Precision prec = Precision::f64);

@@ -156,14 +156,16 @@ void reference_backward(const BwdParams& p, Precision prec) {
           for (int c = 0; c < p.d; ++c) acc += dov(i, c) * vv(j, c);
           dp[j] = rnd(rnd.acc(acc) * f.keep[ij]);
         }
-        // D: the oracle's Σ P∘dP; emulating, rowsum(dO∘O) from the given output, as FlashAttention's
-        // backward takes it, so the budget holds O's rounding that every such backward inherits (under
-        // dropout a row seeing one key has O = round(V/(1-p)), and dS = dP - D is that residue where
-        // Σ P∘dP is exactly 0; bench/NOTES.md, 2026-11-27).
+        // D: the oracle's Σ P∘dP; emulating, or with f64_given_out, rowsum(dO∘O) from the given
+        // output, as FlashAttention's backward takes it, O's rounding included (under dropout a row
+        // seeing one key has O = round(V/(1-p)), and dS = dP - D is that residue where Σ P∘dP is
+        // exactly 0; bench/NOTES.md, 2026-11-27).
         double rowsum = 0.0;
         if (rnd.active)
           rowsum = rnd.dot(p.d, [&](int c) { return static_cast<float>(dov(i, c)); },
                            [&](int c) { return static_cast<float>(ov(i, c)); });
+        else if (prec == Precision::f64_given_out)
+          for (int c = 0; c < p.d; ++c) rowsum += dov(i, c) * ov(i, c);
         else
           for (int j = 0; j < si.len_k; ++j) rowsum += f.prob[static_cast<std::size_t>(i) * si.len_k + j] * dp[j];
         for (int j = 0; j < si.len_k; ++j) {

@@ -218,26 +218,49 @@ inline Problem as_f32(const Problem& pb) {
   return f;
 }
 
-// The FlashAttention rule for gradients in fp16 / bf16, with an absolute floor: where the
-// input-dtype math is exact (one key without dropout: dS = P (dP - D) = 0), D = rowsum(dO∘O) and dP
-// come from differently ordered fp32 sums and leave ~1e-6 (measured 3.7e-6 on dk with O(1) inputs);
-// expect_close's floor is relative to the reference magnitude, which is 0 there. The oracle runs on
-// pb's inputs in fp32 tensors (unrounded gradients); the input-dtype emulation takes D from the
-// forward output `out` given to the backward, as FlashAttention's backward does.
+// The FlashAttention rule for gradients in fp16 / bf16, against the exact backward of the inputs the
+// kernel receives:
+// - The oracle runs in float64 on pb's inputs in fp32 tensors (gradients not rounded on the way
+//   out) and on the forward output `out` given to the backward, with D = rowsum(dO∘O) of that output
+//   as FlashAttention's backward defines it (Precision::f64_given_out). With Σ P∘dP instead, rows
+//   that see one key under dropout (O = round(V / (1 - p)), exact dS = 0) leave the rounding residue
+//   of O in every backward's dS, and the input-dtype emulation's rounding of dP cancels part of it by
+//   chance: 1 draw in ~900 failed there (bench/NOTES.md, 2026-11-27).
+// - Ours may exceed 2x the emulation's error by the rounding of merely storing the exact result in
+//   the output dtype (unit_roundoff · |exact|, per element): both outputs are stored rounded, and
+//   where the emulation's fp32 sum lands on the exact result's nearest neighbour by luck while ours,
+//   as accurate before storing, lands one step away, ours reads up to twice its error plus that
+//   rounding (a dv element of 194 rounded probabilities: ours 0.045, the emulation 0.017, its largest
+//   0.022).
+// - An absolute floor: where the input-dtype math is exact (one key without dropout: dS = P (dP - D)
+//   = 0), D and dP come from differently ordered fp32 sums and leave ~1e-6 (measured 3.7e-6 on dk
+//   with O(1) inputs); expect_close's floor is relative to the reference magnitude, which is 0 there.
 inline void expect_grads_meet_rule(const Problem& pb, const HostTensor& out, const HostTensor& lse,
                                    const HostTensor& dq, const HostTensor& dk, const HostTensor& dv) {
   constexpr double kAbsFloor = 1e-5;
   using flashmonoid::cpu::Precision;
   const Problem f32 = as_f32(pb);
+  HostTensor o_given = f32.new_out();
+  for (std::int64_t i = 0; i < out.numel(); ++i) o_given.set(i, out.get(i));
   const auto fwd64 = f32.reference(Precision::f64);
-  const auto oracle = f32.reference_backward(fwd64.first, fwd64.second, Precision::f64);
+  const auto oracle = f32.reference_backward(o_given, fwd64.second, Precision::f64_given_out);
   const auto lowp = pb.reference_backward(out, lse, Precision::input);
+  const double u = unit_roundoff(pb.shape.dtype);
   auto check = [&](const char* what, const HostTensor& got, const HostTensor& ref, const HostTensor& lp) {
-    const std::vector<double> r = ref.values();
-    const double err = max_abs_diff(got.values(), r), lowp_err = max_abs_diff(lp.values(), r);
-    EXPECT_LE(err, 2.0 * lowp_err + kAbsFloor)
-        << what << ": max error " << err << " > 2x the " << flashmonoid::to_string(pb.shape.dtype)
-        << " reference's error (" << lowp_err << ") + " << kAbsFloor;
+    const std::vector<double> r = ref.values(), g = got.values();
+    double excess = 0.0;  // the largest error beyond storing the exact value
+    for (std::size_t i = 0; i < r.size(); ++i) {
+      if (!std::isfinite(g[i])) {  // a poisoned or overflowed element
+        excess = std::numeric_limits<double>::infinity();
+        break;
+      }
+      excess = std::max(excess, std::abs(g[i] - r[i]) - u * std::abs(r[i]));
+    }
+    const double lowp_err = max_abs_diff(lp.values(), r);
+    EXPECT_LE(excess, 2.0 * lowp_err + kAbsFloor)
+        << what << ": max error beyond storage rounding " << excess << " (max error " << max_abs_diff(g, r)
+        << ") > 2x the " << flashmonoid::to_string(pb.shape.dtype) << " reference's error (" << lowp_err << ") + "
+        << kAbsFloor;
   };
   check("dq", dq, oracle.dq, lowp.dq);
   check("dk", dk, oracle.dk, lowp.dk);
