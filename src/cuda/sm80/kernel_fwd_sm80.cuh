@@ -184,14 +184,19 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
                  : 0;
     };
     if (num_tiles > 0) {
+      // The block table's entries for the first stages: the append does not write the block table,
+      // so these reads are in flight while the append finishes.
+      int first_windows[kStages];
+#pragma unroll
+      for (int t = 0; t < kStages; ++t) first_windows[t] = window_of(t);
       // Launched under forward_kvcache's append (pdl.cuh), which writes the rotated q and the appended
       // K/V rows: every read of them waits for it.
       if (args.programmatic) pdl_wait();
       trace_mark(p, TraceKernel::forward, 1);
       load_tile_async<kBlockM, kHeadDim, kThreads>(sQ, q_row, p.d, q);
 #pragma unroll
-      for (int t = 0; t < kStages - 1; ++t) load_kv(t, window_of(t));
-      int window = window_of(kStages - 1);
+      for (int t = 0; t < kStages - 1; ++t) load_kv(t, first_windows[t]);
+      int window = first_windows[kStages - 1];
 #pragma unroll 1
       for (int t = 0; t < num_tiles; ++t) {
         const int key0 = (s_hi - 1 - t) * kBlockN;
