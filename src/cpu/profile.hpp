@@ -1,5 +1,5 @@
 // Where the CPU flash forward's cycles go, by phase (rdtsc), for machines without perf (the GPU
-// machine's Xeon): compiled in only with -DFLASHMONOID_CPU_PROFILE=ON, otherwise every Scope is an
+// machine's Xeon): compiled in only with -DFLASHMONOID_CPU_PROFILE=ON, otherwise every Lap is an
 // empty object and print() does nothing. flashmonoid-bench prints the phases after each length.
 #pragma once
 

@@ -161,11 +161,9 @@ void reference_backward(const BwdParams& p, Precision prec) {
         // seeing one key has O = round(V/(1-p)), and dS = dP - D is that residue where Σ P∘dP is
         // exactly 0; bench/NOTES.md, 2026-11-27).
         double rowsum = 0.0;
-        if (rnd.active)
+        if (rnd.active || prec == Precision::f64_given_out)  // the values are floats: exact either way
           rowsum = rnd.dot(p.d, [&](int c) { return static_cast<float>(dov(i, c)); },
                            [&](int c) { return static_cast<float>(ov(i, c)); });
-        else if (prec == Precision::f64_given_out)
-          for (int c = 0; c < p.d; ++c) rowsum += dov(i, c) * ov(i, c);
         else
           for (int j = 0; j < si.len_k; ++j) rowsum += f.prob[static_cast<std::size_t>(i) * si.len_k + j] * dp[j];
         for (int j = 0; j < si.len_k; ++j) {

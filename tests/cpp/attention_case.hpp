@@ -202,17 +202,19 @@ struct Problem {
 
 // The same inputs as fp32 tensors, so that the float64 oracle's gradients are not rounded to the
 // input dtype on the way out.
+// to <- from element by element (to's dtype; from fp16 / bf16 into fp32 exactly).
+inline void copy_values(const HostTensor& from, HostTensor& to) {
+  for (std::int64_t i = 0; i < from.numel(); ++i) to.set(i, from.get(i));
+}
+
 inline Problem as_f32(const Problem& pb) {
   Shape s = pb.shape;
   s.dtype = DType::f32;
   Problem f(s);
-  auto copy = [](const HostTensor& from, HostTensor& to) {
-    for (std::int64_t i = 0; i < from.numel(); ++i) to.set(i, from.get(i));
-  };
-  copy(pb.q, f.q);
-  copy(pb.k, f.k);
-  copy(pb.v, f.v);
-  copy(pb.dout, f.dout);
+  copy_values(pb.q, f.q);
+  copy_values(pb.k, f.k);
+  copy_values(pb.v, f.v);
+  copy_values(pb.dout, f.dout);
   f.opt = pb.opt;  // same seed, offset, alibi slopes (host views of pb)
   f.vl = pb.vl;
   return f;
@@ -241,7 +243,7 @@ inline void expect_grads_meet_rule(const Problem& pb, const HostTensor& out, con
   using flashmonoid::cpu::Precision;
   const Problem f32 = as_f32(pb);
   HostTensor o_given = f32.new_out();
-  for (std::int64_t i = 0; i < out.numel(); ++i) o_given.set(i, out.get(i));
+  copy_values(out, o_given);
   const auto fwd64 = f32.reference(Precision::f64);
   const auto oracle = f32.reference_backward(o_given, fwd64.second, Precision::f64_given_out);
   const auto lowp = pb.reference_backward(out, lse, Precision::input);
