@@ -6,13 +6,15 @@ is committed."""
 import pathlib
 
 DTYPES = {"fp16": "__half", "bf16": "__nv_bfloat16"}
-# Head dims are padded up to the next bucket inside the kernels (multiples of 8 up to 256).
+# Head dims are padded up to the next bucket inside the kernels (multiples of 8 up to 256). The sm90
+# forward has tiles of their own for 96 and 192 (tile_fwd_sm90.hpp: fwd_head_dim_bucket_sm90).
 HEAD_DIMS = [64, 128, 256]
+HEAD_DIMS_FWD_SM90 = [64, 96, 128, 192, 256]
 # (pass, arch): (header, launcher template, signature, head-dim buckets)
 KERNELS = {
     ("fwd", "sm80"): ("sm80/launch_fwd_sm80.cuh", "run_fwd_sm80", "(const detail::FwdParams&, const FwdLaunch&)", HEAD_DIMS),
     ("bwd", "sm80"): ("sm80/launch_bwd_sm80.cuh", "run_bwd_sm80", "(const detail::BwdParams&, const BwdLaunch&)", HEAD_DIMS),
-    ("fwd", "sm90"): ("sm90/launch_fwd_sm90.cuh", "run_fwd_sm90", "(const detail::FwdParams&, const FwdLaunchSm90&)", HEAD_DIMS),
+    ("fwd", "sm90"): ("sm90/launch_fwd_sm90.cuh", "run_fwd_sm90", "(const detail::FwdParams&, const FwdLaunchSm90&)", HEAD_DIMS_FWD_SM90),
     ("bwd", "sm90"): ("sm90/launch_bwd_sm90.cuh", "run_bwd_sm90", "(const detail::BwdParams&, const BwdLaunch&)", HEAD_DIMS),
 }
 

@@ -7,9 +7,10 @@ has no wgmma; CuTe has, but its headers cost minutes of compile time per instant
 the output is committed."""
 import pathlib
 
-# The N the kernels use: S = QKᵀ over 80, 128 or 160 keys, O = PV over head dims 64/128/256, the GEMM test
-# 256; the backward's Sᵀ = KQᵀ over 64 queries, dK and dV over the head dim, dQ over half of it.
-N_VALUES = [32, 64, 80, 128, 160, 256]
+# The N the kernels use: S = QKᵀ over 80, 112, 128 or 160 keys (32, 48 or 64 in the forward's narrow
+# diagonal step), O = PV over head dims 64/96/128/192/256, the GEMM test 256; the backward's Sᵀ = KQᵀ
+# over 64 queries, dK and dV over the head dim, dQ over half of it.
+N_VALUES = [32, 48, 64, 80, 96, 112, 128, 160, 192, 256]
 TYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
 
 

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 
 #include "api/params.hpp"
 #include "common/check.cuh"
@@ -95,14 +96,16 @@ void with_dtype(DType t, F&& f) {
     f(__half{});
 }
 
-// The head-dim bucket as a template argument: the one place where it becomes one.
+// The head-dim bucket as a template argument: the one place where it becomes one, among the buckets a
+// kernel family is instantiated for (64, 128, 256 everywhere; the sm90 forward adds 96 and 192:
+// fwd_head_dim_bucket_sm90).
+template <int... kBuckets, class F>
+void with_bucket(int bucket, F&& f) {
+  (void)((bucket == kBuckets && (f(std::integral_constant<int, kBuckets>{}), true)) || ...);
+}
 template <class F>
 void with_head_dim(int d, F&& f) {
-  switch (head_dim_bucket(d)) {
-    case 64: f(std::integral_constant<int, 64>{}); break;
-    case 128: f(std::integral_constant<int, 128>{}); break;
-    default: f(std::integral_constant<int, 256>{}); break;
-  }
+  with_bucket<64, 128, 256>(head_dim_bucket(d), std::forward<F>(f));
 }
 
 template <class T>
@@ -119,7 +122,8 @@ constexpr bool kBuiltSm90 = false;
 template <class T>
 void run_fwd_hopper(const detail::FwdParams& p, const FwdLaunchSm90& launch) {
 #ifdef FLASHMONOID_WITH_SM90
-  with_head_dim(p.d, [&](auto hd) { run_fwd_sm90<T, decltype(hd)::value>(p, launch); });
+  with_bucket<64, 96, 128, 192, 256>(fwd_head_dim_bucket_sm90(p.d),
+                                     [&](auto hd) { run_fwd_sm90<T, decltype(hd)::value>(p, launch); });
 #else
   (void)p, (void)launch;
 #endif
@@ -321,7 +325,7 @@ std::size_t forward_workspace_size(const detail::FwdParams& p) {
   const DeviceProps props = device_props(p.device.index);
   if (forward_path(p, Context{}) == KernelArch::sm90) {
     // The split tail's exchange for a grid of every multiprocessor (a margin only shrinks it).
-    const int bucket = head_dim_bucket(p.d);
+    const int bucket = fwd_head_dim_bucket_sm90(p.d);
     const FwdVariantSm90 variant = fwd_variant_sm90(p, bucket);
     if (p.is_varlen() || !fwd_split_tail(bucket, variant)) return 0;
     return fwd_tail_layout_sm90(fwd_tile_sm90(bucket, variant), bucket, props.num_sms).total;

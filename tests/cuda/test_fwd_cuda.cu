@@ -234,9 +234,9 @@ std::vector<Shape> sm90_grid() {
     s.window_right = c.window_right;
     out.push_back(s);
   }
-  // hdim 96-128 over >= kLongKeys unmasked keys: the 160-key long_keys variant (a last step of 36,
-  // 99 or 128 keys, GQA, fp16 and bf16, a query block of one row), and varlen (O from registers;
-  // a sequence of 50 keys and one without queries in the same launch).
+  // hdim 128 over >= kLongKeys unmasked keys: the 160-key long_keys variant (a last step of 36 or 128
+  // keys, GQA, fp16 and bf16); hdim 96's plain kernel over 4099 keys (a query block of one row); and
+  // varlen (O from registers; a sequence of 50 keys and one without queries in the same launch).
   out.push_back(shape_of(DType::bf16, 2, 300, 2116, 4, 4, 128));
   out.push_back(shape_of(DType::f16, 2, 129, 4099, 4, 1, 96));
   out.push_back(shape_of(DType::f16, 2, 200, 2048, 4, 4, 128));
@@ -245,6 +245,26 @@ std::vector<Shape> sm90_grid() {
   lv.lens_q = {100, 70, 0, 300};
   lv.lens_k = {2100, 50, 9, 2049};
   out.push_back(lv);
+  // The hdim-96 and hdim-192 buckets (products over 96 columns of a 128-column layout; 112-key steps
+  // with O from registers): plain, causal (the short_band variant's narrow diagonal step), a window,
+  // dropout at 96 (the score-modifier variant), head dims inside the buckets (80, 160), GQA, ragged
+  // last key steps, both dtypes.
+  struct Bucket {
+    DType t;
+    int sq, sk, d, window_left, window_right;  // window_right 0, window_left -1: causal
+    float dropout_p;
+  };
+  for (const Bucket& c : {Bucket{DType::bf16, 1031, 1031, 96, -1, 0, 0.0f}, Bucket{DType::f16, 700, 1100, 96, -1, -1, 0.0f},
+                          Bucket{DType::bf16, 300, 633, 80, -1, -1, 0.0f}, Bucket{DType::f16, 257, 400, 96, -1, -1, 0.2f},
+                          Bucket{DType::bf16, 1031, 1031, 192, -1, 0, 0.0f}, Bucket{DType::f16, 700, 1100, 192, -1, -1, 0.0f},
+                          Bucket{DType::bf16, 300, 633, 160, -1, -1, 0.0f}, Bucket{DType::f16, 1031, 1100, 192, 90, 17, 0.0f},
+                          Bucket{DType::bf16, 2100, 2100, 192, -1, 0, 0.0f}}) {
+    Shape s = shape_of(c.t, 1, c.sq, c.sk, 6, 2, c.d);
+    s.window_left = c.window_left;
+    s.window_right = c.window_right;
+    s.dropout_p = c.dropout_p;
+    out.push_back(s);
+  }
   return out;
 }
 

@@ -36,7 +36,8 @@ struct FwdLaunchSm90 {
 };
 
 // Queue the forward on launch.stream (never synchronises, never allocates). T is __half or
-// __nv_bfloat16; kHeadDim is the head-dim bucket (64, 128, 256) that p.d <= kHeadDim pads to.
+// __nv_bfloat16; kHeadDim is the head-dim bucket (fwd_head_dim_bucket_sm90: 64, 96, 128, 192, 256)
+// that p.d <= kHeadDim pads to.
 template <class T, int kHeadDim>
 void run_fwd_sm90(const detail::FwdParams& p, const FwdLaunchSm90& launch);
 

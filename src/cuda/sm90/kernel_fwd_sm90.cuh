@@ -58,12 +58,14 @@ struct FwdKernelArgsSm90 {
 namespace sm90 {
 
 // Shared memory of one block: tiles in 128-byte-swizzled panels (hopper.cuh), then the barriers.
+// Tiles are kCols = fwd_panel_cols_sm90(kHeadDim) columns wide (whole panels).
 template <class T, int kHeadDim, FwdTileSm90 kTile>
 struct FwdSmem {
-  static constexpr int kQElems = 64 * kHeadDim;             // one consumer's Q rows
-  static constexpr int kKVElems = kTile.block_n * kHeadDim;  // one K or V slot
+  static constexpr int kCols = fwd_panel_cols_sm90(kHeadDim);
+  static constexpr int kQElems = 64 * kCols;             // one consumer's Q rows
+  static constexpr int kKVElems = kTile.block_n * kCols;  // one K or V slot
   static constexpr int kQStageElems = kTile.consumers * kQElems;
-  static constexpr int kOElems = kTile.o_rows() * kHeadDim;
+  static constexpr int kOElems = kTile.o_rows() * kCols;
   static constexpr int kBarriers = 2 * kTile.q_stages + 4 * kTile.stages;
   // Work-tile records (FwdWork, written by the producer): q_stages + 1 of them, so the one a consumer
   // reads in its epilogue is not rewritten before every consumer has finished that tile.
@@ -82,7 +84,7 @@ struct FwdSmem {
   __device__ __forceinline__ T* q(int stage, int consumer) const { return base + stage * kQStageElems + consumer * kQElems; }
   __device__ __forceinline__ T* k(int slot) const { return base + kTile.q_stages * kQStageElems + slot * kKVElems; }
   __device__ __forceinline__ T* v(int slot) const { return k(kTile.stages + slot); }
-  // One consumer's (64, kHeadDim) O tile for the TMA store (FwdStore::tma), after the K/V ring.
+  // One consumer's (64, kCols) O tile for the TMA store (FwdStore::tma), after the K/V ring.
   __device__ __forceinline__ T* o(int consumer) const { return k(2 * kTile.stages) + consumer * kQElems; }
   __device__ __forceinline__ Barrier& q_full(int stage) const { return bars[stage]; }
   __device__ __forceinline__ Barrier& q_empty(int stage) const { return bars[kTile.q_stages + stage]; }
@@ -149,9 +151,10 @@ struct RingPos {
 template <class T, int kHeadDim, FwdTileSm90 kTile, bool kSplitTail>
 __device__ __forceinline__ void produce(const FwdKernelArgsSm90& args, const FwdSmem<T, kHeadDim, kTile>& sm,
                                         const WorkTiles& work) {
-  constexpr int kPanels = kHeadDim / kPanelCols;
-  constexpr std::uint32_t kQBytes = kTile.consumers * 64 * kHeadDim * sizeof(T);
-  constexpr std::uint32_t kKVBytes = kTile.block_n * kHeadDim * sizeof(T);
+  // Whole panels, zero-filled past the head dim, count as transaction bytes.
+  constexpr int kPanels = fwd_panel_cols_sm90(kHeadDim) / kPanelCols;
+  constexpr std::uint32_t kQBytes = kTile.consumers * 64 * kPanels * kPanelCols * sizeof(T);
+  constexpr std::uint32_t kKVBytes = kTile.block_n * kPanels * kPanelCols * sizeof(T);
   const detail::FwdParams& p = args.p;
   RingPos<kTile.stages> pos;
   RingPos<kTile.q_stages> qpos;
@@ -353,7 +356,7 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kVariant).threads(), 1
   static_assert(kTile.registers_fit(), "setmaxnreg targets exceed the block's launch registers");
   constexpr int kBlockM = kTile.block_m(), kBlockN = kTile.block_n;
   constexpr int kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8;
-  static_assert(kHeadDim % kPanelCols == 0, "head-dim buckets are whole 64-column panels");
+  static_assert(kHeadDim % 32 == 0, "the products run over whole 16-column k steps and 8-column tiles of O");
   static_assert(kBlockN % 16 == 0, "P·V takes keys 16 at a time");
   static_assert(FwdSmem<T, kHeadDim, kTile>::kBarriers * sizeof(Barrier) +
                         FwdSmem<T, kHeadDim, kTile>::kRecords * sizeof(FwdWork<kBlockM, kBlockN>) + kSwizzleAtomBytes <=
@@ -559,7 +562,7 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kVariant).threads(), 1
       named_sync(1 + consumer, 128);
       if (tid == 0) {
 #pragma unroll
-        for (int pn = 0; pn < kHeadDim / kPanelCols; ++pn)
+        for (int pn = 0; pn < fwd_panel_cols_sm90(kHeadDim) / kPanelCols; ++pn)
           tma_store(&args.tm_o, so + pn * 64 * kPanelCols, pn * kPanelCols, we.head,
                     static_cast<int>(we.si.q_row0 + we.R0 + 64 * consumer), we.b);
         tma_store_commit();

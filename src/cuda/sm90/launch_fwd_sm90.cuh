@@ -77,12 +77,12 @@ void launch_fwd_sm90(const detail::FwdParams& p, const FwdLaunchSm90& launch) {
 // The one choice among a head-dim bucket's variants (tile_fwd_sm90.hpp: fwd_variant_sm90).
 template <class T, int kHeadDim>
 void run_fwd_sm90(const detail::FwdParams& p, const FwdLaunchSm90& launch) {
-  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head-dim buckets are 64, 128, 256");
+  static_assert(kHeadDim == fwd_head_dim_bucket_sm90(kHeadDim), "head-dim buckets are 64, 96, 128, 192, 256");
   using V = FwdVariantSm90;
   switch (fwd_variant_sm90(p, kHeadDim)) {
     case V::score_mods:
       if constexpr (kHeadDim <= 128) return launch_fwd_sm90<T, kHeadDim, V::score_mods>(p, launch);
-      break;  // hdim 256 with modifiers runs on sm80 (fwd_sm90_eligible)
+      break;  // hdim 192 and 256 with modifiers run on sm80 (fwd_sm90_eligible)
     case V::short_band: return launch_fwd_sm90<T, kHeadDim, V::short_band>(p, launch);
     case V::long_keys:
       if constexpr (kHeadDim == 128) return launch_fwd_sm90<T, kHeadDim, V::long_keys>(p, launch);

@@ -9,6 +9,17 @@
 
 namespace flashmonoid::cuda {
 
+// The sm90 forward's head-dim buckets: a head dim runs in the smallest of 64, 96, 128, 192, 256 that
+// holds it, its products over the bucket's columns (TMA zero-fills those past the head dim). 96 and
+// 192 have buckets of their own here (the sm80 kernels and the backward pad them to 128 and 256),
+// because padding costs the products a third of their work: 128 / 96 and 256 / 192.
+constexpr int fwd_head_dim_bucket_sm90(int d) {
+  return d <= 64 ? 64 : d <= 96 ? 96 : d <= 128 ? 128 : d <= 192 ? 192 : 256;
+}
+// Columns of a tile's shared-memory layout: whole 64-column panels (the 128-byte swizzle's rows), so
+// hdim 96's tiles are laid out as 128 columns whose last 32 no product reads.
+constexpr int fwd_panel_cols_sm90(int head_dim_bucket) { return (head_dim_bucket + 63) / 64 * 64; }
+
 // How a consumer writes its finished O (64, kHeadDim) (kernel_fwd_sm90.cuh's epilogue); either way
 // its Q buffer goes back to the producer right after the tile's last S product.
 // - tma: normalised into an O buffer of its own (128-byte-swizzled panels) and written by one TMA
@@ -59,8 +70,10 @@ struct FwdTileSm90 {
   // q_stages Q tiles, then `stages` K tiles and `stages` V tiles, then the O tile of a TMA store,
   // each (rows, head_dim) of 2-byte elements, plus the barriers and the 1024-byte alignment of the
   // swizzled panels.
-  constexpr std::size_t smem_bytes(int head_dim) const {
-    return static_cast<std::size_t>(q_stages * block_m() + 2 * stages * block_n + o_rows()) * head_dim * 2 + 2048;
+  constexpr std::size_t smem_bytes(int head_dim_bucket) const {
+    return static_cast<std::size_t>(q_stages * block_m() + 2 * stages * block_n + o_rows()) *
+               fwd_panel_cols_sm90(head_dim_bucket) * 2 +
+           2048;
   }
 };
 
@@ -81,6 +94,11 @@ struct FwdTileSm90 {
 // Ping-pong pays where the exponentials are the bottleneck: hdim 64 +5-9% non-causal, +0-10% causal
 // (16k: 548 vs 505, 506 vs 460 TFLOP/s); at hdim 128 where a work tile is short (512-1k keys: +2-7%,
 // 8k within 1%), one warpgroup's first softmax and epilogue running under the other's products.
+// hdim 96 takes hdim 128's tiles (its shared-memory layout is 128 columns wide anyway), with the
+// products over 96 columns. hdim 192 (O 96 registers per thread): FlashAttention-3's 112 keys per step,
+// K/V 2 x 2 x 112 x 192 x 2 bytes = 168 KB beside Q's 48 KB, so O is stored from registers as at 256;
+// its narrow diagonal step 48 keys (an upper consumer of a 128-row causal tile sees at most 48
+// columns of its first 112-key tile).
 constexpr FwdTileSm90 fwd_tile_sm90(int head_dim_bucket, FwdVariantSm90 variant) {
   const bool mods = variant == FwdVariantSm90::score_mods;
   if (head_dim_bucket <= 64 && variant == FwdVariantSm90::plain) return {3, 128, 4, 160, 24, 2, true, FwdStore::tma};
@@ -88,14 +106,17 @@ constexpr FwdTileSm90 fwd_tile_sm90(int head_dim_bucket, FwdVariantSm90 variant)
   if (head_dim_bucket == 128 && variant == FwdVariantSm90::long_keys) return {2, 160, 2, 240, 24, 1, true, FwdStore::tma};
   const bool band = variant == FwdVariantSm90::short_band;
   if (head_dim_bucket <= 128) return {2, 128, 2, 240, 24, 2, !mods, FwdStore::tma, false, band ? 64 : 0};
+  if (head_dim_bucket <= 192) return {2, 112, 2, 240, 24, 1, false, FwdStore::regs, false, band ? 48 : 0};
   return {2, 80, 2, 240, 24, 1, false, FwdStore::regs, false, band ? 32 : 0};
 }
 
 // Query rows up to which causal-like masks take the short_band kernel. hdim 64: its 128-row tiles
 // against the plain kernel's 192 rows (above). hdim 128: the narrow diagonal step pays up to 8k rows
 // (H100, causal, five alternated rounds against 2048: 4k 623 -> 633 TFLOP/s, 8k 655 -> 671; 16k
-// equal). hdim 256: 4k -0.7%, 8k +1.4%, so 2048.
-constexpr int short_band_rows(int head_dim_bucket) { return head_dim_bucket == 128 ? 8192 : 2048; }
+// equal). hdim 256: 4k -0.7%, 8k +1.4%, so 2048. hdim 96 and 192 follow 128 and 256.
+constexpr int short_band_rows(int head_dim_bucket) {
+  return head_dim_bucket == 96 || head_dim_bucket == 128 ? 8192 : 2048;
+}
 
 // hdim 128 without a window (no causal mask) over at least kLongKeys keys: 160 keys per step
 // amortise the per-step costs (the O rescale, the row reductions, the ping-pong turns) over 1.25x the
