@@ -245,10 +245,11 @@ std::vector<Shape> sm90_grid() {
   lv.lens_q = {100, 70, 0, 300};
   lv.lens_k = {2100, 50, 9, 2049};
   out.push_back(lv);
-  // The hdim-96 and hdim-192 buckets (products over 96 columns of a 128-column layout; 112-key steps
-  // with O from registers): plain, causal (the short_band variant's narrow diagonal step), a window,
-  // dropout at 96 (the score-modifier variant), head dims inside the buckets (80, 160), GQA, ragged
-  // last key steps, both dtypes.
+  // The hdim-96 and hdim-192 buckets (products over 96 columns of a 128-column layout, the plain
+  // kernel's 192-row tiles of 96-key steps; 112-key steps with O from registers): plain, causal (the
+  // short_band variant's narrow diagonal step; at hdim 96 above 2048 rows the plain kernel's mask),
+  // short unmasked hdim 96 (short_band), a window, dropout at 96 (the score-modifier variant), head
+  // dims inside the buckets (80, 160), GQA, ragged last key steps, both dtypes.
   struct Bucket {
     DType t;
     int sq, sk, d, window_left, window_right;  // window_right 0, window_left -1: causal
@@ -258,7 +259,8 @@ std::vector<Shape> sm90_grid() {
                           Bucket{DType::bf16, 300, 633, 80, -1, -1, 0.0f}, Bucket{DType::f16, 257, 400, 96, -1, -1, 0.2f},
                           Bucket{DType::bf16, 1031, 1031, 192, -1, 0, 0.0f}, Bucket{DType::f16, 700, 1100, 192, -1, -1, 0.0f},
                           Bucket{DType::bf16, 300, 633, 160, -1, -1, 0.0f}, Bucket{DType::f16, 1031, 1100, 192, 90, 17, 0.0f},
-                          Bucket{DType::bf16, 2100, 2100, 192, -1, 0, 0.0f}}) {
+                          Bucket{DType::bf16, 2100, 2100, 192, -1, 0, 0.0f}, Bucket{DType::bf16, 1300, 1500, 96, -1, -1, 0.0f},
+                          Bucket{DType::f16, 2100, 2100, 96, -1, 0, 0.0f}}) {
     Shape s = shape_of(c.t, 1, c.sq, c.sk, 6, 2, c.d);
     s.window_left = c.window_left;
     s.window_right = c.window_right;

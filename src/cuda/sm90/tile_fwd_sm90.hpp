@@ -94,29 +94,38 @@ struct FwdTileSm90 {
 // Ping-pong pays where the exponentials are the bottleneck: hdim 64 +5-9% non-causal, +0-10% causal
 // (16k: 548 vs 505, 506 vs 460 TFLOP/s); at hdim 128 where a work tile is short (512-1k keys: +2-7%,
 // 8k within 1%), one warpgroup's first softmax and epilogue running under the other's products.
-// hdim 96 takes hdim 128's tiles (its shared-memory layout is 128 columns wide anyway), with the
-// products over 96 columns. hdim 192 (O 96 registers per thread): FlashAttention-3's 112 keys per step,
+// hdim 96 (its shared-memory layout 128 columns wide, the products over 96): hdim 128's tiles, except
+// that the plain kernel takes 3 consumers of 96-key steps (192-row tiles, one Q buffer: the ring and O
+// buffer leave no room for a second; 112 keys spilled 40 bytes at 160 registers), against 2 consumers of
+// 128 keys (H100, 16k tokens): 16k 620 vs 565 TFLOP/s (and 565 with 160-key steps), causal 16k 617 vs
+// 508, 2k 613 vs 559, but 512 392 vs 438 (kShortRowsHdim96). hdim 192 (O 96 registers per thread):
+// FlashAttention-3's 112 keys per step,
 // K/V 2 x 2 x 112 x 192 x 2 bytes = 168 KB beside Q's 48 KB, so O is stored from registers as at 256;
 // its narrow diagonal step 48 keys (an upper consumer of a 128-row causal tile sees at most 48
-// columns of its first 112-key tile).
+// columns of its first 112-key tile), ping-pong in that kernel only (causal 2k 591 vs 571 TFLOP/s,
+// 512 +1%; the plain kernel's 16k within the rounds' spread, causal 16k 739 vs 755).
 constexpr FwdTileSm90 fwd_tile_sm90(int head_dim_bucket, FwdVariantSm90 variant) {
   const bool mods = variant == FwdVariantSm90::score_mods;
   if (head_dim_bucket <= 64 && variant == FwdVariantSm90::plain) return {3, 128, 4, 160, 24, 2, true, FwdStore::tma};
   if (head_dim_bucket <= 64 && variant == FwdVariantSm90::short_band) return {2, 128, 4, 240, 24, 2, true, FwdStore::tma, true};
+  if (head_dim_bucket == 96 && variant == FwdVariantSm90::plain) return {3, 96, 2, 160, 24, 1, true, FwdStore::tma};
   if (head_dim_bucket == 128 && variant == FwdVariantSm90::long_keys) return {2, 160, 2, 240, 24, 1, true, FwdStore::tma};
   const bool band = variant == FwdVariantSm90::short_band;
   if (head_dim_bucket <= 128) return {2, 128, 2, 240, 24, 2, !mods, FwdStore::tma, false, band ? 64 : 0};
-  if (head_dim_bucket <= 192) return {2, 112, 2, 240, 24, 1, false, FwdStore::regs, false, band ? 48 : 0};
+  if (head_dim_bucket <= 192) return {2, 112, 2, 240, 24, 1, band, FwdStore::regs, false, band ? 48 : 0};
   return {2, 80, 2, 240, 24, 1, false, FwdStore::regs, false, band ? 32 : 0};
 }
 
 // Query rows up to which causal-like masks take the short_band kernel. hdim 64: its 128-row tiles
 // against the plain kernel's 192 rows (above). hdim 128: the narrow diagonal step pays up to 8k rows
 // (H100, causal, five alternated rounds against 2048: 4k 623 -> 633 TFLOP/s, 8k 655 -> 671; 16k
-// equal). hdim 256: 4k -0.7%, 8k +1.4%, so 2048. hdim 96 and 192 follow 128 and 256.
-constexpr int short_band_rows(int head_dim_bucket) {
-  return head_dim_bucket == 96 || head_dim_bucket == 128 ? 8192 : 2048;
-}
+// equal). hdim 256: 4k -0.7%, 8k +1.4%, so 2048. hdim 96: 2048, as at hdim 64 (the plain kernel's
+// 192-row tiles); hdim 192 follows 256.
+constexpr int short_band_rows(int head_dim_bucket) { return head_dim_bucket == 128 ? 8192 : 2048; }
+// hdim 96 takes the short_band kernel (128-row tiles) without a mask too, up to this many query rows:
+// the plain kernel's 192-row tiles pad 512 rows to 576 (H100: 438 vs 392 TFLOP/s at 512, 508 vs 500
+// at 1k).
+inline constexpr int kShortRowsHdim96 = 1024;
 
 // hdim 128 without a window (no causal mask) over at least kLongKeys keys: 160 keys per step
 // amortise the per-step costs (the O rescale, the row reductions, the ping-pong turns) over 1.25x the
@@ -152,6 +161,7 @@ inline constexpr int kBalancedGridKeys = 2048;
 inline FwdVariantSm90 fwd_variant_sm90(const detail::FwdParams& p, int head_dim_bucket) {
   if (head_dim_bucket <= 128 && p.score_mods()) return FwdVariantSm90::score_mods;
   if (p.window_right >= 0 && p.seqlen_q <= short_band_rows(head_dim_bucket)) return FwdVariantSm90::short_band;
+  if (head_dim_bucket == 96 && p.seqlen_q <= kShortRowsHdim96) return FwdVariantSm90::short_band;
   if (head_dim_bucket == 128 && fwd_long_keys(p.window_left >= 0 || p.window_right >= 0, p.seqlen_k))
     return FwdVariantSm90::long_keys;
   return FwdVariantSm90::plain;
