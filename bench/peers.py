@@ -17,7 +17,9 @@ FM_PEERS_INTERLEAVED=1 instead times flashmonoid (the Python package, which must
 cuDNN on the training shapes in one process, alternated: per shape, ROUNDS rounds of CALLS calls of
 each timed together behind a sleep kernel (the host's share untimed), the order reversed every round,
 the median round; records carry timing "interleaved". Separate
-processes put the two minutes apart, and cuDNN's own number moved by up to 9% between such runs."""
+processes put the two minutes apart, and cuDNN's own number moved by up to 9% between such runs.
+FM_PEERS_EXTRA_HDIMS (default 96,192; "" for none) adds those head dims to the interleaved run,
+forward only (the sm90 forward's own buckets; the bars are over 64, 128, 256)."""
 import json
 import os
 import sys
@@ -227,7 +229,9 @@ ROUNDS, CALLS = 7, 5
 
 def interleaved(out):
     import flashmonoid as fm
-    for d in (64, 128, 256):
+    extra = [int(x) for x in os.environ.get("FM_PEERS_EXTRA_HDIMS", "96,192").split(",") if x]
+    for d in sorted((64, 128, 256, *extra)):
+        passes = ("fwd",) if d in extra else ("fwd", "bwd")
         for causal in (False, True):
             for s in (512, 1024, 2048, 4096, 8192, 16384):
                 b, h = 16384 // s, 2048 // d
@@ -254,7 +258,7 @@ def interleaved(out):
                     def run_bwd(o=o):
                         torch.autograd.grad(o, (q, k, v), g, retain_graph=True)
                     calls[impl] = {"fwd": run_fwd, "bwd": run_bwd}
-                for pass_ in ("fwd", "bwd"):
+                for pass_ in passes:
                     times = {impl: [] for impl in calls}
                     for impl in calls:
                         for _ in range(WARMUP):

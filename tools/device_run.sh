@@ -108,11 +108,12 @@ step "compute-sanitizer (memcheck, racecheck, synccheck) on small cases"
 # Forward sm80: a few grid cases (case25: 2049 keys, hdim 128's two-tile stages), split-KV, dropout,
 # merge. Forward sm90 (the persistent TMA/wgmma kernels, mbarrier rings, named barriers): hdim 64
 # (3 consumers) and 128 causal, 257 and 1031 rows (several work tiles per block), GQA, windows, hdim
-# 64/32 causal (the short_band variant; case18, case19),
+# 64/32 causal (the short_band variant; case18, case19), the hdim-96 and -192 buckets (case30: hdim 80
+# in the 96 bucket, case31: 96 with dropout, case34: 160 in the 192 bucket, case37: 96's 192-row tiles),
 # score modifiers, varlen (case21), and hdim 64/128/256 with many tiles per block or one block per
 # tile (CudaForwardGrid: SM margin, persistent_kernels off). Backward (both families): odd seqlens and varlen, the boundary paths.
-SAN_FWD=${FM_SANITIZE_FWD:-'Grid/CudaForward.*/sm80_case0:Grid/CudaForward.*/sm80_case1:Grid/CudaForward.*/sm80_case3:Grid/CudaForward.*/sm80_case25:Decode/CudaSplitKV.*/case0:CudaDropout.*:CudaMerge.*:Hopper/CudaForward.*/sm90_case0:Hopper/CudaForward.*/sm90_case1:Hopper/CudaForward.*/sm90_case8:Hopper/CudaForward.*/sm90_case9:Hopper/CudaForward.*/sm90_case13:Hopper/CudaForward.*/sm90_case18:Hopper/CudaForward.*/sm90_case19:Grid/CudaForward.*/sm90_case21:CudaForwardGrid.PersistentPerTileAndMarginGiveTheSameBits:CudaForwardGrid.SplitTailReplaysInAGraph'}
-SAN_SYNC=${FM_SANITIZE_SYNC:-'Hopper/CudaForward.*/sm90_case0:Hopper/CudaForward.*/sm90_case7:Grid/CudaForward.*/sm90_case21:CudaForwardGrid.SplitTailReplaysInAGraph'}
+SAN_FWD=${FM_SANITIZE_FWD:-'Grid/CudaForward.*/sm80_case0:Grid/CudaForward.*/sm80_case1:Grid/CudaForward.*/sm80_case3:Grid/CudaForward.*/sm80_case25:Decode/CudaSplitKV.*/case0:CudaDropout.*:CudaMerge.*:Hopper/CudaForward.*/sm90_case0:Hopper/CudaForward.*/sm90_case1:Hopper/CudaForward.*/sm90_case8:Hopper/CudaForward.*/sm90_case9:Hopper/CudaForward.*/sm90_case13:Hopper/CudaForward.*/sm90_case18:Hopper/CudaForward.*/sm90_case19:Hopper/CudaForward.*/sm90_case30:Hopper/CudaForward.*/sm90_case31:Hopper/CudaForward.*/sm90_case34:Hopper/CudaForward.*/sm90_case37:Grid/CudaForward.*/sm90_case21:CudaForwardGrid.PersistentPerTileAndMarginGiveTheSameBits:CudaForwardGrid.SplitTailReplaysInAGraph'}
+SAN_SYNC=${FM_SANITIZE_SYNC:-'Hopper/CudaForward.*/sm90_case0:Hopper/CudaForward.*/sm90_case7:Hopper/CudaForward.*/sm90_case30:Hopper/CudaForward.*/sm90_case34:Grid/CudaForward.*/sm90_case21:CudaForwardGrid.SplitTailReplaysInAGraph'}
 # sm90 backward: GqaMqa/sm90 has the hdim-256 (head-split) kernel, Dropout/sm90 the modifier variant.
 SAN_BWD=${FM_SANITIZE_BWD:-'Path/CudaBackward.SeqlensBothWays/*:Path/CudaBackward.Varlen/*:Path/CudaBackward.GqaMqa/sm90:Path/CudaBackward.Dropout/sm90'}
 # synccheck of the backward: the sm90 kernel's named barriers and mbarriers.

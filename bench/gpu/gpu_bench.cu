@@ -581,11 +581,22 @@ void kv_probe(bool all) {
 // keep the GPU ahead of the host, so the clock times the host); least of 5 runs, us per call.
 // impl "flashmonoid_cpp": the public call, which asks the runtime about every pointer;
 // "flashmonoid_cpp_dlpack": the bindings' route (PointerSource::dlpack), alignment checks only.
+// Also, contiguous through the bindings' route, the same call with fewer launches: no append or
+// rotary (the forward and the split-KV combine), and unsplit as well (the forward alone); records
+// carry "launches".
 void bench_kvcache_host(const std::string& dev) {
   constexpr int kHostCalls = 1000, kRuns = 5;
-  for (int page : {0, 16}) {
-    KvDecode pb(1, 512, page, 1, true, true);
+  struct Variant {
+    int page;
+    bool append;
+    int splits, launches;
+  };
+  for (const Variant& var : {Variant{0, true, 0, 3}, Variant{16, true, 0, 3}, Variant{0, false, 0, 2}, Variant{0, false, 1, 1}}) {
+    const int page = var.page;
+    KvDecode pb(1, 512, page, 1, var.append, var.append);
+    pb.splits = var.splits;
     for (bool dlpack : {false, true}) {
+      if (!var.append && !dlpack) continue;
       auto call = [&] { dlpack ? pb.run_dlpack(nullptr) : pb.run(nullptr); };
       for (int i = 0; i < 50; ++i) call();
       CHECK(cudaDeviceSynchronize());
@@ -598,9 +609,10 @@ void bench_kvcache_host(const std::string& dev) {
         per_call.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / kHostCalls);
       }
       const double us = *std::min_element(per_call.begin(), per_call.end());
-      char extra[160];
-      std::snprintf(extra, sizeof extra, ", \"page_size\": %d, \"append\": true, \"rotary\": true, \"calls\": %d",
-                    page, kHostCalls);
+      char extra[192];
+      std::snprintf(extra, sizeof extra,
+                    ", \"page_size\": %d, \"append\": %s, \"rotary\": %s, \"calls\": %d, \"launches\": %d", page,
+                    var.append ? "true" : "false", var.append ? "true" : "false", kHostCalls, var.launches);
       record("decode_host", KvDecode::d, true, 1, KvDecode::h, KvDecode::hk, 1, 512, us / 1000.0, "host_us", us, dev,
              extra, dlpack ? "flashmonoid_cpp_dlpack" : "flashmonoid_cpp");
     }
@@ -608,6 +620,10 @@ void bench_kvcache_host(const std::string& dev) {
 }
 
 __global__ void empty_kernel() {}
+struct KiloArgs {
+  unsigned char bytes[1024];
+};
+__global__ void kilo_kernel(const __grid_constant__ KiloArgs) {}
 
 // Host cost of the CUDA calls a forward makes, each timed alone (median of 15 runs of 200 calls).
 void host_costs() {
@@ -633,6 +649,27 @@ void host_costs() {
                  CHECK(cudaFuncSetAttribute(empty_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024));
                }));
   std::fprintf(stderr, "launch (empty kernel): %.3f us\n", per_call([&] { empty_kernel<<<1, 32>>>(); }));
+  // What our launches add to that: a 1 KB __grid_constant__ argument (FwdParams-sized), and
+  // cudaLaunchKernelEx with the programmatic-serialization attribute (pdl.cuh: launch_kernel).
+  const KiloArgs kilo{};
+  std::fprintf(stderr, "launch (1 KB argument): %.3f us\n", per_call([&] { kilo_kernel<<<1, 32>>>(kilo); }));
+  auto launch_ex = [&](auto kernel, bool pdl, auto... args) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(1);
+    config.blockDim = dim3(32);
+    config.attrs = attr;
+    config.numAttrs = pdl ? 1 : 0;
+    CHECK(cudaLaunchKernelEx(&config, kernel, args...));
+  };
+  std::fprintf(stderr, "cudaLaunchKernelEx, no attribute: %.3f us\n", per_call([&] { launch_ex(empty_kernel, false); }));
+  std::fprintf(stderr, "cudaLaunchKernelEx, PDL attribute: %.3f us\n", per_call([&] { launch_ex(empty_kernel, true); }));
+  std::fprintf(stderr, "cudaLaunchKernelEx, PDL, 1 KB argument: %.3f us\n",
+               per_call([&] { launch_ex(kilo_kernel, true, kilo); }));
+  cudaStreamCaptureStatus capture{};
+  std::fprintf(stderr, "cudaStreamIsCapturing: %.3f us\n", per_call([&] { CHECK(cudaStreamIsCapturing(nullptr, &capture)); }));
   std::fprintf(stderr, "cudaGetLastError: %.3f us\n", per_call([&] { (void)cudaGetLastError(); }));
   cudaFree(dptr);
 }
@@ -690,10 +727,10 @@ void write_records(const char* out_path) {
 }  // namespace
 
 // Usage: flashmonoid-gpu-bench [OUT.json] [--no-bwd] [--with-sm80] [--case HDIM CAUSAL SEQLEN] [--decode-only] [--sweep]
-//        [--kvcache-only | --no-kvcache] [--kvcache-host]
+//        [--kvcache-only | --no-kvcache] [--kvcache-host] [--host-costs]
 // --case runs one training shape (for a profiler; repeated, several in the order given), --decode-only
-// the decoding shapes, --sweep the host cost of single CUDA calls and the decoding shapes over forced
-// split counts, --kvcache-only
+// the decoding shapes, --sweep the host cost of single CUDA calls (--host-costs: only those) and the
+// decoding shapes over forced split counts, --kvcache-only
 // the device copy and the forward_kvcache decoding shapes (pass "decode"), --no-kvcache all but those,
 // --kvcache-host only the host time of the C++ forward_kvcache (pass "decode_host"), --grid-probe the
 // forward's partial last round (grid_probe), --kv-trace B S_K PAGE S_Q APPEND one decoding call's
@@ -735,6 +772,10 @@ int main(int argc, char** argv) {
       traces.push_back({std::atoi(argv[i + 1]), std::atoi(argv[i + 2]), std::atoi(argv[i + 3]), std::atoi(argv[i + 4]),
                         std::atoi(argv[i + 5])});
       i += 5;
+    }
+    else if (!std::strcmp(argv[i], "--host-costs")) {
+      host_costs();
+      return 0;
     }
     else if (!std::strcmp(argv[i], "--sweep")) {
       host_costs();
