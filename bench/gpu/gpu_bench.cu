@@ -204,6 +204,7 @@ void record(const char* pass, int d, bool causal, int b, int h, int hk, int sq, 
 TensorView view4(void* p, DType t, int b, int s, int h, int d) { return TensorView(p, t, Device::cuda(0), {b, s, h, d}); }
 
 bool g_with_sm80 = false;  // --with-sm80: also time the sm80 family forced
+float g_softcap = 0.0f;    // --softcap X: the training shapes with a softcap (the score-modifier kernels)
 
 // A training shape: 16k tokens, hidden 2048, bf16 random q, k, v; its out and lse; its forward FLOPs.
 struct TrainShape {
@@ -221,6 +222,7 @@ struct TrainShape {
         lv(lse.p, DType::f32, Device::cuda(0), {b, h, s}),
         flops(4.0 * b * h * static_cast<double>(s) * s * d / (causal ? 2 : 1)) {
     opt.causal = causal;
+    opt.softcap = g_softcap;
   }
 };
 
@@ -239,12 +241,14 @@ void bench_train(int d, bool causal, int s, bool with_bwd, const std::string& de
   fwd_ctx.workspace = fwd_work.p;
   fwd_ctx.workspace_bytes = fwd_ws;
   const double fwd = device_ms([&] { flashmonoid::forward(qv, kv, vv, ov, lv, opt, fwd_ctx); });
-  record("fwd", d, causal, b, h, h, s, s, fwd, "tflops", flops / fwd / 1e9, dev);
+  char mods[48] = "";
+  if (opt.softcap > 0.0f) std::snprintf(mods, sizeof mods, ", \"softcap\": %g", opt.softcap);
+  record("fwd", d, causal, b, h, h, s, s, fwd, "tflops", flops / fwd / 1e9, dev, mods);
   flashmonoid::Context sm80;
   sm80.cuda_path = flashmonoid::CudaPath::sm80;
   if (g_with_sm80) {
     const double fwd80 = device_ms([&] { flashmonoid::forward(qv, kv, vv, ov, lv, opt, sm80); });
-    record("fwd", d, causal, b, h, h, s, s, fwd80, "tflops", flops / fwd80 / 1e9, dev, "", "flashmonoid_sm80");
+    record("fwd", d, causal, b, h, h, s, s, fwd80, "tflops", flops / fwd80 / 1e9, dev, mods, "flashmonoid_sm80");
   }
   if (!with_bwd) return;
   try {
@@ -726,7 +730,7 @@ void write_records(const char* out_path) {
 
 }  // namespace
 
-// Usage: flashmonoid-gpu-bench [OUT.json] [--no-bwd] [--with-sm80] [--case HDIM CAUSAL SEQLEN] [--decode-only] [--sweep]
+// Usage: flashmonoid-gpu-bench [OUT.json] [--no-bwd] [--with-sm80] [--softcap X] [--case HDIM CAUSAL SEQLEN] [--decode-only] [--sweep]
 //        [--kvcache-only | --no-kvcache] [--kvcache-host] [--host-costs]
 // --case runs one training shape (for a profiler; repeated, several in the order given), --decode-only
 // the decoding shapes, --sweep the host cost of single CUDA calls (--host-costs: only those) and the
@@ -745,6 +749,7 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--no-bwd")) with_bwd = false;
     else if (!std::strcmp(argv[i], "--with-sm80")) g_with_sm80 = true;
+    else if (!std::strcmp(argv[i], "--softcap") && i + 1 < argc) g_softcap = static_cast<float>(std::atof(argv[++i]));
     else if (!std::strcmp(argv[i], "--decode-only")) decode_only = true;
     else if (!std::strcmp(argv[i], "--kvcache-only")) kvcache_only = true;
     else if (!std::strcmp(argv[i], "--no-kvcache")) with_kvcache = false;

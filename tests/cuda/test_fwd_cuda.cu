@@ -182,7 +182,7 @@ std::vector<Shape> gpu_grid() {
 }
 
 // Whether the sm90 kernels can run s here (a Hopper device, a prefill shape, no score modifiers
-// above hdim 128); the same rule as src/cuda/sm90/fwd_sm90.hpp, so that a forced sm90 run is skipped
+// above hdim 192); the same rule as src/cuda/sm90/fwd_sm90.hpp, so that a forced sm90 run is skipped
 // exactly where it must throw.
 bool sm90_runs(const Shape& s) {
   int major = 0;
@@ -190,7 +190,7 @@ bool sm90_runs(const Shape& s) {
   int max_q = s.s_q;
   if (s.varlen) max_q = *std::max_element(s.lens_q.begin(), s.lens_q.end());
   const bool mods = s.softcap > 0.0f || s.alibi || s.dropout_p > 0.0f;
-  return max_q >= 65 && !(s.d > 128 && mods);
+  return max_q >= 65 && !(s.d > 192 && mods);
 }
 
 // Sharper shapes for the sm90 kernels: several 128-row blocks, ragged 128- and 80-key tiles, GQA,
@@ -267,6 +267,15 @@ std::vector<Shape> sm90_grid() {
     s.dropout_p = c.dropout_p;
     out.push_back(s);
   }
+  // hdim 192's score-modifier kernel: softcap and ALiBi under a causal mask; dropout at 160.
+  Shape mods = shape_of(DType::bf16, 1, 700, 900, 6, 2, 192);
+  mods.causal = true;
+  mods.softcap = 15.0f;
+  mods.alibi = true;
+  out.push_back(mods);
+  Shape drop = shape_of(DType::f16, 1, 300, 633, 4, 4, 160);
+  drop.dropout_p = 0.15f;
+  out.push_back(drop);
   return out;
 }
 

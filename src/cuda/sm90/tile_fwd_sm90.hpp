@@ -159,7 +159,7 @@ inline constexpr int kBalancedGridKeys = 2048;
 // The one choice among a head-dim bucket's variants (run_fwd_sm90 launches it; the workspace size
 // query asks it too). hdim 256 with score modifiers runs on sm80 (fwd_sm90_eligible).
 inline FwdVariantSm90 fwd_variant_sm90(const detail::FwdParams& p, int head_dim_bucket) {
-  if (head_dim_bucket <= 128 && p.score_mods()) return FwdVariantSm90::score_mods;
+  if (head_dim_bucket <= 192 && p.score_mods()) return FwdVariantSm90::score_mods;
   if (p.window_right >= 0 && p.seqlen_q <= short_band_rows(head_dim_bucket)) return FwdVariantSm90::short_band;
   if (head_dim_bucket == 96 && p.seqlen_q <= kShortRowsHdim96) return FwdVariantSm90::short_band;
   if (head_dim_bucket == 128 && fwd_long_keys(p.window_left >= 0 || p.window_right >= 0, p.seqlen_k))
