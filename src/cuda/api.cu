@@ -263,7 +263,7 @@ std::string fwd_path_why_not_sm90(const detail::FwdParams& p, int num_splits) {
   if (compute_major(p.device.index) != 9) return "the sm90 kernels need compute capability 9.x (Hopper)";
   if (num_splits > 1) return "the sm90 forward does not split the keys (num_splits > 1)";
   if (!fwd_sm90_eligible(p))
-    return "the sm90 forward runs prefill shapes (s_q > 64) without KV caches, and no softcap/ALiBi/dropout above hdim 192";
+    return "the sm90 forward runs prefill shapes (s_q > 64) without KV caches";
   return "";
 }
 

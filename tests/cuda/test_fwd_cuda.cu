@@ -181,16 +181,14 @@ std::vector<Shape> gpu_grid() {
   return out;
 }
 
-// Whether the sm90 kernels can run s here (a Hopper device, a prefill shape, no score modifiers
-// above hdim 192); the same rule as src/cuda/sm90/fwd_sm90.hpp, so that a forced sm90 run is skipped
-// exactly where it must throw.
+// Whether the sm90 kernels can run s here (a Hopper device, a prefill shape); the same rule as
+// src/cuda/sm90/fwd_sm90.hpp, so that a forced sm90 run is skipped exactly where it must throw.
 bool sm90_runs(const Shape& s) {
   int major = 0;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) != cudaSuccess || major != 9) return false;
   int max_q = s.s_q;
   if (s.varlen) max_q = *std::max_element(s.lens_q.begin(), s.lens_q.end());
-  const bool mods = s.softcap > 0.0f || s.alibi || s.dropout_p > 0.0f;
-  return max_q >= 65 && !(s.d > 192 && mods);
+  return max_q >= 65;
 }
 
 // Sharper shapes for the sm90 kernels: several 128-row blocks, ragged 128- and 80-key tiles, GQA,
@@ -267,15 +265,22 @@ std::vector<Shape> sm90_grid() {
     s.dropout_p = c.dropout_p;
     out.push_back(s);
   }
-  // hdim 192's score-modifier kernel: softcap and ALiBi under a causal mask; dropout at 160.
-  Shape mods = shape_of(DType::bf16, 1, 700, 900, 6, 2, 192);
-  mods.causal = true;
-  mods.softcap = 15.0f;
-  mods.alibi = true;
-  out.push_back(mods);
-  Shape drop = shape_of(DType::f16, 1, 300, 633, 4, 4, 160);
-  drop.dropout_p = 0.15f;
-  out.push_back(drop);
+  // The score-modifier kernels of hdim 192 and of hdim 256 (64-row blocks whose consumers split O's
+  // columns): softcap and ALiBi under a causal mask, dropout over ragged key steps, a head dim inside
+  // the bucket.
+  for (int d : {192, 256}) {
+    Shape mods = shape_of(DType::bf16, 1, 700, 900, 6, 2, d);
+    mods.causal = true;
+    mods.softcap = 15.0f;
+    mods.alibi = true;
+    out.push_back(mods);
+    Shape drop = shape_of(DType::f16, 1, 300, 633, 4, 4, d == 192 ? 160 : 224);
+    drop.dropout_p = 0.15f;
+    out.push_back(drop);
+  }
+  Shape capped = shape_of(DType::f16, 2, 257, 400, 4, 1, 256);
+  capped.softcap = 30.0f;
+  out.push_back(capped);
   return out;
 }
 
@@ -652,7 +657,7 @@ INSTANTIATE_TEST_SUITE_P(Decode, CudaSplitKV, ::testing::ValuesIn(decode_grid())
 TEST(CudaDropout, KeepMaskIsBitIdenticalToPhilox) {
   SKIP_WITHOUT_GPU();
   for (auto [d, path] : {std::pair{64, flashmonoid::CudaPath::sm80}, {256, flashmonoid::CudaPath::sm80},
-                         {64, flashmonoid::CudaPath::sm90}}) {
+                         {64, flashmonoid::CudaPath::sm90}, {256, flashmonoid::CudaPath::sm90}}) {
     Shape s;
     s.b = 2;
     s.s_q = 70;

@@ -74,19 +74,22 @@ __device__ __forceinline__ void store_output(const detail::FwdParams& p, const B
 // O·(1/l) straight from the accumulators, without shared memory or a barrier, in 16-byte stores
 // (store_row_vec16). The sm90 forward's store where shared memory has no room for an O buffer (hdim
 // 256) and for varlen calls (tile_fwd_sm90.hpp: FwdStore).
+// kHeadDim columns of O from column col0 on (the sm90 head-split kernel's consumers hold one half
+// each), and lse unless with_lse is false (the other half's consumer stores it).
 template <class T, int kHeadDim, int kMTiles>
 __device__ __forceinline__ void store_output_regs(const detail::FwdParams& p, const BlockRows& blk,
                                                   const float (&o)[kMTiles][kHeadDim / 8][4],
                                                   const float (&inv_l)[2 * kMTiles], const float (&lse)[2 * kMTiles],
-                                                  const RowCoords<kMTiles>& rows, int lane) {
+                                                  const RowCoords<kMTiles>& rows, int lane, int col0 = 0,
+                                                  bool with_lse = true) {
   T* out = static_cast<T*>(p.out);
 #pragma unroll
   for (int r = 0; r < 2 * kMTiles; ++r) {
     const bool valid = rows.valid(r);
     T* g = out + detail::offset_of(p.o_stride, blk.batch, blk.si.q_row0 + (valid ? rows.i(r) : 0), rows.head(r));
-    store_row_vec16<T>(g, o[r / 2], r % 2, inv_l[r], 0, p.d, valid, lane);
+    store_row_vec16<T>(g, o[r / 2], r % 2, inv_l[r], col0, p.d, valid, lane);
   }
-  store_lse(p, blk, lse, rows, lane);
+  if (with_lse) store_lse(p, blk, lse, rows, lane);
 }
 
 // Index of (split, head, global query row) in the partial buffers: (num_splits, h, total_q[, d]).

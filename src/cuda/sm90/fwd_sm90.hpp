@@ -13,14 +13,12 @@ namespace flashmonoid::cuda {
 
 // Whether the sm90 forward runs p on a device of compute capability 9.x: prefill-shaped calls.
 // Decoding-shaped ones (s_q small enough that GQA packing or split-KV pays) keep the sm80 kernels,
-// which read K/V at copy speed already (bench/NOTES.md). Head dims above 192 with score modifiers
-// also stay on sm80: O takes 128 of the 240 registers there and the modifiers' state spilled
-// (24-32 bytes with 32-48-key tiles); hdim 192's (O 96 registers) fits without spills. So do KV-cache and paged calls: the sm90 kernels read K/V
+// which read K/V at copy speed already (bench/NOTES.md). So do KV-cache and paged calls: the sm90 kernels read K/V
 // through strided TMA tensor maps, not through a cache's batch index or block table.
 inline constexpr int kFwdSm90MinRows = 65;
 inline bool fwd_sm90_eligible(const detail::FwdParams& p) {
   const bool cache = p.kv.active || p.kv.block_table != nullptr;
-  return p.seqlen_q >= kFwdSm90MinRows && !(p.d > 192 && p.score_mods()) && !cache;
+  return p.seqlen_q >= kFwdSm90MinRows && !cache;
 }
 
 // How a forward is queued: its stream, how many multiprocessors the persistent grid leaves free

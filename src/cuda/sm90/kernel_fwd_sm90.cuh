@@ -64,7 +64,7 @@ struct FwdSmem {
   static constexpr int kCols = fwd_panel_cols_sm90(kHeadDim);
   static constexpr int kQElems = 64 * kCols;             // one consumer's Q rows
   static constexpr int kKVElems = kTile.block_n * kCols;  // one K or V slot
-  static constexpr int kQStageElems = kTile.consumers * kQElems;
+  static constexpr int kQStageElems = kTile.block_m() / 64 * kQElems;
   static constexpr int kOElems = kTile.o_rows() * kCols;
   static constexpr int kBarriers = 2 * kTile.q_stages + 4 * kTile.stages;
   // Work-tile records (FwdWork, written by the producer): q_stages + 1 of them, so the one a consumer
@@ -81,7 +81,10 @@ struct FwdSmem {
         bars(reinterpret_cast<Barrier*>(base + kTile.q_stages * kQStageElems + 2 * kTile.stages * kKVElems + kOElems)) {}
   // Addresses computed from the slot (an array of slot pointers indexed at run time went to local
   // memory).
-  __device__ __forceinline__ T* q(int stage, int consumer) const { return base + stage * kQStageElems + consumer * kQElems; }
+  // A consumer's Q rows (with head_split both consumers read the stage's one 64-row tile).
+  __device__ __forceinline__ T* q(int stage, int consumer) const {
+    return base + stage * kQStageElems + (kTile.head_split ? 0 : consumer) * kQElems;
+  }
   __device__ __forceinline__ T* k(int slot) const { return base + kTile.q_stages * kQStageElems + slot * kKVElems; }
   __device__ __forceinline__ T* v(int slot) const { return k(kTile.stages + slot); }
   // One consumer's (64, kCols) O tile for the TMA store (FwdStore::tma), after the K/V ring.
@@ -153,7 +156,7 @@ __device__ __forceinline__ void produce(const FwdKernelArgsSm90& args, const Fwd
                                         const WorkTiles& work) {
   // Whole panels, zero-filled past the head dim, count as transaction bytes.
   constexpr int kPanels = fwd_panel_cols_sm90(kHeadDim) / kPanelCols;
-  constexpr std::uint32_t kQBytes = kTile.consumers * 64 * kPanels * kPanelCols * sizeof(T);
+  constexpr std::uint32_t kQBytes = kTile.block_m() * kPanels * kPanelCols * sizeof(T);
   constexpr std::uint32_t kKVBytes = kTile.block_n * kPanels * kPanelCols * sizeof(T);
   const detail::FwdParams& p = args.p;
   RingPos<kTile.stages> pos;
@@ -174,7 +177,7 @@ __device__ __forceinline__ void produce(const FwdKernelArgsSm90& args, const Fwd
       sm.template record<Work>(qpos.n) = w;  // visible through q_full's release
       sm.q_full(qpos.slot()).arrive_expect_tx(kQBytes);
 #pragma unroll
-      for (int c = 0; c < kTile.consumers; ++c)
+      for (int c = 0; c < kTile.block_m() / 64; ++c)
 #pragma unroll
         for (int pn = 0; pn < kPanels; ++pn)
           tma_load(sm.q(qpos.slot(), c) + pn * 64 * kPanelCols, &args.tm_q, pn * kPanelCols, w.head,
@@ -355,7 +358,9 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kVariant).threads(), 1
   constexpr bool kScoreMods = kVariant == FwdVariantSm90::score_mods;
   static_assert(kTile.registers_fit(), "setmaxnreg targets exceed the block's launch registers");
   constexpr int kBlockM = kTile.block_m(), kBlockN = kTile.block_n;
-  constexpr int kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8;
+  // O's columns per consumer: all of the head dim, or half of it with head_split (FwdTileSm90).
+  constexpr int kOCols = kTile.o_cols(kHeadDim);
+  constexpr int kNTiles = kBlockN / 8, kDTiles = kOCols / 8;
   static_assert(kHeadDim % 32 == 0, "the products run over whole 16-column k steps and 8-column tiles of O");
   static_assert(kBlockN % 16 == 0, "P·V takes keys 16 at a time");
   static_assert(FwdSmem<T, kHeadDim, kTile>::kBarriers * sizeof(Barrier) +
@@ -386,6 +391,9 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kVariant).threads(), 1
   regs_alloc<kTile.consumer_regs>();
   const int consumer = warpgroup - 1;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const int row0 = kTile.head_split ? 0 : 64 * consumer;  // this consumer's first row of a work tile
+  // With head_split, this consumer's O columns start kOCols · consumer into each V slot's panels.
+  const std::uint32_t v_col_bytes = kTile.head_split ? consumer * (kOCols / kPanelCols) * kBlockN * kPanelRowBytes : 0;
   const ScoreMod mod(p);
   const float mul = kScoreMods ? mod.softmax_mul() : p.scale_log2;
   const bool dropout = kScoreMods && p.dropout_p > 0.0f;
@@ -403,10 +411,10 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kVariant).threads(), 1
     sm.q_full(qpos.slot()).wait(qpos.phase());
     const FwdWork<kBlockM, kBlockN> w = sm.template record<FwdWork<kBlockM, kBlockN>>(qpos.n);
     if (w.head < 0) break;
-    const RowCoords<1> rows(w.R0 + 64 * consumer + 16 * warp, w.si.len_q, 1, w.head, lane);
+    const RowCoords<1> rows(w.R0 + row0 + 16 * warp, w.si.len_q, 1, w.head, lane);
     const KeyTiles& tiles = w.tiles;
 
-    float o[1][kDTiles][4] = {};  // (64, kHeadDim) per warpgroup, unnormalised
+    float o[1][kDTiles][4] = {};  // (64, kOCols) per warpgroup, unnormalised
     float s[1][kNTiles][4];       // (64, kBlockN) scores, then P
     std::uint32_t pa[kNTiles / 2][4];  // P of the previous step as wgmma A fragments
     OnlineSoftmax<1> softmax;
@@ -464,7 +472,7 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kVariant).threads(), 1
         wgmma_fence();
         issue_scores<T, kHeadDim, kBlockN, kBlockN>(s, q_addr, smem_addr(sm.k(kpos.slot())));
         wgmma_commit();
-        issue_pv<T, kHeadDim, kBlockN, decltype(pv_cols)::value>(o, pa, smem_addr(sm.v(vpos.slot())));
+        issue_pv<T, kOCols, kBlockN, decltype(pv_cols)::value>(o, pa, smem_addr(sm.v(vpos.slot())) + v_col_bytes);
         wgmma_commit();
         turns.pass();
         wgmma_wait<1>();  // S of step j
@@ -486,7 +494,7 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kVariant).threads(), 1
         // This consumer's rows [i0, i1) see no key at or past the first tile's key0 + diag_keys (or
         // have no rows at all): warpgroup-uniform, as the products need, and taken from lane 0 so
         // that ptxas sees it uniform too (else it serialised the wgmmas of both branches: C7520).
-        const int i0 = w.R0 + 64 * consumer, i1 = i0 + 64 < w.si.len_q ? i0 + 64 : w.si.len_q;
+        const int i0 = w.R0 + row0, i1 = i0 + 64 < w.si.len_q ? i0 + 64 : w.si.len_q;
         const bool narrow = __shfl_sync(0xffffffffu, i1 <= i0 || w.band.key_end(i1, w.si.len_k) <=
                                                                      static_cast<std::int64_t>(tiles.hi - 1) * kBlockN + kTile.diag_keys,
                                         0);
@@ -517,7 +525,7 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kVariant).threads(), 1
       sm.v_full(vpos.slot()).wait(vpos.phase());
       turns.wait();
       wgmma_fence();
-      issue_pv<T, kHeadDim, kBlockN>(o, pa, smem_addr(sm.v(vpos.slot())));
+      issue_pv<T, kOCols, kBlockN>(o, pa, smem_addr(sm.v(vpos.slot())) + v_col_bytes);
       wgmma_commit();
       turns.pass();
       wgmma_wait<0>();
@@ -532,12 +540,12 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kVariant).threads(), 1
     // at hdim 256.
     const FwdWork<kBlockM, kBlockN> we = sm.template record<FwdWork<kBlockM, kBlockN>>(qpos.n);
     const BlockRows blk{we.b, we.head, 1, we.si.len_q, we.si};
-    const RowCoords<1> erows(we.R0 + 64 * consumer + 16 * warp, we.si.len_q, 1, we.head, lane);
+    const RowCoords<1> erows(we.R0 + row0 + 16 * warp, we.si.len_q, 1, we.head, lane);
     float inv_l[2], lse[2];
     if (fwd_split_tail(kHeadDim, kVariant) && we.role != TailRole::whole) {
       // A split-tail piece (WorkTiles): the tail leaves its finished state (O normalised, without
       // the dropout scale, a constant) to the head's block; the head takes it into its own.
-      TailExchange<kHeadDim, kTile.consumers> x(args.tail, tail_slot(blockIdx.x, we.role), consumer, tid);
+      TailExchange<kOCols, kTile.consumers> x(args.tail, tail_slot(blockIdx.x, we.role), consumer, tid);
       if (we.role == TailRole::tail) {
         softmax.template finish<true>(mul, inv_l, lse);
         x.leave(o, inv_l, lse);
@@ -557,19 +565,20 @@ __global__ void __launch_bounds__(fwd_tile_sm90(kHeadDim, kVariant).threads(), 1
       T* so = sm.o(consumer);
       if (tid == 0) tma_store_wait_read();
       named_sync(1 + consumer, 128);
-      stage_output_panels<T, kHeadDim>(so, o, inv_l, 16 * warp, lane);
+      stage_output_panels<T, kOCols>(so, o, inv_l, 16 * warp, lane);
       fence_async_shared();
       named_sync(1 + consumer, 128);
       if (tid == 0) {
 #pragma unroll
         for (int pn = 0; pn < fwd_panel_cols_sm90(kHeadDim) / kPanelCols; ++pn)
           tma_store(&args.tm_o, so + pn * 64 * kPanelCols, pn * kPanelCols, we.head,
-                    static_cast<int>(we.si.q_row0 + we.R0 + 64 * consumer), we.b);
+                    static_cast<int>(we.si.q_row0 + we.R0 + row0), we.b);
         tma_store_commit();
       }
       store_lse(p, blk, lse, erows, lane);
     } else {
-      store_output_regs<T, kHeadDim, 1>(p, blk, o, inv_l, lse, erows, lane);
+      store_output_regs<T, kOCols, 1>(p, blk, o, inv_l, lse, erows, lane, kTile.head_split ? consumer * kOCols : 0,
+                                      !kTile.head_split || consumer == 0);
     }
     qpos.advance();
   }

@@ -80,9 +80,7 @@ void run_fwd_sm90(const detail::FwdParams& p, const FwdLaunchSm90& launch) {
   static_assert(kHeadDim == fwd_head_dim_bucket_sm90(kHeadDim), "head-dim buckets are 64, 96, 128, 192, 256");
   using V = FwdVariantSm90;
   switch (fwd_variant_sm90(p, kHeadDim)) {
-    case V::score_mods:
-      if constexpr (kHeadDim <= 192) return launch_fwd_sm90<T, kHeadDim, V::score_mods>(p, launch);
-      break;  // hdim 256 with modifiers runs on sm80 (fwd_sm90_eligible)
+    case V::score_mods: return launch_fwd_sm90<T, kHeadDim, V::score_mods>(p, launch);
     case V::short_band: return launch_fwd_sm90<T, kHeadDim, V::short_band>(p, launch);
     case V::long_keys:
       if constexpr (kHeadDim == 128) return launch_fwd_sm90<T, kHeadDim, V::long_keys>(p, launch);

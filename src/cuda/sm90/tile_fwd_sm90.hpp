@@ -62,8 +62,14 @@ struct FwdTileSm90 {
   // grew from 2896 to 4264 instructions, and its two consumers run different ones) missed the
   // instruction cache: causal 512 230 -> 207 TFLOP/s, ncu's no-instruction stalls 9x.
   int diag_keys = 0;
+  // The consumers share one 64-row block and split O's columns (hdim 256 with score modifiers, where
+  // O (64, 256) would be 128 of a consumer's 240 registers beside the modifiers' state): each computes
+  // the whole of S and the softmax for the block's rows, and P·V into its half of the head dim.
+  bool head_split = false;
 
-  constexpr int block_m() const { return 64 * consumers; }
+  constexpr int block_m() const { return head_split ? 64 : 64 * consumers; }
+  // Columns of O per consumer.
+  constexpr int o_cols(int head_dim_bucket) const { return head_split ? head_dim_bucket / consumers : head_dim_bucket; }
   constexpr int threads() const { return 128 * (consumers + 1); }
   constexpr bool registers_fit() const { return setmaxnreg_fits(threads(), producer_regs, consumers, consumer_regs); }
   constexpr int o_rows() const { return store == FwdStore::tma ? block_m() : 0; }
@@ -79,7 +85,7 @@ struct FwdTileSm90 {
 
 // Consumer warpgroups of 64 rows, 240 registers each with 2 consumers, 160 with 3; 128 keys per step
 // at hdim 64 and 128 (160 over long unmasked key ranges at hdim 128: kLongKeys), 80 at hdim 256 (O is
-// 128 fp32 registers per thread; no score-modifier variant there, see fwd_sm90_eligible). Two Q
+// 128 fp32 registers per thread; with score modifiers, head_split). Two Q
 // buffers where they fit (not at hdim 256: Q 64 KB + K/V 160 KB).
 // hdim 64 takes 3 consumers (192 rows, FlashAttention-3's block height): +13-35% over 2 at 1k-16k
 // non-causal on H100 (16k: 523 vs 387 TFLOP/s), where the exponentials of 2 warpgroups left the
@@ -113,6 +119,8 @@ constexpr FwdTileSm90 fwd_tile_sm90(int head_dim_bucket, FwdVariantSm90 variant)
   const bool band = variant == FwdVariantSm90::short_band;
   if (head_dim_bucket <= 128) return {2, 128, 2, 240, 24, 2, !mods, FwdStore::tma, false, band ? 64 : 0};
   if (head_dim_bucket <= 192) return {2, 112, 2, 240, 24, 1, band, FwdStore::regs, false, band ? 48 : 0};
+  // hdim 256 with modifiers: 64-row blocks of split O columns (head_split), two Q buffers (32 KB each).
+  if (mods) return {2, 80, 2, 240, 24, 2, false, FwdStore::regs, false, 0, true};
   return {2, 80, 2, 240, 24, 1, false, FwdStore::regs, false, band ? 32 : 0};
 }
 
@@ -157,9 +165,9 @@ constexpr bool fwd_split_tail(int head_dim_bucket, FwdVariantSm90 variant) {
 inline constexpr int kBalancedGridKeys = 2048;
 
 // The one choice among a head-dim bucket's variants (run_fwd_sm90 launches it; the workspace size
-// query asks it too). hdim 256 with score modifiers runs on sm80 (fwd_sm90_eligible).
+// query asks it too).
 inline FwdVariantSm90 fwd_variant_sm90(const detail::FwdParams& p, int head_dim_bucket) {
-  if (head_dim_bucket <= 192 && p.score_mods()) return FwdVariantSm90::score_mods;
+  if (p.score_mods()) return FwdVariantSm90::score_mods;
   if (p.window_right >= 0 && p.seqlen_q <= short_band_rows(head_dim_bucket)) return FwdVariantSm90::short_band;
   if (head_dim_bucket == 96 && p.seqlen_q <= kShortRowsHdim96) return FwdVariantSm90::short_band;
   if (head_dim_bucket == 128 && fwd_long_keys(p.window_left >= 0 || p.window_right >= 0, p.seqlen_k))
