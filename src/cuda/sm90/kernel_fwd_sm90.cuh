@@ -9,6 +9,8 @@
 // - each consumer owns 64 query rows: S = Q·Kᵀ by wgmma from shared memory, the online softmax in
 //   registers, O += P·V by wgmma with P from registers. S of step t is issued together with P·V of
 //   step t - 1, so the softmax of one step runs while the tensor cores work on the other product.
+//   With FwdTileSm90::head_split (hdim 256 with score modifiers) both consumers own the same 64 rows,
+//   each computing S and the softmax, and P·V into its half of O's columns.
 // Softmax, masks, score modifiers, dropout and the lse and register stores are common/'s, in the same
 // register layout as sm80's (a wgmma accumulator row pair is an m16n8 tile's), so only the data
 // movement (TMA loads, O staged in panels for a TMA store) and the products are sm90 specific.
