@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <initializer_list>
 
 #include "api/params.hpp"
 #include "sm90/setmaxnreg.hpp"
@@ -123,6 +124,19 @@ constexpr FwdTileSm90 fwd_tile_sm90(int head_dim_bucket, FwdVariantSm90 variant)
   if (mods) return {2, 80, 2, 240, 24, 2, false, FwdStore::regs, false, 0, true};
   return {2, 80, 2, 240, 24, 1, false, FwdStore::regs, false, band ? 32 : 0};
 }
+
+// Every bucket's every variant fits the H100's 227 KB of shared memory per block and its setmaxnreg
+// targets (checked here, where a tile is chosen, rather than by a failed launch).
+constexpr bool fwd_tiles_fit_sm90() {
+  for (int bucket : {64, 96, 128, 192, 256})
+    for (FwdVariantSm90 v : {FwdVariantSm90::plain, FwdVariantSm90::score_mods, FwdVariantSm90::short_band,
+                             FwdVariantSm90::long_keys}) {
+      const FwdTileSm90 t = fwd_tile_sm90(bucket, v);
+      if (t.smem_bytes(bucket) > 232448 || !t.registers_fit()) return false;
+    }
+  return true;
+}
+static_assert(fwd_tiles_fit_sm90(), "an sm90 forward tile exceeds 227 KB of shared memory or its register budget");
 
 // Query rows up to which causal-like masks take the short_band kernel. hdim 64: its 128-row tiles
 // against the plain kernel's 192 rows (above). hdim 128: the narrow diagonal step pays up to 8k rows
