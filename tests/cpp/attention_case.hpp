@@ -200,13 +200,13 @@ struct Problem {
   }
 };
 
-// The same inputs as fp32 tensors, so that the float64 oracle's gradients are not rounded to the
-// input dtype on the way out.
 // to <- from element by element (to's dtype; from fp16 / bf16 into fp32 exactly).
 inline void copy_values(const HostTensor& from, HostTensor& to) {
   for (std::int64_t i = 0; i < from.numel(); ++i) to.set(i, from.get(i));
 }
 
+// The same inputs as fp32 tensors, so that the float64 oracle's gradients are not rounded to the
+// input dtype on the way out.
 inline Problem as_f32(const Problem& pb) {
   Shape s = pb.shape;
   s.dtype = DType::f32;

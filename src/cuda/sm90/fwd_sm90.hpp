@@ -13,8 +13,8 @@ namespace flashmonoid::cuda {
 
 // Whether the sm90 forward runs p on a device of compute capability 9.x: prefill-shaped calls.
 // Decoding-shaped ones (s_q small enough that GQA packing or split-KV pays) keep the sm80 kernels,
-// which read K/V at copy speed already (bench/NOTES.md). So do KV-cache and paged calls: the sm90 kernels read K/V
-// through strided TMA tensor maps, not through a cache's batch index or block table.
+// which read K/V at copy speed already (bench/NOTES.md). So do KV-cache and paged calls: the sm90
+// kernels read K/V through strided TMA tensor maps, not through a cache's batch index or block table.
 inline constexpr int kFwdSm90MinRows = 65;
 inline bool fwd_sm90_eligible(const detail::FwdParams& p) {
   const bool cache = p.kv.active || p.kv.block_table != nullptr;

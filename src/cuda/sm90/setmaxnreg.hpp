@@ -1,4 +1,5 @@
-// The register budget of a warp-specialised sm90 block, shared by the forward and backward tiles.
+// The register and shared-memory budgets of a warp-specialised sm90 block, shared by the forward and
+// backward tiles.
 #pragma once
 
 namespace flashmonoid::cuda {
@@ -9,5 +10,8 @@ namespace flashmonoid::cuda {
 constexpr bool setmaxnreg_fits(int threads, int producer_regs, int consumers, int consumer_regs) {
   return 128 * (producer_regs + consumers * consumer_regs) <= 65536 / threads / 8 * 8 * threads;
 }
+
+// Dynamic shared memory one block may opt into on sm90 (227 KB).
+inline constexpr unsigned kSmemPerBlockSm90 = 232448;
 
 }  // namespace flashmonoid::cuda

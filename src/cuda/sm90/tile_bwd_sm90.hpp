@@ -92,6 +92,6 @@ static_assert(bwd_block_order_ok(4, 10, 0) && bwd_block_order_ok(4, 10, 3) && bw
                   bwd_block_order_ok(5, 12, 7),
               "BwdWork's block order visits every (key block, head) once, each head's key blocks in order");
 
-static_assert(bwd_tile_sm90(256).smem_bytes(256) <= 232448, "hdim 256 fits the H100's 227 KB per block");
+static_assert(bwd_tile_sm90(256).smem_bytes(256) <= kSmemPerBlockSm90, "hdim 256 fits the H100's 227 KB per block");
 
 }  // namespace flashmonoid::cuda

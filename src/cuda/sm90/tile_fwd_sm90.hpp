@@ -34,8 +34,9 @@ enum class FwdStore { regs, tma };
 
 // The kernel variants of a head-dim bucket: the plain one; one with softcap, ALiBi and dropout
 // compiled in (the plain one carries none of their registers); one for causal-like masks up to
-// short_band_rows query rows (short_band: 128-row tiles at hdim 64, the narrow diagonal step at hdim
-// 128 and 256); at hdim 128, one of 160-key steps for long unmasked key ranges (fwd_long_keys).
+// short_band_rows query rows, and at hdim 96 for any call up to kShortRowsHdim96 rows (short_band:
+// 128-row tiles where the plain kernel's are 192 (hdim 64, 96), the narrow diagonal step from hdim
+// 96 on); at hdim 128, one of 160-key steps for long unmasked key ranges (fwd_long_keys).
 // run_fwd_sm90 chooses.
 enum class FwdVariantSm90 { plain, score_mods, short_band, long_keys };
 
@@ -86,8 +87,8 @@ struct FwdTileSm90 {
 
 // Consumer warpgroups of 64 rows, 240 registers each with 2 consumers, 160 with 3; 128 keys per step
 // at hdim 64 and 128 (160 over long unmasked key ranges at hdim 128: kLongKeys), 80 at hdim 256 (O is
-// 128 fp32 registers per thread; with score modifiers, head_split). Two Q
-// buffers where they fit (not at hdim 256: Q 64 KB + K/V 160 KB).
+// 128 fp32 registers per thread; with score modifiers, head_split). Two Q buffers where they fit (not
+// at hdim 256: Q 64 KB + K/V 160 KB).
 // hdim 64 takes 3 consumers (192 rows, FlashAttention-3's block height): +13-35% over 2 at 1k-16k
 // non-causal on H100 (16k: 523 vs 387 TFLOP/s), where the exponentials of 2 warpgroups left the
 // tensor cores idle; 192 keys with 2 consumers measured equal to 128 (within 2%). With score
@@ -106,9 +107,8 @@ struct FwdTileSm90 {
 // buffer leave no room for a second; 112 keys spilled 40 bytes at 160 registers), against 2 consumers of
 // 128 keys (H100, 16k tokens): 16k 620 vs 565 TFLOP/s (and 565 with 160-key steps), causal 16k 617 vs
 // 508, 2k 613 vs 559, but 512 392 vs 438 (kShortRowsHdim96). hdim 192 (O 96 registers per thread):
-// FlashAttention-3's 112 keys per step,
-// K/V 2 x 2 x 112 x 192 x 2 bytes = 168 KB beside Q's 48 KB, so O is stored from registers as at 256;
-// its narrow diagonal step 48 keys (an upper consumer of a 128-row causal tile sees at most 48
+// FlashAttention-3's 112 keys per step, K/V 2 x 2 x 112 x 192 x 2 bytes = 168 KB beside Q's 48 KB, so
+// O is stored from registers as at 256; its narrow diagonal step 48 keys (an upper consumer of a 128-row causal tile sees at most 48
 // columns of its first 112-key tile), ping-pong in that kernel only (causal 2k 591 vs 571 TFLOP/s,
 // 512 +1%; the plain kernel's 16k within the rounds' spread, causal 16k 739 vs 755).
 constexpr FwdTileSm90 fwd_tile_sm90(int head_dim_bucket, FwdVariantSm90 variant) {
@@ -132,7 +132,7 @@ constexpr bool fwd_tiles_fit_sm90() {
     for (FwdVariantSm90 v : {FwdVariantSm90::plain, FwdVariantSm90::score_mods, FwdVariantSm90::short_band,
                              FwdVariantSm90::long_keys}) {
       const FwdTileSm90 t = fwd_tile_sm90(bucket, v);
-      if (t.smem_bytes(bucket) > 232448 || !t.registers_fit()) return false;
+      if (t.smem_bytes(bucket) > kSmemPerBlockSm90 || !t.registers_fit()) return false;
     }
   return true;
 }
