@@ -13,11 +13,15 @@ once, innermost first, so that differences give each layer's own share: the C++ 
 argument conversion, validation, launches), _backend (DLPack export, stream, workspace),
 torch_ops' implementation (outputs, options), attention_kvcache (padding test, eager test),
 _check_kvcache (flash-attn's checks), and the entry function itself. Stubbed runs launch nothing.
+--peers (CUDA): the same host clock on calls that are not ours, for scale on the machine at hand:
+PyTorch's SDPA over the same contiguous cache (no append, no rotary; its cuDNN and flash backends,
+`torch_sdpa_*`) and one in-place add of a 1-element tensor (`torch_one_kernel`: one launch through
+torch's dispatcher, the least any Python call that launches work costs there).
 --device cpu: CPU tensors of tiny shapes (4/1 heads, hdim 8, 32 keys, float32; for the Python
 layers, on a machine without a GPU: the "C++ call" row is then the CPU backend's compute; run with
 OMP_NUM_THREADS=1, so that the backend's threads do not wait on a busy core).
 
-Usage: python bench/kvcache_host.py OUT.json [--breakdown] [--device cpu]
+Usage: python bench/kvcache_host.py OUT.json [--breakdown] [--peers] [--device cpu]
 (run from outside the source tree, or with the installed package first on the path)."""
 import argparse
 import json
@@ -123,10 +127,29 @@ def breakdown(call, dev):
     return {"host_us": round(t[0], 2), "layers_us": shares}
 
 
+def peer_calls(dev):
+    """(impl, call, shape) of the --peers rows: one decoding step's attention through SDPA (b = 1, the
+    contiguous 512-key cache of make_call, laid out as SDPA wants it), and one tiny kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    h, hk, d, s_k, dt = 32, 8, 128, 512, torch.bfloat16
+    q = torch.randn(1, h, 1, d, device=dev, dtype=dt)
+    k = torch.randn(1, hk, s_k, d, device=dev, dtype=dt)
+    v = torch.randn_like(k)
+    shape = dict(dtype="bfloat16", hdim=d, batch=1, nheads=h, nheads_k=hk, seqlen_q=1, seqlen_k=s_k, page_size=0)
+    for impl, be in (("torch_sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("torch_sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+        def call(be=be):
+            with sdpa_kernel(be):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        yield impl, call, shape
+    x = torch.zeros(1, device=dev)
+    yield "torch_one_kernel", lambda: x.add_(1), dict(dtype="float32", batch=1)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--breakdown", action="store_true")
+    p.add_argument("--peers", action="store_true")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     a = p.parse_args()
     dev = a.device
@@ -141,6 +164,16 @@ def main():
         if a.breakdown:
             r["breakdown"] = breakdown(call, dev)
         out.append(r)
+        print(json.dumps(out[-1]), file=sys.stderr)
+    for impl, call, shape in peer_calls(dev) if a.peers and dev == "cuda" else ():
+        try:
+            per_call = host_us(call, dev)
+        except RuntimeError as e:  # a backend that does not take this shape here
+            print(f"{impl}: {str(e).splitlines()[0]}", file=sys.stderr)
+            continue
+        out.append({"impl": impl, "pass": "decode_host", **shape, "append": False, "rotary": False, "calls": CALLS,
+                    "host_us": round(statistics.median(per_call), 2), "host_us_runs": [round(x, 2) for x in per_call],
+                    "device": name, "torch": torch.__version__})
         print(json.dumps(out[-1]), file=sys.stderr)
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)

@@ -12,7 +12,8 @@
 #              at -j 2, its CPU float64 references; over 240 s at -j 8, 2026-11-27)
 # On one H100 the whole run (build 38 s, tests, benchmarks ~220 s, sanitizers ~260 s) is longer than one
 # 600 s device call: split it, e.g. FM_SANITIZE=0 in one call and FM_TESTS=none FM_BENCH=0 in the next.
-#   FM_BENCH   0 skips the benchmarks;  FM_PEERS 0 skips the PyTorch peers; FM_FLEX=1 adds FlexAttention
+#   FM_BENCH   0 skips the benchmarks;  FM_SM80 0 the forced sm80 timings; FM_PEERS 0 the PyTorch peers;
+#              FM_FLEX=1 adds FlexAttention
 #              (bench/peers.py FM_PEERS_FLEX: seqlens 1k, 4k, 16k; each shape compiles, minutes: off by default)
 #   FM_ARCH    CUDA architectures to build (default 90: the H100; the library default is 80;90)
 #   FM_CPU     0 skips the CPU backend's suite (both ISAs) and cpu_vs_torch (FM_CPU_THREADS, default 16)
@@ -70,7 +71,9 @@ fi
 
 if [ "${FM_BENCH:-1}" != 0 ] && [ -x "$BUILD/bench/gpu/flashmonoid-gpu-bench" ]; then
   step "benchmarks"
-  timeout ${FM_BENCH_TIMEOUT:-240} "$BUILD/bench/gpu/flashmonoid-gpu-bench" "$LOG/fm.json" --no-kvcache ${FM_BENCH_ARGS:-} 2>"$LOG/bench.log" || status=1
+  # Both kernel families: the default (sm90 on Hopper) and the sm80 one forced (FM_SM80=0 skips it).
+  sm80=--with-sm80; [ "${FM_SM80:-1}" = 0 ] && sm80=
+  timeout ${FM_BENCH_TIMEOUT:-360} "$BUILD/bench/gpu/flashmonoid-gpu-bench" "$LOG/fm.json" --no-kvcache $sm80 ${FM_BENCH_ARGS:-} 2>"$LOG/bench.log" || status=1
   if [ "${FM_PEERS:-1}" != 0 ]; then
     PYTHONUNBUFFERED=1 timeout ${FM_PEERS_TIMEOUT:-300} python3 bench/peers.py "$LOG/peers.json" 2>>"$LOG/bench.log" || status=1
   fi
@@ -157,7 +160,7 @@ if [ "${FM_PYTHON:-1}" != 0 ]; then
   tail -3 "$LOG/pytest.log"
   # Host time of one flash_attn_with_kvcache call (issue 10: <= 15 us over 1000 calls, one sync),
   # and the share of each Python layer (--breakdown).
-  (cd /tmp && timeout 120 python3 "$repo/bench/kvcache_host.py" "$OUT/kvcache_host.json" --breakdown) >"$LOG/kvcache_host.log" 2>&1 ||
+  (cd /tmp && timeout 120 python3 "$repo/bench/kvcache_host.py" "$OUT/kvcache_host.json" --breakdown --peers) >"$LOG/kvcache_host.log" 2>&1 ||
     status=1
   tail -3 "$LOG/kvcache_host.log"
   # One Llama training step through Hugging Face, flashmonoid against PyTorch's SDPA backends (issue 9).

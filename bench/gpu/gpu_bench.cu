@@ -317,20 +317,20 @@ void grid_probe() {
       }
 }
 
-// The decoding shape: s_q = 1, 32 query heads over 8 KV heads, hdim 128, bf16.
+// The decoding shape: s_q new tokens (1 unless said), 32 query heads over 8 KV heads, hdim 128, bf16.
 struct DecodeProblem {
   static constexpr int h = 32, hk = 8, d = 128;
   int b, sk;
   std::size_t kv_bytes;  // of K, and of V
   Buf q, o, lse, k, v;
   TensorView qv, ov, kv, vv, lv;
-  DecodeProblem(int b_, int sk_)
+  DecodeProblem(int b_, int sk_, int sq = 1)
       : b(b_), sk(sk_), kv_bytes(static_cast<std::size_t>(b_) * sk_ * hk * d * 2),
-        q(static_cast<std::size_t>(b_) * h * d * 2, true), o(static_cast<std::size_t>(b_) * h * d * 2),
-        lse(static_cast<std::size_t>(b_) * h * 4), k(kv_bytes, true), v(kv_bytes, true),
-        qv(view4(q.p, DType::bf16, b_, 1, h, d)), ov(view4(o.p, DType::bf16, b_, 1, h, d)),
+        q(static_cast<std::size_t>(b_) * sq * h * d * 2, true), o(static_cast<std::size_t>(b_) * sq * h * d * 2),
+        lse(static_cast<std::size_t>(b_) * h * sq * 4), k(kv_bytes, true), v(kv_bytes, true),
+        qv(view4(q.p, DType::bf16, b_, sq, h, d)), ov(view4(o.p, DType::bf16, b_, sq, h, d)),
         kv(view4(k.p, DType::bf16, b_, sk_, hk, d)), vv(view4(v.p, DType::bf16, b_, sk_, hk, d)),
-        lv(lse.p, DType::f32, Device::cuda(0), {b_, h, 1}) {}
+        lv(lse.p, DType::f32, Device::cuda(0), {b_, h, sq}) {}
   void run(const flashmonoid::Context& ctx) { flashmonoid::forward(qv, kv, vv, ov, lv, {}, ctx); }
   // Graph-replayed time of one call with ctx on the graph's stream.
   double graph_ms(const flashmonoid::Context& ctx) {
@@ -373,6 +373,34 @@ void sweep_decode_splits(int b, int sk) {
     const double gms = pb.graph_ms(ctx);
     std::fprintf(stderr, "splits %3d: %.2f us, %.3f TB/s\n", splits, gms * 1e3, pb.tbps(gms));
   }
+}
+
+// Issue 8's choice for split-KV decoding (s_q <= 16): the sm80 kernels (GQA packing, split keys)
+// against the sm90 ones, graph-replayed K/V TB/s, printed. The sm90 forward takes s_q > 64 only
+// (fwd_sm90.hpp: kFwdSm90MinRows); build with -DFLASHMONOID_SM90_MIN_ROWS=1 for its column.
+void decode_paths() {
+  std::printf("%-4s %-7s %-4s %12s %12s\n", "b", "s_k", "s_q", "sm80 TB/s", "sm90 TB/s");
+  for (int b : {1, 8, 32})
+    for (int sk : {4096, 32768})
+      for (int sq : {1, 4, 16}) {
+        DecodeProblem pb(b, sk, sq);
+        // Not forward_workspace_size: in the probe build it answers for the sm90 path, which would
+        // leave the forced sm80 one without room for its splits.
+        Buf work(std::size_t{64} << 20);
+        double tb[2] = {0, 0};
+        for (int a = 0; a < 2; ++a) {
+          flashmonoid::Context ctx;
+          ctx.workspace = work.p;
+          ctx.workspace_bytes = work.bytes;
+          ctx.cuda_path = a == 0 ? flashmonoid::CudaPath::sm80 : flashmonoid::CudaPath::sm90;
+          try {
+            tb[a] = pb.tbps(pb.graph_ms(ctx));
+          } catch (const std::exception& e) {
+            std::fprintf(stderr, "b %d s_k %d s_q %d: %s\n", b, sk, sq, e.what());
+          }
+        }
+        std::printf("%-4d %-7d %-4d %12.3f %12.3f\n", b, sk, sq, tb[0], tb[1]);
+      }
 }
 
 // KV-cache decoding through forward_kvcache (issue 10's bars): 32 query heads over 8 KV heads,
@@ -780,6 +808,10 @@ int main(int argc, char** argv) {
     }
     else if (!std::strcmp(argv[i], "--host-costs")) {
       host_costs();
+      return 0;
+    }
+    else if (!std::strcmp(argv[i], "--decode-paths")) {
+      decode_paths();
       return 0;
     }
     else if (!std::strcmp(argv[i], "--sweep")) {

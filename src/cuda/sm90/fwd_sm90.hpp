@@ -15,7 +15,12 @@ namespace flashmonoid::cuda {
 // Decoding-shaped ones (s_q small enough that GQA packing or split-KV pays) keep the sm80 kernels,
 // which read K/V at copy speed already (bench/NOTES.md). So do KV-cache and paged calls: the sm90
 // kernels read K/V through strided TMA tensor maps, not through a cache's batch index or block table.
-inline constexpr int kFwdSm90MinRows = 65;
+// FLASHMONOID_SM90_MIN_ROWS: only for a probe build that times the sm90 kernels on decoding shapes
+// (gpu_bench --decode-paths); not an option of the library.
+#ifndef FLASHMONOID_SM90_MIN_ROWS
+#define FLASHMONOID_SM90_MIN_ROWS 65
+#endif
+inline constexpr int kFwdSm90MinRows = FLASHMONOID_SM90_MIN_ROWS;
 inline bool fwd_sm90_eligible(const detail::FwdParams& p) {
   const bool cache = p.kv.active || p.kv.block_table != nullptr;
   return p.seqlen_q >= kFwdSm90MinRows && !cache;
