@@ -1,10 +1,11 @@
 // CUDA forward_kvcache against the CPU float64 reference on the gathered keys (kvcache_case.hpp):
 // contiguous and paged caches (pages 1, 3, 16, 64, 256, shuffled tables), batch index, leftpad,
-// appends crossing pages, rotary both styles with rotary_dim < d, s_q 1..17 with causal among the
-// new tokens, windows, softcap, ALiBi, GQA/MQA, forced splits; the cache bytes after the append
-// equal the CPU's (same rotary bits); one CUDA graph captured once and replayed with new
-// seqlens / block-table / data; values only the device sees (seqlens past the capacity, pages past
-// num_pages) run without a fault (run this binary under compute-sanitizer memcheck for the proof).
+// cache_seqlens as a tensor or one host int, calls without new rows, appends crossing pages,
+// rotary both styles with rotary_dim < d, s_q 1..17 with causal among the new tokens, windows,
+// softcap, ALiBi, GQA/MQA, forced splits; the cache bytes after the append equal the CPU's (same
+// rotary bits); one CUDA graph captured once and replayed with new seqlens / block-table / data;
+// values only the device sees (seqlens past the capacity, pages past num_pages) run without a fault
+// (run this binary under compute-sanitizer memcheck for the proof).
 // Outputs are NaN-poisoned before every launch; unused cache rows and pages hold NaN.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -155,6 +156,30 @@ TEST(KvCacheCuda, HeadDimsAndGroups) {
     s.page_size = 16;
     s.rotary_dim = dims[i] / 2;
     s.interleaved = false;
+    run_case(s);
+  }
+}
+
+// cache_seqlens as one host int (every sequence holds the same rows), and calls without new rows
+// (attention over the cache alone), contiguous and paged.
+TEST(KvCacheCuda, HostSeqlenAndNoAppend) {
+  SKIP_WITHOUT_GPU();
+  for (int page : {0, 16}) {
+    KvShape s = decode_shape(DType::bf16);
+    s.page_size = page;
+    s.s_q = 3;
+    s.s_new = 3;
+    s.seqlens_tensor = false;
+    s.rotary_dim = 64;  // positions from the host int
+    run_case(s);
+    s.s_new = 0;
+    s.rotary_dim = 0;
+    run_case(s);
+    run_case(s, 4);
+    s.seqlens_tensor = true;
+    s.leftpad = true;
+    s.batch_idx = page == 0;
+    s.causal = false;
     run_case(s);
   }
 }
