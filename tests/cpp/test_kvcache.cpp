@@ -270,6 +270,13 @@ struct ErrorCall {
   }
   void run(const flashmonoid::KVCache& c) { run(c, pb.k_new.view, pb.v_new.view, pb.rotary(), pb.opt); }
   flashmonoid::KVCache cache() const { return pb.cache(pb.k_cache, pb.v_cache); }
+  // The call on the valid cache after change(cache) fails naming argument, with rule in the message.
+  template <class F>
+  void expect_cache_error(F change, const std::string& argument, const std::string& rule) {
+    flashmonoid::KVCache c = cache();
+    change(c);
+    expect_error([&] { run(c); }, argument, rule);
+  }
 };
 
 TEST(KvCacheErrors, CacheLayout) {
@@ -353,6 +360,81 @@ TEST(KvCacheErrors, Pages) {
   expect_error([&] { e.run(c); }, "block_table", "is not a page index in [0, " + std::to_string(e.pb.num_pages) + ")");
 }
 
+// The page pool's and the block table's layout, each with the argument it names.
+TEST(KvCacheErrors, PageLayout) {
+  ErrorCall e(ErrorCall::shape(8));
+  HostTensor empty_pages(DType::f32, {e.pb.num_pages, 0, 2, 16}), no_pages(DType::f32, {0, 8, 2, 16});
+  HostTensor no_columns(DType::i32, {2, 0}), flat(DType::i32, {8});
+  e.expect_cache_error([&](auto& c) { c.k = c.v = empty_pages.view; }, "k_cache", "page size (dim 1) must be >= 1, got 0");
+  e.expect_cache_error([&](auto& c) { c.k = c.v = no_pages.view; }, "k_cache", "must hold at least one page");
+  e.expect_cache_error([&](auto& c) { c.block_table = no_columns.view; }, "block_table", "at least one page per sequence");
+  e.expect_cache_error([&](auto& c) { c.block_table = flat.view; }, "block_table", "expected 2 dimensions");
+  e.expect_cache_error([&](auto& c) { c.block_table.device = flashmonoid::Device::cuda(0); }, "block_table",
+                       "all tensors must share a device");
+  // 4 pages of 2^30 rows (one real page of memory, the rows at stride 0): capacity past int32.
+  const TensorView huge(e.pb.k_cache.view.data, DType::f32, e.pb.q.view.device,
+                        {e.pb.num_pages, std::int64_t{1} << 30, 2, 16}, {0, 0, 16, 1});
+  e.expect_cache_error([&](auto& c) { c.k = c.v = huge; }, "block_table", "size 4294967296 exceeds 2^31 - 1");
+}
+
+TEST(KvCacheErrors, IndexTensorLayout) {
+  ErrorCall e(ErrorCall::shape(0));
+  HostTensor column(DType::i32, {2, 1}), every_other(DType::i32, {2}, {2}), idx(DType::i32, {2});
+  TensorView idx_on_gpu = idx.view;
+  idx_on_gpu.device = flashmonoid::Device::cuda(0);
+  e.expect_cache_error([&](auto& c) { c.seqlens = column.view; }, "seqlens", "expected 1 dimensions");
+  e.expect_cache_error([&](auto& c) { c.leftpad = every_other.view; }, "leftpad", "last dimension must be contiguous");
+  e.expect_cache_error([&](auto& c) { c.batch_idx = idx_on_gpu; }, "batch_idx", "all tensors must share a device");
+}
+
+// forward_varlen over pages: the same layout rules, naming k and v, and the pages' capacity
+// checked against cu_seqlens_k on the host.
+TEST(KvCacheErrors, PagedVarlen) {
+  const int page = 4, num_pages = 5;
+  HostTensor q(DType::f32, {5, 2, 8}), out(DType::f32, {5, 2, 8}), lse(DType::f32, {2, 5});
+  HostTensor kp(DType::f32, {num_pages, page, 2, 8}), vp(DType::f32, {num_pages, page, 2, 8});
+  HostTensor cu_q(DType::i32, {3}), cu_k(DType::i32, {3}), bt(DType::i32, {2, 3});
+  for (HostTensor* t : {&q, &kp, &vp}) t->fill_normal();
+  const int cq[] = {0, 2, 5}, ck[] = {0, 3, 9}, table[] = {4, 0, 0, 2, 1, 3};
+  std::memcpy(cu_q.view.data, cq, sizeof(cq));
+  std::memcpy(cu_k.view.data, ck, sizeof(ck));
+  std::memcpy(bt.view.data, table, sizeof(table));
+  flashmonoid::Varlen vl{cu_q.view, cu_k.view, 3, 12};
+  vl.block_table = bt.view;
+  TensorView k = kp.view, v = vp.view, o = out.view;
+  auto run = [&] { flashmonoid::forward_varlen(q.view, k, v, vl, o, lse.view, flashmonoid::Options{}); };
+  run();  // the valid call the errors below start from
+  HostTensor empty_pages(DType::f32, {num_pages, 0, 2, 8});
+  k = v = empty_pages.view;
+  expect_error(run, "k", "page size (dim 1) must be >= 1, got 0");
+  k = kp.view;
+  HostTensor short_v(DType::f32, {num_pages, page - 1, 2, 8});
+  v = short_v.view;
+  expect_error(run, "v", "the shape of k");
+  v = vp.view;
+  HostTensor k_heads(DType::f32, {num_pages, page, 3, 8});
+  k = v = k_heads.view;
+  expect_error(run, "k", "must be a multiple of the number of KV heads (3)");
+  k = kp.view;
+  v = vp.view;
+  int* c = cu_k.view.ptr<int>();
+  c[2] = 16;  // 13 keys in 3 pages of 4
+  vl.max_seqlen_k = 13;
+  expect_error(run, "cu_seqlens_k", "sequence 1 has 13 keys but its pages hold 12");
+  c[2] = 9;
+  vl.max_seqlen_k = 12;
+  int* t = bt.view.ptr<int>();
+  t[4] = num_pages;  // sequence 1's second page
+  expect_error(run, "block_table", "entry (1, 1) = 5 is not a page index in [0, 5)");
+  t[4] = 1;
+  HostTensor bt3(DType::i32, {3, 3});
+  vl.block_table = bt3.view;
+  expect_error(run, "block_table", "q's batch b = 2");
+  vl.block_table = bt.view;
+  o = TensorView(kp.view.data, DType::f32, q.view.device, {5, 2, 8});
+  expect_error(run, "out", "overlaps the memory of k");
+}
+
 TEST(KvCacheErrors, NewRowsRotaryAndOptions) {
   ErrorCall e(ErrorCall::shape(0));
   const auto c = e.cache();
@@ -381,6 +463,46 @@ TEST(KvCacheErrors, NewRowsRotaryAndOptions) {
   expect_error([&] { flashmonoid::forward_kvcache(e.pb.q.view, c, e.pb.k_new.view, e.pb.v_new.view, e.pb.rotary(),
                                                   in_cache, e.lse.view, e.pb.opt); },
                "out", "overlaps the memory of k_cache");
+}
+
+TEST(KvCacheErrors, QueryNewRowsRotaryAndCacheAliasing) {
+  ErrorCall e(ErrorCall::shape(0));
+  const auto c = e.cache();
+  const auto r = e.pb.rotary();
+  HostTensor qi(DType::i32, {2, 2, 4, 16});
+  expect_error([&] { flashmonoid::forward_kvcache(qi.view, c, e.pb.k_new.view, e.pb.v_new.view, r, e.out.view,
+                                                  e.lse.view, e.pb.opt); },
+               "q", "dtype must be fp32, fp16 or bf16");
+  HostTensor no_heads(DType::f32, {2, 32, 0, 16});
+  e.expect_cache_error([&](auto& c2) { c2.k = c2.v = no_heads.view; }, "k_cache", "must have at least one head");
+  e.expect_cache_error(
+      [](auto& c2) {
+        c2.seqlens = {};
+        c2.seqlen = 31;  // + 2 appended > 32
+      },
+      "seqlen", "31 rows held + 2 appended exceed the capacity 32");
+  // The append writes the cache: one buffer for k and v would be read after the write.
+  e.expect_cache_error([](auto& c2) { c2.v = c2.k; }, "k_cache", "overlaps the memory of v_cache");
+  const TensorView q_in_cache(e.pb.k_cache.view.data, DType::f32, e.pb.q.view.device, {2, 2, 4, 16});
+  expect_error([&] { flashmonoid::forward_kvcache(q_in_cache, c, e.pb.k_new.view, e.pb.v_new.view, r, e.out.view,
+                                                  e.lse.view, e.pb.opt); },
+               "k_cache", "overlaps the memory of q");
+
+  expect_error([&] { e.run(c, TensorView{}, e.pb.v_new.view, r, e.pb.opt); }, "k_new", "go together");
+  HostTensor k16(DType::f16, {2, 2, 2, 16}), v8(DType::f32, {2, 2, 2, 8});
+  expect_error([&] { e.run(c, k16.view, e.pb.v_new.view, r, e.pb.opt); }, "k_new", "dtype fp16 differs from q's fp32");
+  expect_error([&] { e.run(c, e.pb.k_new.view, v8.view, r, e.pb.opt); }, "v_new", "the shape of k_new");
+
+  HostTensor sin3(DType::f32, {32, 3}), cos1(DType::f32, {32});
+  auto r2 = r;
+  r2.cos = {};
+  expect_error([&] { e.run(c, e.pb.k_new.view, e.pb.v_new.view, r2, e.pb.opt); }, "rotary.cos", "both cos and sin");
+  r2 = r;
+  r2.sin = sin3.view;
+  expect_error([&] { e.run(c, e.pb.k_new.view, e.pb.v_new.view, r2, e.pb.opt); }, "rotary.sin", "the shape of rotary.cos");
+  r2 = r;
+  r2.cos = cos1.view;
+  expect_error([&] { e.run(c, e.pb.k_new.view, e.pb.v_new.view, r2, e.pb.opt); }, "rotary.cos", "expected 2 dimensions");
 }
 
 }  // namespace
