@@ -25,13 +25,17 @@ def rand(*shape, device="cpu", dtype=torch.float32, seed=0):
 
 
 def check_rule(out, grads, q, k, v, dout, **kw):
-    """FlashAttention's rule: error against float64 <= 2x that of the same math in the input
-    dtype (plus a floor for fp32, where both errors are near rounding)."""
-    ref = ref_attention(q, k, v, **kw)
-    low = ref_attention(q, k, v, upcast=False, **kw)
-    ref_g = torch.autograd.grad(ref, (q, k, v), dout.double())
-    low_g = torch.autograd.grad(low, (q, k, v), dout)
-    floor = 1e-5 if q.dtype == torch.float32 else 0.0
+    check_rule_of(lambda upcast: ref_attention(q, k, v, upcast=upcast, **kw), out, grads, (q, k, v), dout)
+
+
+def check_rule_of(reference, out, grads, inputs, dout):
+    """FlashAttention's rule: error against float64 (reference(upcast=True)) <= 2x that of the same
+    math in the input dtype (reference(upcast=False)), for out and the gradients of inputs (plus a
+    floor for fp32, where both errors are near rounding)."""
+    ref, low = reference(True), reference(False)
+    ref_g = torch.autograd.grad(ref, inputs, dout.double())
+    low_g = torch.autograd.grad(low, inputs, dout)
+    floor = 1e-5 if out.dtype == torch.float32 else 0.0
     assert (out.double() - ref).abs().max() <= 2 * (low.double() - ref).abs().max() + floor
     for g, r, lg in zip(grads, ref_g, low_g):
         assert (g.double() - r).abs().max() <= 2 * (lg.double() - r).abs().max() + 10 * floor
@@ -123,6 +127,63 @@ def test_varlen_variants(device, dtype):
     torch.testing.assert_close(fa.flash_attn_varlen_qkvpacked_func(qkv, cu, 12, causal=True), out)
     kv = torch.stack([k, v], dim=1)
     torch.testing.assert_close(fa.flash_attn_varlen_kvpacked_func(q, kv, cu, cu, 12, 12, causal=True), out)
+
+
+def varlen_reference(q, k, v, cu_q, cu_k, upcast, **kw):
+    """ref_attention per sequence of packed q (total_q, h, d) and k, v (total_k, h_k, d)."""
+    return torch.cat([ref_attention(q[None, cu_q[i]:cu_q[i + 1]], k[None, cu_k[i]:cu_k[i + 1]],
+                                    v[None, cu_k[i]:cu_k[i + 1]], upcast=upcast, **kw)[0]
+                      for i in range(len(cu_q) - 1)])
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and a CUDA build")
+@pytest.mark.parametrize("d", [59, 111])
+def test_head_dims_not_a_multiple_of_8_varlen_and_packed(d):
+    # Every function of the interface at a head dim flash-attn pads internally, against float64.
+    dev, dt = "cuda", torch.bfloat16 if d == 59 else torch.float16
+
+    def check(out, inputs, reference):
+        dout = torch.randn_like(out)
+        check_rule_of(reference, out, torch.autograd.grad(out, inputs, dout), inputs, dout)
+
+    lens_k, cu_q, cu_k = [3, 20, 9], [0, 3, 4, 10], [0, 3, 23, 32]
+    cu_q_t, cu_k_t = (torch.tensor(c, dtype=torch.int32, device=dev) for c in (cu_q, cu_k))
+    q, k, v = rand(10, 4, d, device=dev, dtype=dt), rand(32, 2, d, device=dev, dtype=dt, seed=1), \
+        rand(32, 2, d, device=dev, dtype=dt, seed=2)
+    out = fa.flash_attn_varlen_func(q, k, v, cu_q_t, cu_k_t, 6, 20, causal=True)
+    assert out.shape == q.shape
+    check(out, (q, k, v), lambda upcast: varlen_reference(q, k, v, cu_q, cu_k, upcast, causal=True))
+
+    # Paged (page 16, shuffled, unused rows NaN): forward only.
+    page, g = 16, torch.Generator().manual_seed(3)
+    max_pages = -(-max(lens_k) // page)
+    perm = torch.randperm(3 * max_pages + 1, generator=g)[: 3 * max_pages]
+    table = perm.to(device=dev, dtype=torch.int32).reshape(3, max_pages)
+    kp = torch.full((3 * max_pages + 1, page, 2, d), float("nan"), dtype=dt, device=dev)
+    vp = kp.clone()
+    for i in range(3):
+        rows = torch.arange(lens_k[i], device=dev)
+        kp[table[i].long()[rows // page], rows % page] = k.detach()[cu_k[i]:cu_k[i + 1]]
+        vp[table[i].long()[rows // page], rows % page] = v.detach()[cu_k[i]:cu_k[i + 1]]
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    paged = fa.flash_attn_varlen_func(qd, kp, vp, cu_q_t, cu_k_t, 6, 20, causal=True, block_table=table)
+    ref = varlen_reference(qd, kd, vd, cu_q, cu_k, True, causal=True)
+    low = varlen_reference(qd, kd, vd, cu_q, cu_k, False, causal=True)
+    assert (paged.double() - ref).abs().max() <= 2 * (low.double() - ref).abs().max()
+
+    # Packed: qkv (b, s, 3, h, d), kv (b, s_k, 2, h_k, d), and their varlen forms.
+    qkv = rand(2, 24, 3, 4, d, device=dev, dtype=dt, seed=4)
+    check(fa.flash_attn_qkvpacked_func(qkv, causal=True), (qkv,),
+          lambda upcast: ref_attention(*qkv.unbind(2), causal=True, upcast=upcast))
+    qb, kv = rand(2, 10, 4, d, device=dev, dtype=dt, seed=5), rand(2, 24, 2, 2, d, device=dev, dtype=dt, seed=6)
+    check(fa.flash_attn_kvpacked_func(qb, kv, softcap=5.0), (qb, kv),
+          lambda upcast: ref_attention(qb, *kv.unbind(2), softcap=5.0, upcast=upcast))
+    qkv = rand(10, 3, 4, d, device=dev, dtype=dt, seed=7)
+    check(fa.flash_attn_varlen_qkvpacked_func(qkv, cu_q_t, 6, causal=True), (qkv,),
+          lambda upcast: varlen_reference(*qkv.unbind(1), cu_q, cu_q, upcast, causal=True))
+    kv = rand(32, 2, 2, d, device=dev, dtype=dt, seed=8)
+    check(fa.flash_attn_varlen_kvpacked_func(q, kv, cu_q_t, cu_k_t, 6, 20, causal=True), (q, kv),
+          lambda upcast: varlen_reference(q, *kv.unbind(1), cu_q, cu_k, upcast, causal=True))
 
 
 def test_dropout_attn_probs_encode_the_mask():

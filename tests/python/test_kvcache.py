@@ -124,11 +124,16 @@ class Case:
 
 def check(case, **kw):
     out, lse, kc, vc = case.run(**kw)
+    assert lse.shape == (case.q.shape[0], case.q.shape[2], case.q.shape[1])
+    check_result(case, out, kc, vc, **kw)
+
+
+def check_result(case, out, kc, vc, **kw):
+    """out and the caches after a call (kc, vc) against case's expected attention and append."""
     ref, new_k = case.expected(**kw)
     low, _ = case.expected(upcast=False, **kw)
     floor = 1e-5 if case.q.dtype == torch.float32 else 0.0
     assert (out.double() - ref).abs().max() <= 2 * (low.double() - ref).abs().max() + floor
-    assert lse.shape == (case.q.shape[0], case.q.shape[2], case.q.shape[1])
     for i in range(case.q.shape[0]):
         n = int(case.seqlens[i].cpu())
         rows = torch.arange(n, n + case.s_new)
@@ -284,6 +289,40 @@ def test_head_dims_not_a_multiple_of_8_run_on_cuda(d):
     assert (out.double() - ref).abs().max() <= 2 * (low.double() - ref).abs().max()
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     assert dq.shape == q.shape and not dq.isnan().any()
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and a CUDA build")
+def test_kvcache_cuda_graph_replays_with_new_seqlens_and_block_table():
+    # One capture; before each replay cache_seqlens, leftpad and block_table get new values in place
+    # (the same tensors) and the cache, q, k, v new data: nothing read at capture time may stick.
+    shape = dict(b=3, s_q=2, s_new=1, h=8, h_k=2, d=64, capacity=80, page=16, leftpad=True, rotary_dim=32)
+    first = Case("cuda", torch.bfloat16, seed=12, **shape)
+    names = ("q", "k", "v", "k_cache", "v_cache", "cos", "sin", "seqlens", "leftpad", "block_table")
+    static = {n: getattr(first, n).clone() for n in names}
+
+    def step():
+        return fa.flash_attn_with_kvcache(
+            static["q"], static["k_cache"], static["v_cache"], static["k"], static["v"], rotary_cos=static["cos"],
+            rotary_sin=static["sin"], cache_seqlens=static["seqlens"], cache_leftpad=static["leftpad"],
+            block_table=static["block_table"], causal=True)
+
+    side = torch.cuda.Stream()  # warm-up off the capturing stream, as torch.cuda.graph asks
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in (13, 14, 15):
+        case = Case("cuda", torch.bfloat16, seed=seed, **shape)
+        assert not torch.equal(case.seqlens, first.seqlens) and not torch.equal(case.block_table, first.block_table)
+        for n in names:
+            static[n].copy_(getattr(case, n))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_result(case, out, static["k_cache"], static["v_cache"], causal=True)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and a CUDA build")
