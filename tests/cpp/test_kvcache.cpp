@@ -377,6 +377,22 @@ TEST(KvCacheErrors, PageLayout) {
   e.expect_cache_error([&](auto& c) { c.k = c.v = huge; }, "block_table", "size 4294967296 exceeds 2^31 - 1");
 }
 
+// Sizes past int32 in the other host-visible dimensions, with one real row at stride 0.
+TEST(KvCacheErrors, SizesPastInt32) {
+  ErrorCall e(ErrorCall::shape(0));
+  const std::int64_t big = std::int64_t{1} << 31;
+  const TensorView entries(e.pb.k_cache.view.data, DType::f32, e.pb.q.view.device, {big, 32, 2, 16}, {0, 32, 16, 1});
+  e.expect_cache_error([&](auto& c) { c.k = c.v = entries; }, "k_cache", "size 2147483648 exceeds 2^31 - 1");
+  auto r = e.pb.rotary();
+  r.cos = r.sin = TensorView(r.cos.data, DType::f32, e.pb.q.view.device, {big, 4}, {0, 1});
+  expect_error([&] { e.run(e.cache(), e.pb.k_new.view, e.pb.v_new.view, r, e.pb.opt); }, "rotary.cos",
+               "size 2147483648 exceeds 2^31 - 1");
+  const TensorView q3(e.pb.q.view.data, DType::f32, e.pb.q.view.device, {2, 2, 64});
+  expect_error([&] { flashmonoid::forward_kvcache(q3, e.cache(), e.pb.k_new.view, e.pb.v_new.view, e.pb.rotary(),
+                                                  e.out.view, e.lse.view, e.pb.opt); },
+               "q", "expected 4 dimensions");
+}
+
 TEST(KvCacheErrors, IndexTensorLayout) {
   ErrorCall e(ErrorCall::shape(0));
   HostTensor column(DType::i32, {2, 1}), every_other(DType::i32, {2}, {2}), idx(DType::i32, {2});
