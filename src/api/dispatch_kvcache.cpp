@@ -2,6 +2,7 @@
 // CUDA backend.
 #include "api/kvcache_params.hpp"
 #include "api/pointer_source.hpp"
+#include "api/validate_util.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "cpu/isa.hpp"
 #include "flashmonoid/kvcache.hpp"
@@ -47,13 +48,17 @@ std::size_t forward_kvcache_workspace_size(const TensorView& q, const KVCache& c
                                            const Rotary& rotary, const Options& options) {
   if (q.device.kind == DeviceKind::cpu) return 0;
 #ifdef FLASHMONOID_WITH_CUDA
-  // Shapes only: outputs are stand-ins, the values behind the views are never read on CUDA.
-  const TensorView out(reinterpret_cast<void*>(std::uintptr_t{1} << 44), q.dtype, q.device,
-                       {q.size(0), q.size(1), q.size(2), q.size(3)});
-  const TensorView lse(reinterpret_cast<void*>(std::uintptr_t{2} << 44), DType::f32, q.device,
-                       {q.size(0), q.size(2), q.size(1)});
-  const TensorView v_new = k_new;
-  const detail::KvCacheCall c = detail::make_kvcache_params(q, cache, k_new, v_new, rotary, out, lse, options);
+  // Shapes only, no invented pointers: the call is validated with q's rows cut to none, so that
+  // out and lse have no elements and need no data, and the plan then takes the rows back (s_q sets
+  // seqlen_q and total_q and nothing else in the params). No value behind a view is read on CUDA.
+  TensorView q_rowless = q;
+  q_rowless.shape[1] = 0;
+  const TensorView out(nullptr, q.dtype, q.device, {q.size(0), 0, q.size(2), q.size(3)});
+  const TensorView lse(nullptr, DType::f32, q.device, {q.size(0), q.size(2), 0});
+  detail::KvCacheCall c = detail::make_kvcache_params(q_rowless, cache, k_new, k_new, rotary, out, lse, options);
+  detail::check_int_range(q.size(1), "q");
+  c.attn.seqlen_q = static_cast<int>(q.size(1));
+  c.attn.total_q = q.size(0) * q.size(1);
   if (!cuda::unsupported_reason(c.attn).empty()) return 0;
   return cuda::forward_kvcache_workspace_size(c);
 #else
