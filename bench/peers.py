@@ -5,7 +5,8 @@ as queues of calls behind a sleep kernel, so no side's host time is timed; forwa
 no_grad, the flash backward through its aten op, so that autograd's host work is not timed, as
 flashmonoid's C++ calls have none; cudnn's and efficient's backward through autograd), written as a
 JSON list of records {impl, pass, dtype, hdim, causal, batch, nheads, nheads_k, seqlen_q, seqlen_k,
-ms, tflops | tbps, device}. Usage: peers.py OUT.json
+ms, tflops | tbps, device}; the KV-cache decoding records add page_size, append, rotary, timing and
+copy_tbps. Usage: peers.py OUT.json
 Environment (to fit a short device lease): FM_PEERS_NO_BWD=1 times the forward only;
 FM_PEERS_IMPLS=torch_flash,torch_cudnn keeps those backends only; FM_PEERS_DECODE_ONLY=1 skips
 the training shapes; cuDNN on issue 10's KV-cache decoding shapes unless FM_PEERS_KVCACHE=0 (main).
@@ -301,11 +302,25 @@ def decode(out):
             del q, k, v
 
 
+COPY_BYTES = 2**30  # far past the L2 (50 MB on the H100)
+
+
+def copy_tbps():
+    """The device's copy bandwidth as gpu_bench.cu's bench_copy measures it: one device-to-device
+    copy of COPY_BYTES random bf16, bytes read + written over the median time (median_ms)."""
+    src = torch.randn(COPY_BYTES // 2, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    return 2 * COPY_BYTES / median_ms(lambda: dst.copy_(src)) / 1e9
+
+
 def kvcache_decode(out):
     """Issue 10's decoding shapes for the cuDNN peer: SDPA over a contiguous cache, no append, no
     rotary (what it can do), graph-replayed; records as gpu_bench's pass "decode", the same (b, s_k)
-    and the skip rule of bench_kvcache_all, s_q = 1 and 4. s_q = 4 runs non-causal: SDPA's causal
-    mask is top-left aligned (gpu_bench's is bottom-right); the K/V bytes read are the same."""
+    and the skip rule of bench_kvcache_all, s_q = 1 and 4, each with this process's copy_tbps
+    (measured once, before the shapes). s_q = 4 runs non-causal: SDPA's causal mask is top-left
+    aligned (gpu_bench's is bottom-right); the K/V bytes read are the same."""
+    copy = copy_tbps()
+    print(f"device copy: {copy:.3f} TB/s", file=sys.stderr)
     h, hk, d = 32, 8, 128
     for b in (1, 8, 32, 64):
         for sk in (4096, 32768, 131072):
@@ -324,7 +339,7 @@ def kvcache_decode(out):
                     print(f"torch_cudnn kvcache decode b{b} sk{sk} sq{sq}: {str(e).splitlines()[0]}", file=sys.stderr)
                     continue
                 out.append(rec("torch_cudnn", "decode", d, False, b, h, hk, sq, sk, ms, "tbps", kv_bytes / ms / 1e9))
-                out[-1].update(page_size=0, append=False, rotary=False, timing="graph")
+                out[-1].update(page_size=0, append=False, rotary=False, timing="graph", copy_tbps=copy)
                 print(json.dumps(out[-1]), file=sys.stderr)
                 del q
             del k, v

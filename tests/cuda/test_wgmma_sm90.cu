@@ -332,12 +332,16 @@ double median_ms(F&& call) {
 TEST(WgmmaGemmBench, DISABLED_Throughput8192) {
   if (!hopper()) GTEST_SKIP() << "needs a compute capability 9.x device";
   const int s = 8192;
+  int dev = 0;
+  cudaDeviceProp prop{};
+  ok(cudaGetDevice(&dev));
+  ok(cudaGetDeviceProperties(&prop, dev));
   for (int tb : {0, 1}) {
     Gemm gm(s, s, s, tb);
     auto report = [&](const char* impl, double ms) {
       std::printf("{\"impl\": \"%s\", \"pass\": \"gemm\", \"b_layout\": \"%s\", \"m\": %d, \"n\": %d, \"k\": %d, "
-                  "\"ms\": %.4f, \"tflops\": %.1f}\n",
-                  impl, tb ? "mn_major" : "k_major", s, s, s, ms, 2.0 * s * s * s / ms / 1e9);
+                  "\"ms\": %.4f, \"tflops\": %.1f, \"device\": \"%s\"}\n",
+                  impl, tb ? "mn_major" : "k_major", s, s, s, ms, 2.0 * s * s * s / ms / 1e9, prop.name);
     };
     for (const Variant& v : kVariants) {
       const GemmArgs args = gm.args(v);
