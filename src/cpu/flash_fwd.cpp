@@ -1,7 +1,7 @@
 // CPU flash forward: for each (batch, head, block of kBlockM query rows) a fold of the
 // online-softmax monoid (detail/monoid.hpp) over blocks of kBlockN keys. Per thread the only
 // scores alive are one (kBlockM, kBlockN) tile. Extra memory: K and V packed once
-// (O(total_k·h_k·d); up to 16 MiB of it kept by the calling thread for its next call, kept_scratch)
+// (O(total_k·h_k·d); up to 64 MiB of it kept by the calling thread for its next call, kept_scratch)
 // and the per-thread tiles (O(kBlockM·d)).
 //
 // The two block products run on fp32 operands (K, V and Q converted when packed), or, for bf16
@@ -118,9 +118,10 @@ struct PackedKV {
 // calls: allocated per call, the packed K/V's pages were faulted in (and zeroed by the kernel) on
 // every call, ~1k minor faults for 4 MB at s = 1k, and keeping them made the forward 3-10% faster
 // at s = 1k, 2 threads, inside the torch benchmark process (AMD EPYC, d = 128: 22.1 against 24.4
-// ms). Larger scratch is the call's own (`owned`): there the O(s²) products dwarf the faults, and a
-// thread should not hold it. The pages stay where the packing threads first touched them.
-constexpr std::size_t kKeepScratchBytes = std::size_t{16} << 20;
+// ms); at 32 MiB (s = 4k, d = 128, h = 8) the 8k faults of a fresh buffer still cost 2-3% of the
+// call, hence 64 MiB (s = 8k, d = 128, h = 8). Larger scratch is the call's own (`owned`), so that a
+// thread does not hold it. The pages stay where the packing threads first touched them.
+constexpr std::size_t kKeepScratchBytes = std::size_t{64} << 20;
 std::byte* kept_scratch(std::size_t bytes, std::unique_ptr<std::byte[]>& owned) {
   if (bytes > kKeepScratchBytes) {
     owned = std::make_unique_for_overwrite<std::byte[]>(bytes);
