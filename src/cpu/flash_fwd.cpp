@@ -393,10 +393,13 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
 // out, lse of the item's m rows from finished states: out = o / l, lse = ln 2·(m + log2 l).
 void store_rows(const FwdParams& p, Item it, int m, const float* o, int dp, const RowState* state) {
   const SeqInfo si = seq_info(p, it.b);
+  const auto row_offset = [&](int r) {
+    return detail::offset_of(p.o_stride, it.b, si.q_row0 + static_cast<std::int64_t>(it.qb) * kBlockM + r, it.hq);
+  };
   for (int r = 0; r < m; ++r) {
     const std::int64_t i = static_cast<std::int64_t>(it.qb) * kBlockM + r;
-    tiles::store_row(p.out, p.dtype, detail::offset_of(p.o_stride, it.b, si.q_row0 + i, it.hq), p.d, o + r * dp,
-                     detail::finish_inv_l(state[r]));
+    if (r + tiles::kRowsAhead < m) tiles::prefetch_row(p.out, p.dtype, row_offset(r + tiles::kRowsAhead), p.d, true);
+    tiles::store_row(p.out, p.dtype, row_offset(r), p.d, o + r * dp, detail::finish_inv_l(state[r]));
     p.lse[detail::lse_index(p, it.b, it.hq, si, i)] = detail::finish_lse(state[r]);
   }
 }
