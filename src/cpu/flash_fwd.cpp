@@ -122,8 +122,8 @@ struct PackedKV {
 // calls: allocated per call, the packed K/V's pages were faulted in (and zeroed by the kernel) on
 // every call, ~1k minor faults for 4 MB at s = 1k, and keeping them made the forward 3-10% faster
 // at s = 1k, 2 threads, inside the torch benchmark process (AMD EPYC, d = 128: 22.1 against 24.4
-// ms); at 32 MiB (s = 4k, d = 128, h = 8) the 8k faults of a fresh buffer still cost 2-3% of the
-// call, hence 64 MiB (s = 8k, d = 128, h = 8). Larger scratch is the call's own (`owned`), so that a
+// ms); at 32 MiB (s = 4k, d = 128, h = 8) the 8192 page faults of a fresh buffer still cost 2-3% of
+// the call, hence 64 MiB (s = 8k, d = 128, h = 8). Larger scratch is the call's own (`owned`), so that a
 // thread does not hold it. The pages stay where the packing threads first touched them.
 constexpr std::size_t kKeepScratchBytes = std::size_t{64} << 20;
 std::byte* kept_scratch(std::size_t bytes, std::unique_ptr<std::byte[]>& owned) {
