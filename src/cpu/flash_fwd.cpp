@@ -1,7 +1,7 @@
 // CPU flash forward: for each (batch, head, block of kBlockM query rows) a fold of the
 // online-softmax monoid (detail/monoid.hpp) over blocks of kBlockN keys. Per thread the only
 // scores alive are one (kBlockM, kBlockN) tile. Extra memory: K and V packed once
-// (O(total_k·h_k·d); up to 16 MiB of it kept by the calling thread for its next call, kept_scratch)
+// (O(total_k·h_k·d); up to 64 MiB of it kept by the calling thread for its next call, kept_scratch)
 // and the per-thread tiles (O(kBlockM·d)).
 //
 // The two block products run on fp32 operands (K, V and Q converted when packed), or, for bf16
@@ -33,13 +33,17 @@ using detail::RowState;
 using detail::SeqInfo;
 using tiles::kLanes;
 
-// Tile sizes from a sweep of kBlockM in {48, 96, 192} × kBlockN in {32, 64, 128, 256} at s = 2048,
-// d = 64 and 128, one thread (CPU time, the machine being shared): kBlockN = 128 was 3-9% faster
-// than 64 (half the rescales of O per key), 256 lost 20% at d = 128 (the (d, kBlockN) Kᵀ tile left
-// L1); kBlockM barely mattered, 96 = 16 micro-kernel row blocks of 6.
+// Tile sizes: kBlockM from a sweep of {48, 96, 192} at s = 2048 (barely mattered; 96 = 16 row blocks
+// of 6 for AVX2, 12 of 8 for AVX-512). kBlockN = 256 against 128 (AMD EPYC VM, AVX-512, 2 threads,
+// b = 1, h = 8, calls paired with the 128 build): 0.965-0.991 of the time at d = 64 and 128, s = 1k
+// to 8k, from fewer per-tile costs (the rows' reductions and state merges, O's load and store around
+// each P·V micro-kernel); 512 was within 1% of 256, with fewer key splits for short sequences. (Before
+// Kᵀ was stored in column panels 256 lost 20% at d = 128: the (d, kBlockN) tile left L1; a panel is
+// (d, Kernels::panel) now.) Under a causal mask or a band the products stop at the block's last
+// visible key (fold_keys), so the wider tile computes no more masked columns.
 // kBlockN is a multiple of 4 so that tiles start on a Philox column group.
 constexpr int kBlockM = 96;
-constexpr int kBlockN = 128;
+constexpr int kBlockN = 256;
 static_assert(kBlockN % 32 == 0, "kBlockN must be a multiple of the micro-kernels' panels (Kernels::panel)");
 
 // (batch, head, query block) items; sequences differ in length under varlen, so the items of
@@ -118,9 +122,10 @@ struct PackedKV {
 // calls: allocated per call, the packed K/V's pages were faulted in (and zeroed by the kernel) on
 // every call, ~1k minor faults for 4 MB at s = 1k, and keeping them made the forward 3-10% faster
 // at s = 1k, 2 threads, inside the torch benchmark process (AMD EPYC, d = 128: 22.1 against 24.4
-// ms). Larger scratch is the call's own (`owned`): there the O(s²) products dwarf the faults, and a
-// thread should not hold it. The pages stay where the packing threads first touched them.
-constexpr std::size_t kKeepScratchBytes = std::size_t{16} << 20;
+// ms); at 32 MiB (s = 4k, d = 128, h = 8) the 8192 page faults of a fresh buffer still cost 2-3% of
+// the call, hence 64 MiB (s = 8k, d = 128, h = 8). Larger scratch is the call's own (`owned`), so that a
+// thread does not hold it. The pages stay where the packing threads first touched them.
+constexpr std::size_t kKeepScratchBytes = std::size_t{64} << 20;
 std::byte* kept_scratch(std::size_t bytes, std::unique_ptr<std::byte[]>& owned) {
   if (bytes > kKeepScratchBytes) {
     owned = std::make_unique_for_overwrite<std::byte[]>(bytes);
@@ -296,14 +301,15 @@ void load_q(const FwdParams& p, const PackedKV& kv, const SeqInfo& si, Item it, 
     tiles::pairs_of_row(q + detail::offset_of(p.q_stride, it.b, si.q_row0 + i0 + r, it.hq), p.d, ws.q2.data() + r * kv.d2);
 }
 
-// S (m, kBlockN) = Q (m, d) · Kᵀ (d, kBlockN) of tile `tile`: scores in natural units for the fp32
+// S (m, cols) = Q (m, d) · Kᵀ (d, cols) of tile `tile`, the tile's first cols columns (a whole number
+// of panels; the rest of each row of ws.s is left as it was): scores in natural units for the fp32
 // products (Q holds the scale), unscaled ones for the bf16 products.
-void scores(const Kernels& kn, const PackedKV& kv, std::int64_t tile, int m, Workspace& ws) {
+void scores(const Kernels& kn, const PackedKV& kv, std::int64_t tile, int m, int cols, Workspace& ws) {
   if (kv.pairs)
-    tiles::gemm_panels(kn.gemm_bf16, m, kBlockN, kv.d2, ws.q2.data(), kv.d2, kv.kt2_tile(tile), kv.d2, kv.panel,
+    tiles::gemm_panels(kn.gemm_bf16, m, cols, kv.d2, ws.q2.data(), kv.d2, kv.kt2_tile(tile), kv.d2, kv.panel,
                        ws.s.data(), kBlockN);
   else
-    tiles::gemm_panels(kn.gemm, m, kBlockN, kv.d, ws.q.data(), kv.d, kv.kt_tile(tile), kv.d, kv.panel, ws.s.data(),
+    tiles::gemm_panels(kn.gemm, m, cols, kv.d, ws.q.data(), kv.d, kv.kt_tile(tile), kv.d, kv.panel, ws.s.data(),
                        kBlockN);
 }
 
@@ -344,10 +350,11 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
   const bool scale_rows = kv.pairs && (p.softcap > 0.0f || p.alibi != nullptr);
   const float mul = kv.pairs && !scale_rows ? tiles::kLog2e * p.scale : tiles::kLog2e;
   for (std::int64_t j0 = k_begin; j0 < k_end; j0 += kBlockN) {
-    const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, si.len_k - j0));
+    // The tile's keys up to the block's last visible one; the products run over those only.
+    const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, k_end - j0));
     const std::int64_t tile = kv.tile(it.b, j0 / kBlockN, hk, p.h_k);
 
-    scores(kn, kv, tile, m, ws);
+    scores(kn, kv, tile, m, tiles::round_up(n, kv.panel), ws);
     lap.charge(profile::scores);
 
     const bool needs_mask = band.tile_needs_mask(i0, i0 + m, j0, j0 + n, si.len_k);
@@ -392,10 +399,13 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
 // out, lse of the item's m rows from finished states: out = o / l, lse = ln 2·(m + log2 l).
 void store_rows(const FwdParams& p, Item it, int m, const float* o, int dp, const RowState* state) {
   const SeqInfo si = seq_info(p, it.b);
+  const auto row_offset = [&](int r) {
+    return detail::offset_of(p.o_stride, it.b, si.q_row0 + static_cast<std::int64_t>(it.qb) * kBlockM + r, it.hq);
+  };
   for (int r = 0; r < m; ++r) {
     const std::int64_t i = static_cast<std::int64_t>(it.qb) * kBlockM + r;
-    tiles::store_row(p.out, p.dtype, detail::offset_of(p.o_stride, it.b, si.q_row0 + i, it.hq), p.d, o + r * dp,
-                     detail::finish_inv_l(state[r]));
+    if (r + tiles::kRowsAhead < m) tiles::prefetch_row(p.out, p.dtype, row_offset(r + tiles::kRowsAhead), p.d, true);
+    tiles::store_row(p.out, p.dtype, row_offset(r), p.d, o + r * dp, detail::finish_inv_l(state[r]));
     p.lse[detail::lse_index(p, it.b, it.hq, si, i)] = detail::finish_lse(state[r]);
   }
 }
