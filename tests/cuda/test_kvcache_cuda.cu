@@ -12,6 +12,8 @@
 
 #include <cstring>
 #include <memory>
+#include <random>
+#include <vector>
 
 #include "device_tensor.hpp"
 #include "kvcache_case.hpp"
@@ -157,6 +159,48 @@ TEST(KvCacheCuda, HeadDimsAndGroups) {
     s.rotary_dim = dims[i] / 2;
     s.interleaved = false;
     run_case(s);
+  }
+}
+
+// Forced split counts past the heuristic's (33 and 128 splits, most of the 128 without a key; 16 and
+// 64 packed rows), hdim 128 and 64, paged and contiguous caches, on a workspace that holds random
+// bytes before the first call; each problem runs twice on it, the second time with new data.
+TEST(KvCacheCuda, ForcedSplitsOnAnyWorkspace) {
+  SKIP_WITHOUT_GPU();
+  const int cases[][4] = {{1, 33, 0, 128}, {4, 33, 16, 128}, {16, 5, 0, 64}, {4, 7, 64, 64}, {1, 128, 1, 128}};
+  for (const auto& c : cases) {
+    KvShape s;
+    s.dtype = c[0] == 4 ? DType::f16 : DType::bf16;
+    s.b = 2;
+    s.h = 16;
+    s.h_k = 4;
+    s.d = c[3];
+    s.s_q = c[0];
+    s.s_new = c[0];
+    s.capacity = 3000;
+    s.causal = true;
+    s.page_size = c[2];
+    s.rotary_dim = 64;
+    SCOPED_TRACE(s.str() + " splits " + std::to_string(c[1]));
+    KvProblem pb(s);
+    DeviceKv d(pb, c[1]);
+    std::vector<unsigned char> noise(d.work->bytes);
+    std::mt19937 rng(std::random_device{}());
+    for (auto& x : noise) x = static_cast<unsigned char>(rng());
+    cuda_ok(cudaMemcpy(d.work->ptr, noise.data(), noise.size(), cudaMemcpyHostToDevice));
+    d.run(c[1]);
+    check_results(pb, d);
+    KvProblem next(s);
+    for (auto [dev, host] : {std::pair{&d.q, &next.q}, {&d.k_new, &next.k_new}, {&d.v_new, &next.v_new},
+                             {&d.k_cache, &next.k_cache}, {&d.v_cache, &next.v_cache},
+                             {&d.block_table, &next.block_table}, {&d.seqlens, &next.seqlens},
+                             {&d.cos, &next.cos}, {&d.sin, &next.sin}})
+      dev->copy_from(*host);
+    d.out.copy_from(next.new_out());  // poisoned
+    d.lse.copy_from(next.new_lse());
+    d.run(c[1]);
+    SCOPED_TRACE("second call");
+    check_results(next, d);
   }
 }
 
