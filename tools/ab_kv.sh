@@ -6,7 +6,8 @@
 # bench/gpu/gpu_bench.cu: kv_probe); the probes alternate FM_AB_ROUNDS times (default 2) and a
 # table of medians is printed last. FM_AB_TESTS: a gtest filter of
 # test_kvcache_cuda and test_fwd_cuda run on this tree's build first (default: the KV-cache tests
-# and the decoding cases), and under compute-sanitizer memcheck and racecheck (KV-cache tests).
+# and the decoding cases), and under compute-sanitizer memcheck and racecheck (KV-cache tests;
+# FM_AB_SANITIZERS: the tools, empty for none).
 set -uo pipefail
 OUT=${OUT:-$PWD/ab_out}
 REFS=${FM_AB_REF:-.ab/ref}
@@ -34,7 +35,7 @@ if [ "$TESTS" != none ]; then
     timeout 300 build-ab-new/tests/cpp/test_${t}_cuda --gtest_filter="$TESTS" >"$OUT/test_$t.log" 2>&1
     echo "test_${t}_cuda rc=$?: $(grep -E '^\[  (PASSED|FAILED)' "$OUT/test_$t.log" | tr '\n' ' ')"
   done
-  for tool in memcheck racecheck; do
+  for tool in ${FM_AB_SANITIZERS-memcheck racecheck}; do
     timeout 240 compute-sanitizer --tool $tool --error-exitcode 3 build-ab-new/tests/cpp/test_kvcache_cuda \
       --gtest_filter='KvCacheCuda.*' >"$OUT/sanitizer_$tool.log" 2>&1
     echo "$tool kvcache rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)"
