@@ -313,15 +313,15 @@ void scores(const Kernels& kn, const PackedKV& kv, std::int64_t tile, int m, int
                        kBlockN);
 }
 
-// O (m, dp) += P (m, n) · V (n, dp) of tile `tile`; for the bf16 products P's pairs (ws.p2, rounded
+// O (m, dp) += P (m, n) · V (n, dp) of tile `tile` (O = P·V without acc); for the bf16 products P's pairs (ws.p2, rounded
 // by to_bf16_pairs), over the n keys rounded up to a pair (V's padding keys are zero).
-void accumulate(const Kernels& kn, const PackedKV& kv, std::int64_t tile, int m, int n, Workspace& ws) {
+void accumulate(const Kernels& kn, const PackedKV& kv, std::int64_t tile, int m, int n, bool acc, Workspace& ws) {
   if (kv.pairs)
-    tiles::gemm_panels(kn.gemm_bf16_acc, m, ws.dp, (n + 1) / 2, ws.p2.data(), kBlockN / 2, kv.v2_tile(tile),
-                       kBlockN / 2, kv.panel, ws.o.data(), ws.dp);
+    tiles::gemm_panels(acc ? kn.gemm_bf16_acc : kn.gemm_bf16, m, ws.dp, (n + 1) / 2, ws.p2.data(), kBlockN / 2,
+                       kv.v2_tile(tile), kBlockN / 2, kv.panel, ws.o.data(), ws.dp);
   else
-    tiles::gemm_panels(kn.gemm_acc, m, ws.dp, n, ws.s.data(), kBlockN, kv.v_tile(tile), kBlockN, kv.panel,
-                       ws.o.data(), ws.dp);
+    tiles::gemm_panels(acc ? kn.gemm_acc : kn.gemm, m, ws.dp, n, ws.s.data(), kBlockN, kv.v_tile(tile), kBlockN,
+                       kv.panel, ws.o.data(), ws.dp);
 }
 
 // ws.o, ws.state <- the fold of key blocks [kb_lo, kb_hi) (on the kBlockN grid of entry it.b) into
@@ -339,7 +339,6 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
   profile::Lap lap;
   load_q(p, kv, si, it, i0, m, ws);
   lap.charge(profile::load_q);
-  std::fill(ws.o.begin(), ws.o.end(), 0.0f);
   std::fill(ws.state.begin(), ws.state.end(), RowState{});
 
   // Key blocks on the kBlockN grid that hold a visible key for some row of this block.
@@ -387,12 +386,17 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
       if (kv.pairs) kn.to_bf16_pairs(s, kBlockN, ws.p2.data() + r * (kBlockN / 2));
     }
     lap.charge(profile::to_pairs);
-    for (int r = 0; r < m; ++r)
-      if (ws.alpha[r] != 1.0f) kn.scale_row(ws.o.data() + r * dp, dp, ws.alpha[r]);
+    // The first tile's product writes O (its rows start from the identity, o = 0 scaled by
+    // alpha = 0): no zero fill, no rescale pass and no load of O around it.
+    const bool first = j0 == k_begin;
+    if (!first)
+      for (int r = 0; r < m; ++r)
+        if (ws.alpha[r] != 1.0f) kn.scale_row(ws.o.data() + r * dp, dp, ws.alpha[r]);
     lap.charge(profile::rescale);
-    accumulate(kn, kv, tile, m, n, ws);
+    accumulate(kn, kv, tile, m, n, !first, ws);
     lap.charge(profile::accumulate);
   }
+  if (k_begin >= k_end) std::fill(ws.o.begin(), ws.o.begin() + static_cast<std::ptrdiff_t>(m) * dp, 0.0f);
   return m;
 }
 
