@@ -408,10 +408,14 @@ void store_rows(const FwdParams& p, Item it, int m, const float* o, int dp, cons
   };
   for (int r = 0; r < m; ++r) {
     const std::int64_t i = static_cast<std::int64_t>(it.qb) * kBlockM + r;
-    if (r + tiles::kRowsAhead < m) tiles::prefetch_row(p.out, p.dtype, row_offset(r + tiles::kRowsAhead), p.d, true);
-    tiles::store_row(p.out, p.dtype, row_offset(r), p.d, o + r * dp, detail::finish_inv_l(state[r]));
+    const float inv_l = detail::finish_inv_l(state[r]);
+    if (!tiles::store_row_stream(p.out, p.dtype, row_offset(r), p.d, o + r * dp, inv_l)) {
+      if (r + tiles::kRowsAhead < m) tiles::prefetch_row(p.out, p.dtype, row_offset(r + tiles::kRowsAhead), p.d, true);
+      tiles::store_row(p.out, p.dtype, row_offset(r), p.d, o + r * dp, inv_l);
+    }
     p.lse[detail::lse_index(p, it.b, it.hq, si, i)] = detail::finish_lse(state[r]);
   }
+  _mm_sfence();  // the streamed rows ordered before the call returns
 }
 
 // Partial states of the split tasks: (split, item) slots of kBlockM rows, uninitialised (a slot
