@@ -126,18 +126,19 @@ struct PackedKV {
 // the call, hence 64 MiB (s = 8k, d = 128, h = 8). Larger scratch is the call's own (`owned`), so that a
 // thread does not hold it. The pages stay where the packing threads first touched them.
 constexpr std::size_t kKeepScratchBytes = std::size_t{64} << 20;
+std::byte* align64(std::byte* p) { return p + (-reinterpret_cast<std::uintptr_t>(p) & 63); }
 std::byte* kept_scratch(std::size_t bytes, std::unique_ptr<std::byte[]>& owned) {
   if (bytes > kKeepScratchBytes) {
-    owned = std::make_unique_for_overwrite<std::byte[]>(bytes);
-    return owned.get();
+    owned = std::make_unique_for_overwrite<std::byte[]>(bytes + 64);
+    return align64(owned.get());
   }
   thread_local std::unique_ptr<std::byte[]> kept;
   thread_local std::size_t kept_bytes = 0;
   if (bytes > kept_bytes) {
-    kept = std::make_unique_for_overwrite<std::byte[]>(bytes);
+    kept = std::make_unique_for_overwrite<std::byte[]>(bytes + 64);
     kept_bytes = bytes;
   }
-  return kept.get();
+  return align64(kept.get());
 }
 
 // Whether this call's products run on bf16 pairs.
@@ -169,11 +170,23 @@ void size_packed(const FwdParams& p, const Kernels& kn, PackedKV& kv) {
 // staging2 tiles serve bf16 pair products and are empty otherwise, as q is then. The fp32 products'
 // K and V go straight into their panels (tiles::load_rows_panels), with no staging tile: s = 1k,
 // 2 threads, AMD EPYC, 1.5% faster at d = 64 than through a staging tile and to_panels, 3-4% on AVX2.
+template <class T>
+struct Align64 {
+  using value_type = T;
+  Align64() = default;
+  template <class U>
+  Align64(const Align64<U>&) {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64})); }
+  void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t{64}); }
+  bool operator==(const Align64&) const { return true; }
+};
+using AlignedFloats = std::vector<float, Align64<float>>;
+
 struct Workspace {
   int d, dp, d2;
-  std::vector<float> q;   // (kBlockM, d)   scale · Q
-  std::vector<float> s;   // (kBlockM, kBlockN) scores, then probabilities
-  std::vector<float> o;   // (kBlockM, dp)  unnormalised output
+  AlignedFloats q;   // (kBlockM, d)   scale · Q
+  AlignedFloats s;   // (kBlockM, kBlockN) scores, then probabilities
+  AlignedFloats o;   // (kBlockM, dp)  unnormalised output
   std::vector<float> row;  // (8, d)    staging rows for packing Kᵀ (tiles::load_rows_transposed_panels)
   std::vector<std::uint32_t> q2;        // (kBlockM, d2)  Q's pairs along d, unscaled
   std::vector<std::uint32_t> p2;        // (kBlockM, kBlockN / 2)  P's pairs along the keys
@@ -313,15 +326,15 @@ void scores(const Kernels& kn, const PackedKV& kv, std::int64_t tile, int m, int
                        kBlockN);
 }
 
-// O (m, dp) += P (m, n) · V (n, dp) of tile `tile`; for the bf16 products P's pairs (ws.p2, rounded
+// O (m, dp) += P (m, n) · V (n, dp) of tile `tile` (O = P·V without acc); for the bf16 products P's pairs (ws.p2, rounded
 // by to_bf16_pairs), over the n keys rounded up to a pair (V's padding keys are zero).
-void accumulate(const Kernels& kn, const PackedKV& kv, std::int64_t tile, int m, int n, Workspace& ws) {
+void accumulate(const Kernels& kn, const PackedKV& kv, std::int64_t tile, int m, int n, bool acc, Workspace& ws) {
   if (kv.pairs)
-    tiles::gemm_panels(kn.gemm_bf16_acc, m, ws.dp, (n + 1) / 2, ws.p2.data(), kBlockN / 2, kv.v2_tile(tile),
-                       kBlockN / 2, kv.panel, ws.o.data(), ws.dp);
+    tiles::gemm_panels(acc ? kn.gemm_bf16_acc : kn.gemm_bf16, m, ws.dp, (n + 1) / 2, ws.p2.data(), kBlockN / 2,
+                       kv.v2_tile(tile), kBlockN / 2, kv.panel, ws.o.data(), ws.dp);
   else
-    tiles::gemm_panels(kn.gemm_acc, m, ws.dp, n, ws.s.data(), kBlockN, kv.v_tile(tile), kBlockN, kv.panel,
-                       ws.o.data(), ws.dp);
+    tiles::gemm_panels(acc ? kn.gemm_acc : kn.gemm, m, ws.dp, n, ws.s.data(), kBlockN, kv.v_tile(tile), kBlockN,
+                       kv.panel, ws.o.data(), ws.dp);
 }
 
 // ws.o, ws.state <- the fold of key blocks [kb_lo, kb_hi) (on the kBlockN grid of entry it.b) into
@@ -339,7 +352,6 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
   profile::Lap lap;
   load_q(p, kv, si, it, i0, m, ws);
   lap.charge(profile::load_q);
-  std::fill(ws.o.begin(), ws.o.end(), 0.0f);
   std::fill(ws.state.begin(), ws.state.end(), RowState{});
 
   // Key blocks on the kBlockN grid that hold a visible key for some row of this block.
@@ -387,12 +399,17 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
       if (kv.pairs) kn.to_bf16_pairs(s, kBlockN, ws.p2.data() + r * (kBlockN / 2));
     }
     lap.charge(profile::to_pairs);
-    for (int r = 0; r < m; ++r)
-      if (ws.alpha[r] != 1.0f) kn.scale_row(ws.o.data() + r * dp, dp, ws.alpha[r]);
+    // The first tile's product writes O (its rows start from the identity, o = 0 scaled by
+    // alpha = 0): no zero fill, no rescale pass and no load of O around it.
+    const bool first = j0 == k_begin;
+    if (!first)
+      for (int r = 0; r < m; ++r)
+        if (ws.alpha[r] != 1.0f) kn.scale_row(ws.o.data() + r * dp, dp, ws.alpha[r]);
     lap.charge(profile::rescale);
-    accumulate(kn, kv, tile, m, n, ws);
+    accumulate(kn, kv, tile, m, n, !first, ws);
     lap.charge(profile::accumulate);
   }
+  if (k_begin >= k_end) std::fill(ws.o.begin(), ws.o.begin() + static_cast<std::ptrdiff_t>(m) * dp, 0.0f);
   return m;
 }
 
@@ -404,10 +421,14 @@ void store_rows(const FwdParams& p, Item it, int m, const float* o, int dp, cons
   };
   for (int r = 0; r < m; ++r) {
     const std::int64_t i = static_cast<std::int64_t>(it.qb) * kBlockM + r;
-    if (r + tiles::kRowsAhead < m) tiles::prefetch_row(p.out, p.dtype, row_offset(r + tiles::kRowsAhead), p.d, true);
-    tiles::store_row(p.out, p.dtype, row_offset(r), p.d, o + r * dp, detail::finish_inv_l(state[r]));
+    const float inv_l = detail::finish_inv_l(state[r]);
+    if (!tiles::store_row_stream(p.out, p.dtype, row_offset(r), p.d, o + r * dp, inv_l)) {
+      if (r + tiles::kRowsAhead < m) tiles::prefetch_row(p.out, p.dtype, row_offset(r + tiles::kRowsAhead), p.d, true);
+      tiles::store_row(p.out, p.dtype, row_offset(r), p.d, o + r * dp, inv_l);
+    }
     p.lse[detail::lse_index(p, it.b, it.hq, si, i)] = detail::finish_lse(state[r]);
   }
+  _mm_sfence();  // the streamed rows ordered before the call returns
 }
 
 // Partial states of the split tasks: (split, item) slots of kBlockM rows, uninitialised (a slot

@@ -291,4 +291,15 @@ inline void store_row(void* base, DType t, std::int64_t offset, int d, const flo
   }
 }
 
+// store_row for fp32 rows of a multiple of 16 elements at 64-byte aligned addresses (returns false,
+// storing nothing, otherwise): non-temporal stores, whole lines written without being read first.
+// The caller fences (_mm_sfence) before another thread may read them.
+inline bool store_row_stream(void* base, DType t, std::int64_t offset, int d, const float* src, float mul) {
+  float* dst = static_cast<float*>(base) + offset;
+  if (t != DType::f32 || d % 16 != 0 || (reinterpret_cast<std::uintptr_t>(dst) & 63) != 0) return false;
+  const __m256 vm = _mm256_set1_ps(mul);
+  for (int c = 0; c < d; c += kLanes) _mm256_stream_ps(dst + c, _mm256_mul_ps(vm, _mm256_loadu_ps(src + c)));
+  return true;
+}
+
 }  // namespace flashmonoid::cpu::tiles

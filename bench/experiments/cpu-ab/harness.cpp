@@ -18,24 +18,32 @@ int main(int argc, char** argv) {
   int d = std::atoi(argv[1]), s = std::atoi(argv[2]), calls = std::atoi(argv[3]);
   int threads = argc > 4 ? std::atoi(argv[4]) : 2;
   const int h = 8;
-  std::vector<float> q((size_t)s * h * d), k(q.size()), v(q.size()), o(q.size()), lse((size_t)h * s);
+  // Each tensor starts 64-byte aligned inside its vector (16 elements of slack, never read by the
+  // library), as torch's CPU allocator aligns them; a plain vector's large buffers start 16 bytes
+  // into a page.
+  const size_t n = (size_t)s * h * d;
+  std::vector<float> q(n + 16), k(q.size()), v(q.size()), o(q.size()), lse((size_t)h * s);
   std::mt19937 rng(s * 1000 + d);
   std::normal_distribution<float> nd;
   for (auto* t : {&q, &k, &v}) for (auto& x : *t) x = nd(rng);
   const bool bf16 = std::getenv("BF16") != nullptr;  // inputs and output as bf16 (the fp32 values truncated)
-  std::vector<std::uint16_t> q16(q.size()), k16(q.size()), v16(q.size()), o16(q.size());
+  std::vector<std::uint16_t> q16(n + 32), k16(q16.size()), v16(q16.size()), o16(q16.size());
   for (size_t i = 0; i < q.size(); ++i) {
     std::uint32_t u;
     std::memcpy(&u, &q[i], 4); q16[i] = u >> 16;
     std::memcpy(&u, &k[i], 4); k16[i] = u >> 16;
     std::memcpy(&u, &v[i], 4); v16[i] = u >> 16;
   }
+  auto aligned = [](auto* p) {
+    const auto a = reinterpret_cast<std::uintptr_t>(p);
+    return reinterpret_cast<decltype(p)>((a + 63) & ~std::uintptr_t{63});
+  };
   auto view = [&](std::vector<float>& x) {
     if (bf16) {
       std::vector<std::uint16_t>& y = &x == &q ? q16 : &x == &k ? k16 : &x == &v ? v16 : o16;
-      return fm::TensorView(y.data(), fm::DType::bf16, fm::Device::cpu(), {1, s, h, d});
+      return fm::TensorView(aligned(y.data()), fm::DType::bf16, fm::Device::cpu(), {1, s, h, d});
     }
-    return fm::TensorView(x.data(), fm::DType::f32, fm::Device::cpu(), {1, s, h, d});
+    return fm::TensorView(aligned(x.data()), fm::DType::f32, fm::Device::cpu(), {1, s, h, d});
   };
   fm::TensorView lv(lse.data(), fm::DType::f32, fm::Device::cpu(), {1, h, s});
   fm::Context ctx; ctx.num_threads = threads;
