@@ -166,10 +166,9 @@ void size_packed(const FwdParams& p, const Kernels& kn, PackedKV& kv) {
   }
 }
 
-// One thread's tiles. dp = d rounded up to the 8-wide vector; d2 = pairs along d. The q2, p2 and
-// staging2 tiles serve bf16 pair products and are empty otherwise, as q is then. The fp32 products'
-// K and V go straight into their panels (tiles::load_rows_panels), with no staging tile: s = 1k,
-// 2 threads, AMD EPYC, 1.5% faster at d = 64 than through a staging tile and to_panels, 3-4% on AVX2.
+// Cache-line aligned storage for the tiles the micro-kernels stream (as kept_scratch's align64 for
+// the packed K/V): a 64-byte vector load of a tile that starts mid-line touches two lines (with both
+// aligned, the forward 2.0-2.2% faster at s = 1k, bench/NOTES.md).
 template <class T>
 struct Align64 {
   using value_type = T;
@@ -182,6 +181,10 @@ struct Align64 {
 };
 using AlignedFloats = std::vector<float, Align64<float>>;
 
+// One thread's tiles. dp = d rounded up to the 8-wide vector; d2 = pairs along d. The q2, p2 and
+// staging2 tiles serve bf16 pair products and are empty otherwise, as q is then. The fp32 products'
+// K and V go straight into their panels (tiles::load_rows_panels), with no staging tile: s = 1k,
+// 2 threads, AMD EPYC, 1.5% faster at d = 64 than through a staging tile and to_panels, 3-4% on AVX2.
 struct Workspace {
   int d, dp, d2;
   AlignedFloats q;   // (kBlockM, d)   scale · Q
@@ -326,8 +329,9 @@ void scores(const Kernels& kn, const PackedKV& kv, std::int64_t tile, int m, int
                        kBlockN);
 }
 
-// O (m, dp) += P (m, n) · V (n, dp) of tile `tile` (O = P·V without acc); for the bf16 products P's pairs (ws.p2, rounded
-// by to_bf16_pairs), over the n keys rounded up to a pair (V's padding keys are zero).
+// O (m, dp) += P (m, n) · V (n, dp) of tile `tile` (O = P·V without acc); for the bf16 products P's
+// pairs (ws.p2, rounded by to_bf16_pairs), over the n keys rounded up to a pair (V's padding keys
+// are zero).
 void accumulate(const Kernels& kn, const PackedKV& kv, std::int64_t tile, int m, int n, bool acc, Workspace& ws) {
   if (kv.pairs)
     tiles::gemm_panels(acc ? kn.gemm_bf16_acc : kn.gemm_bf16, m, ws.dp, (n + 1) / 2, ws.p2.data(), kBlockN / 2,

@@ -56,6 +56,17 @@ struct DeviceKv {
     work = std::make_unique<DeviceBuffer>(need + static_cast<std::size_t>(splits) * p.s.h * p.s.b * p.s.s_q *
                                                      (p.s.d + 1) * 4 + 4096);
   }
+  // Another problem of the same shapes into these device buffers (lengths, pages, leftpad, data),
+  // outputs poisoned again; the caches are written as they are, so the call sees only p's values.
+  void load(const KvProblem& p) {
+    for (auto [dev, host] : {std::pair{&q, &p.q}, {&k_new, &p.k_new}, {&v_new, &p.v_new}, {&k_cache, &p.k_cache},
+                             {&v_cache, &p.v_cache}, {&block_table, &p.block_table}, {&batch_idx, &p.batch_idx},
+                             {&seqlens, &p.seqlens}, {&leftpad, &p.leftpad}, {&cos, &p.cos}, {&sin, &p.sin},
+                             {&alibi, &p.alibi}})
+      dev->copy_from(*host);
+    out.copy_from(p.new_out());
+    lse.copy_from(p.new_lse());
+  }
   void run(int splits, cudaStream_t stream = nullptr) {
     Context ctx;
     ctx.stream = stream;
@@ -191,13 +202,7 @@ TEST(KvCacheCuda, ForcedSplitsOnAnyWorkspace) {
     d.run(c[1]);
     check_results(pb, d);
     KvProblem next(s);
-    for (auto [dev, host] : {std::pair{&d.q, &next.q}, {&d.k_new, &next.k_new}, {&d.v_new, &next.v_new},
-                             {&d.k_cache, &next.k_cache}, {&d.v_cache, &next.v_cache},
-                             {&d.block_table, &next.block_table}, {&d.seqlens, &next.seqlens},
-                             {&d.cos, &next.cos}, {&d.sin, &next.sin}})
-      dev->copy_from(*host);
-    d.out.copy_from(next.new_out());  // poisoned
-    d.lse.copy_from(next.new_lse());
+    d.load(next);
     d.run(c[1]);
     SCOPED_TRACE("second call");
     check_results(next, d);
@@ -249,13 +254,7 @@ TEST(KvCacheCuda, GraphCaptureAndReplay) {
   cuda_ok(cudaGraphInstantiate(&exec, graph, 0));
   for (int replay = 0; replay < 3; ++replay) {
     KvProblem next(s);  // new lengths, pages, leftpad, data: same shapes
-    for (auto [dev, host] : {std::pair{&d.q, &next.q}, {&d.k_new, &next.k_new}, {&d.v_new, &next.v_new},
-                             {&d.k_cache, &next.k_cache}, {&d.v_cache, &next.v_cache},
-                             {&d.block_table, &next.block_table}, {&d.seqlens, &next.seqlens},
-                             {&d.leftpad, &next.leftpad}, {&d.cos, &next.cos}, {&d.sin, &next.sin}})
-      dev->copy_from(*host);
-    d.out.copy_from(next.new_out());  // poisoned
-    d.lse.copy_from(next.new_lse());
+    d.load(next);
     cuda_ok(cudaGraphLaunch(exec, stream));
     SCOPED_TRACE("replay " + std::to_string(replay));
     check_results(next, d);
