@@ -607,6 +607,34 @@ void kv_probe(bool all) {
   }
 }
 
+// Forced split counts on the 134 MB decoding shapes (issue 10): graph-replayed x copy per variant
+// for the heuristic (0: one wave of two blocks per SM) and for several waves of shorter splits,
+// which the block scheduler hands to whichever multiprocessor frees a slot first.
+void kv_splits_probe() {
+  std::printf("%-4s %-7s %-10s %6s %8s\n", "b", "s_k", "variant", "splits", "x copy");
+  struct Shape {
+    int b, sk;
+    std::vector<int> splits;
+  };
+  for (const Shape& sh : {Shape{1, 32768, {0, 32, 64, 86, 128}}, Shape{8, 4096, {0, 8, 12, 16}},
+                          Shape{1, 131072, {0, 64, 128}}}) {
+    struct V {
+      const char* name;
+      int page, sq;
+      bool append;
+    };
+    for (const V& v :
+         {V{"plain", 0, 1, false}, V{"append", 0, 1, true}, V{"page16", 16, 1, true}, V{"s_q4", 0, 4, true}}) {
+      KvDecode pb(sh.b, sh.sk, v.page, v.sq, v.append, v.append);
+      for (int splits : sh.splits) {
+        pb.splits = splits;
+        const double gms = graph_ms([&](cudaStream_t s) { pb.run(s); });
+        std::printf("%-4d %-7d %-10s %6d %8.3f\n", sh.b, sh.sk, v.name, splits, pb.tbps(gms) / g_copy_tbps);
+      }
+    }
+  }
+}
+
 // Host time of forward_kvcache in C++, the floor under the Python call (issue 10's bar: 15 us per
 // decoding call): b = 1, 32/8 heads, hdim 128, 512 keys, s_q = 1, a 1-token append with rotary,
 // contiguous and page 16. kHostCalls calls queued back to back and one synchronisation (512 keys
@@ -771,7 +799,7 @@ int main(int argc, char** argv) {
   const std::string dev = device_name();
   const char* out_path = nullptr;
   bool with_bwd = true, decode_only = false, kvcache_only = false, with_kvcache = true, kvcache_host = false;
-  bool kv_probe_only = false, kv_probe_all = false;
+  bool kv_probe_only = false, kv_probe_all = false, kv_splits_only = false;
   std::vector<std::array<int, 3>> cases;  // (hdim, causal, seqlen)
   std::vector<std::array<int, 5>> traces;  // --kv-trace (b, s_k, page, s_q, append)
   for (int i = 1; i < argc; ++i) {
@@ -788,6 +816,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     else if (!std::strcmp(argv[i], "--kv-probe-all")) kv_probe_only = kv_probe_all = true;
+    else if (!std::strcmp(argv[i], "--kv-splits")) kv_splits_only = true;
     else if (!std::strcmp(argv[i], "--kv-case") && i + 4 < argc) {
       // One decoding shape (b, s_k, page, s_q; append and rotary), 20 calls on the default stream
       // and graph-replayed TB/s: for profilers (ncu -k ... on these calls).
@@ -849,6 +878,10 @@ int main(int argc, char** argv) {
   bench_copy(dev);
   if (kv_probe_only) {
     kv_probe(kv_probe_all);
+    return 0;
+  }
+  if (kv_splits_only) {
+    kv_splits_probe();
     return 0;
   }
   if (kvcache_only) decode_only = true;

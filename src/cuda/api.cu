@@ -362,7 +362,8 @@ void forward(const detail::FwdParams& p, const Context& ctx, bool after_own_kern
   if (splits > 1 && (ctx.workspace == nullptr || ctx.workspace_bytes < fwd_split_workspace_bytes(p, splits)))
     splits = 1;
   launch.num_splits = splits;
-  if (splits > 1) fwd_split_buffers(p, splits, ctx.workspace, &launch.out_partial, &launch.lse_partial);
+  if (splits > 1)
+    fwd_split_buffers(p, splits, ctx.workspace, &launch.out_partial, &launch.lse_partial, &launch.tile_counters);
   with_dtype(p.dtype, [&](auto t) { run_fwd<decltype(t)>(p, launch); });
 }
 

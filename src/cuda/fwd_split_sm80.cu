@@ -14,23 +14,53 @@ constexpr std::size_t align_up(std::size_t n) { return (n + kAlign - 1) / kAlign
 // A split should still stream several key tiles, so that its fixed cost (Q load, partial write,
 // its share of the combine) stays small next to the K/V it reads: 4 tiles = 256 keys.
 constexpr int kMinTilesPerSplit = 4;
+// Split blocks share their row block's key tiles (SharedKeyTiles) where each split would stream at
+// least this many. H100, graph-replayed, x copy against fixed splits, contiguous caches: 64-128
+// tiles per split +2-3.5% (b = 1 128k 1.018 against 0.990, b = 8 32k 1.038 against 1.010, s_q 4
+// +2-3%; blocks alone on a multiprocessor no longer end up to 80 us before the others); 16 tiles
+// (b = 1 32k, b = 8 4k) -0.5 to -1.5%: positions are taken ~6 steps before they are read and the
+// first kAhead are fixed, so a 16-tile split has little left to balance, and the first take costs a
+// round trip. Paged caches keep fixed splits: shared, page 16 and 64 lost 4% at 134 MB and 1% at
+// 537 MB (page 64 too, whose tiles are one strided copy as a contiguous cache's; not the block
+// table's latency: an L2 prefetch of its lines two or four steps ahead changed nothing).
+constexpr int kMinTilesPerSharedSplit = 32;
 // Partials grow with the split count (num_splits · h · s_q · d fp32); past 128 splits the combine's
 // reads of them start to rival the K/V bytes of short decoding rows.
 constexpr int kMaxSplits = 128;
 
 }  // namespace
 
+bool fwd_split_shares_tiles(const detail::FwdParams& p, int num_splits) {
+  const FwdPlanSm80 plan = plan_fwd_sm80(p, 0);
+  // The shared variant is compiled for the decoding kernels only: hdim <= 128 without score modifiers.
+  if (num_splits <= 1 || plan.kind != FwdTileKind::narrow || p.kv.block_table != nullptr || p.score_mods() ||
+      head_dim_bucket(p.d) > 128)
+    return false;
+  const std::int64_t key_tiles = (static_cast<std::int64_t>(p.seqlen_k) + plan.tile.block_n - 1) / plan.tile.block_n;
+  return key_tiles >= static_cast<std::int64_t>(kMinTilesPerSharedSplit) * num_splits;
+}
+
+int fwd_split_counters(const detail::FwdParams& p) {
+  // The narrow tile's choice does not depend on the device's shared memory (plan_fwd_sm80).
+  const FwdPlanSm80 plan = plan_fwd_sm80(p, 0);
+  return plan.kind == FwdTileKind::narrow ? plan.num_m_blocks * plan.grid_heads * p.batch : 0;
+}
+
 std::size_t fwd_split_workspace_bytes(const detail::FwdParams& p, int num_splits) {
   if (num_splits <= 1) return 0;
   const std::size_t rows = static_cast<std::size_t>(num_splits) * p.h * p.total_q;
-  return align_up(rows * p.d * sizeof(float)) + align_up(rows * sizeof(float));
+  return align_up(rows * p.d * sizeof(float)) + align_up(rows * sizeof(float)) +
+         align_up(static_cast<std::size_t>(fwd_split_counters(p)) * sizeof(unsigned long long));
 }
 
 void fwd_split_buffers(const detail::FwdParams& p, int num_splits, void* workspace, float** out_partial,
-                       float** lse_partial) {
+                       float** lse_partial, unsigned long long** tile_counters) {
   const std::size_t rows = static_cast<std::size_t>(num_splits) * p.h * p.total_q;
-  *out_partial = static_cast<float*>(workspace);
-  *lse_partial = reinterpret_cast<float*>(static_cast<char*>(workspace) + align_up(rows * p.d * sizeof(float)));
+  char* base = static_cast<char*>(workspace);
+  *out_partial = reinterpret_cast<float*>(base);
+  *lse_partial = reinterpret_cast<float*>(base + align_up(rows * p.d * sizeof(float)));
+  *tile_counters = reinterpret_cast<unsigned long long*>(base + align_up(rows * p.d * sizeof(float)) +
+                                                         align_up(rows * sizeof(float)));
 }
 
 // Split only when the unsplit grid cannot give every multiprocessor a block (decoding, short

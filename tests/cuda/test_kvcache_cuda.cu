@@ -2,8 +2,9 @@
 // contiguous and paged caches (pages 1, 3, 16, 64, 256, shuffled tables), batch index, leftpad,
 // cache_seqlens as a tensor or one host int, calls without new rows, appends crossing pages,
 // rotary both styles with rotary_dim < d, s_q 1..17 with causal among the new tokens, windows,
-// softcap, ALiBi, GQA/MQA, forced splits; the cache bytes after the append equal the CPU's (same
-// rotary bits); one CUDA graph captured once and replayed with new seqlens / block-table / data;
+// softcap, ALiBi, GQA/MQA, forced splits, split blocks sharing their key tiles; the cache bytes
+// after the append equal the CPU's (same rotary bits); CUDA graphs captured once and replayed with
+// new seqlens / block-table / data;
 // values only the device sees (seqlens past the capacity, pages past num_pages) run without a fault
 // (run this binary under compute-sanitizer memcheck for the proof).
 // Outputs are NaN-poisoned before every launch; unused cache rows and pages hold NaN.
@@ -101,6 +102,40 @@ void run_case(const KvShape& s, int splits = 0) {
   check_results(pb, d);
 }
 
+// Random bytes over a workspace: a call must not depend on what an earlier one left there.
+void fill_random(DeviceBuffer& work) {
+  std::vector<unsigned char> noise(work.bytes);
+  std::mt19937 rng(std::random_device{}());
+  for (auto& x : noise) x = static_cast<unsigned char>(rng());
+  cuda_ok(cudaMemcpy(work.ptr, noise.data(), noise.size(), cudaMemcpyHostToDevice));
+}
+
+// One CUDA graph capture of s's call (ctx.num_splits = splits), replayed three times with new
+// lengths, pages, leftpad and data (same shapes), each replay checked: nothing the host saw at
+// capture time is baked into the graph except shapes and pointers.
+void capture_and_replay(const KvShape& s, int splits) {
+  KvProblem first(s);
+  DeviceKv d(first, splits);
+  cudaStream_t stream;
+  cuda_ok(cudaStreamCreate(&stream));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  d.run(splits, stream);
+  cuda_ok(cudaStreamEndCapture(stream, &graph));
+  cuda_ok(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 3; ++replay) {
+    KvProblem next(s);
+    d.load(next);
+    cuda_ok(cudaGraphLaunch(exec, stream));
+    SCOPED_TRACE("replay " + std::to_string(replay));
+    check_results(next, d);
+  }
+  cuda_ok(cudaGraphExecDestroy(exec));
+  cuda_ok(cudaGraphDestroy(graph));
+  cuda_ok(cudaStreamDestroy(stream));
+}
+
 KvShape decode_shape(DType t) {
   KvShape s;
   s.dtype = t;
@@ -173,40 +208,69 @@ TEST(KvCacheCuda, HeadDimsAndGroups) {
   }
 }
 
+// The split tests' problem: b 2, 16/4 heads, rotary over 64 of d, causal.
+KvShape split_shape(DType dtype, int s_q, int d, int capacity) {
+  KvShape s;
+  s.dtype = dtype;
+  s.b = 2;
+  s.h = 16;
+  s.h_k = 4;
+  s.d = d;
+  s.s_q = s_q;
+  s.s_new = s_q;
+  s.capacity = capacity;
+  s.causal = true;
+  s.rotary_dim = 64;
+  return s;
+}
+
+// s with ctx.num_splits = splits on a workspace of random bytes, then a new problem of the same
+// shapes on the same workspace (whatever the first call left there).
+void twice_on_random_workspace(const KvShape& s, int splits) {
+  SCOPED_TRACE(s.str() + " splits " + std::to_string(splits));
+  KvProblem pb(s);
+  DeviceKv d(pb, splits);
+  fill_random(*d.work);
+  d.run(splits);
+  check_results(pb, d);
+  KvProblem next(s);
+  d.load(next);
+  d.run(splits);
+  SCOPED_TRACE("second call");
+  check_results(next, d);
+}
+
 // Forced split counts past the heuristic's (33 and 128 splits, most of the 128 without a key; 16 and
-// 64 packed rows), hdim 128 and 64, paged and contiguous caches, on a workspace that holds random
-// bytes before the first call; each problem runs twice on it, the second time with new data.
+// 64 packed rows), hdim 128 and 64, paged and contiguous caches, on any workspace.
 TEST(KvCacheCuda, ForcedSplitsOnAnyWorkspace) {
   SKIP_WITHOUT_GPU();
   const int cases[][4] = {{1, 33, 0, 128}, {4, 33, 16, 128}, {16, 5, 0, 64}, {4, 7, 64, 64}, {1, 128, 1, 128}};
   for (const auto& c : cases) {
-    KvShape s;
-    s.dtype = c[0] == 4 ? DType::f16 : DType::bf16;
-    s.b = 2;
-    s.h = 16;
-    s.h_k = 4;
-    s.d = c[3];
-    s.s_q = c[0];
-    s.s_new = c[0];
-    s.capacity = 3000;
-    s.causal = true;
+    KvShape s = split_shape(c[0] == 4 ? DType::f16 : DType::bf16, c[0], c[3], 3000);
     s.page_size = c[2];
-    s.rotary_dim = 64;
-    SCOPED_TRACE(s.str() + " splits " + std::to_string(c[1]));
-    KvProblem pb(s);
-    DeviceKv d(pb, c[1]);
-    std::vector<unsigned char> noise(d.work->bytes);
-    std::mt19937 rng(std::random_device{}());
-    for (auto& x : noise) x = static_cast<unsigned char>(rng());
-    cuda_ok(cudaMemcpy(d.work->ptr, noise.data(), noise.size(), cudaMemcpyHostToDevice));
-    d.run(c[1]);
-    check_results(pb, d);
-    KvProblem next(s);
-    d.load(next);
-    d.run(c[1]);
-    SCOPED_TRACE("second call");
-    check_results(next, d);
+    twice_on_random_workspace(s, c[1]);
   }
+}
+
+// Split blocks that share their key tiles (fwd_split_shares_tiles: a contiguous cache, at least 32
+// key tiles per split; block_range.cuh: SharedKeyTiles) on any workspace: forced 2 and 4 splits
+// over 4-8k keys, full sequences and random lengths, a batch index, leftpad, a window (the second
+// call finds the counters that the first call's combine set back to 0); then one CUDA graph
+// replayed three times (every replay has the capture's epoch).
+TEST(KvCacheCuda, SharedKeyTilesOnAnyWorkspace) {
+  SKIP_WITHOUT_GPU();
+  KvShape full = split_shape(DType::bf16, 1, 128, 4200);
+  full.full = true;
+  twice_on_random_workspace(full, 2);
+  KvShape indexed = split_shape(DType::f16, 4, 64, 8300);
+  indexed.batch_idx = true;
+  twice_on_random_workspace(indexed, 4);
+  KvShape windowed = split_shape(DType::bf16, 3, 128, 4200);
+  windowed.causal = false;
+  windowed.window_left = 3000;
+  windowed.leftpad = true;
+  twice_on_random_workspace(windowed, 2);
+  capture_and_replay(full, 2);
 }
 
 // cache_seqlens as one host int (every sequence holds the same rows), and calls without new rows
@@ -233,8 +297,7 @@ TEST(KvCacheCuda, HostSeqlenAndNoAppend) {
   }
 }
 
-// One capture, replays with new seqlens, block tables and data: nothing the host saw at capture
-// time is baked into the graph except shapes and pointers.
+// One capture, replays with new seqlens, block tables and data (capture_and_replay).
 TEST(KvCacheCuda, GraphCaptureAndReplay) {
   SKIP_WITHOUT_GPU();
   KvShape s = decode_shape(DType::bf16);
@@ -242,26 +305,7 @@ TEST(KvCacheCuda, GraphCaptureAndReplay) {
   s.rotary_dim = 128;
   s.s_new = 1;
   s.leftpad = true;
-  KvProblem first(s);
-  DeviceKv d(first, 0);
-  cudaStream_t stream;
-  cuda_ok(cudaStreamCreate(&stream));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  d.run(0, stream);
-  cuda_ok(cudaStreamEndCapture(stream, &graph));
-  cuda_ok(cudaGraphInstantiate(&exec, graph, 0));
-  for (int replay = 0; replay < 3; ++replay) {
-    KvProblem next(s);  // new lengths, pages, leftpad, data: same shapes
-    d.load(next);
-    cuda_ok(cudaGraphLaunch(exec, stream));
-    SCOPED_TRACE("replay " + std::to_string(replay));
-    check_results(next, d);
-  }
-  cuda_ok(cudaGraphExecDestroy(exec));
-  cuda_ok(cudaGraphDestroy(graph));
-  cuda_ok(cudaStreamDestroy(stream));
+  capture_and_replay(s, 0);
 }
 
 // Values only the device sees, out of range: the kernels clamp them (kvcache.hpp) and must not

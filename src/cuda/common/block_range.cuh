@@ -43,6 +43,47 @@ __device__ __forceinline__ KeyTiles key_tiles(const detail::Band& band, int i_fi
   return t;
 }
 
+// Split-KV by shared key tiles (the narrow sm80 forward: decoding): the num_splits blocks of one
+// (query block, head group, batch) stream the key tiles of its whole range from one counter instead
+// of a fixed 1/num_splits each, so a block on a multiprocessor that streams faster takes more tiles
+// and the blocks end together (every block still merges what it took into its own partial: the
+// monoid's merge is commutative, so the combine is unchanged). With fixed runs the blocks' ends
+// spread over ~9 us of a 50 us b = 1 32k call (H100 block timeline, bench/NOTES.md); more splits
+// in more waves, the block scheduler's own balancing, lost 8-20% (each new block's start costs).
+// Step t of block `split` reads visit position g_t (tile hi - 1 - g_t while g_t < count): the first
+// kFixed steps g_t = t · num_splits + split, then kFixed · num_splits + the counter's next value,
+// taken by one thread a step before the position is needed (take_next, an atomic whose result is
+// read a step later), so no step waits for the counter. Without a counter, g_t = t (a fixed split).
+//
+// The counter is a word of the caller's workspace: (epoch << 32) | tiles taken, the epoch new per
+// launch (launch_epoch.hpp), set back to 0 by the combine. The first take claims it: a 0 word, or
+// a word of anything else (a fresh workspace's bytes, another call's partials; a 2^-32 chance that
+// such a word carries this epoch), becomes this launch's with one compare-and-swap; a block that
+// finds it claimed counts on with atomicAdd, as every later take does.
+struct SharedKeyTiles {
+  unsigned long long* counter = nullptr;  // null: a fixed split, g_t = t
+  unsigned long long tag = 0;             // the launch's epoch << 32
+  int stride = 1, first = 0;              // num_splits and split when shared
+
+  __device__ __forceinline__ int fixed(int t) const { return t * stride + first; }
+  // The position of the `taken`-th tile taken from the counter, after kFixed fixed steps.
+  template <int kFixed>
+  __device__ __forceinline__ int taken(unsigned long long word) const {
+    return kFixed * stride + static_cast<int>(static_cast<unsigned>(word));
+  }
+  __device__ __forceinline__ unsigned long long take_first() const {
+    unsigned long long seen = atomicCAS(counter, 0ull, tag | 1ull);
+    while (seen != 0ull) {
+      if ((seen & ~0xffffffffull) == tag) return atomicAdd(counter, 1ull);
+      const unsigned long long prev = atomicCAS(counter, seen, tag | 1ull);  // claim it
+      if (prev == seen) return tag;
+      seen = prev;
+    }
+    return tag;
+  }
+  __device__ __forceinline__ unsigned long long take_next() const { return atomicAdd(counter, 1ull); }
+};
+
 // The backward's transpose of key_tiles: the query tiles [lo, hi) of kBlockM rows that a block of
 // keys [key0, key_end) visits, those holding a row that sees one of its keys.
 struct QueryTiles {

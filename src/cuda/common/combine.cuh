@@ -122,13 +122,22 @@ __device__ __forceinline__ void store_combined(const detail::FwdParams& p, int h
   if (lane == 0) p.lse[packed ? head * p.total_q + grow : (static_cast<std::int64_t>(b) * p.h + head) * p.seqlen_q + i] = lse;
 }
 
+// After the forward's grid (pdl_wait): its shared key tiles' counters back to 0, for the next launch
+// that gets this workspace, a graph replay of this one among them (block_range.cuh: SharedKeyTiles).
+__device__ __forceinline__ void reset_tile_counters(unsigned long long* tile_counters, int num_counters) {
+  for (int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); i < num_counters;
+       i += static_cast<int>(gridDim.x * blockDim.x))
+    tile_counters[i] = 0;
+}
+
 // More than kCombineBatch splits. grid: h · total_q blocks, a block per row (head row / total_q,
 // global query row row % total_q, as in dropout_row_id): warp w folds splits w, w + 8, ..., then
 // warp 0 adds the warps' sums (all relative to the same largest lse).
 template <class T>
 __global__ void __launch_bounds__(kCombineWarps * 32)
     combine_splits_kernel(const __grid_constant__ detail::FwdParams p, int num_splits, const float* out_partial,
-                          const float* lse_partial, bool programmatic) {
+                          const float* lse_partial, unsigned long long* tile_counters, int num_counters,
+                          bool programmatic) {
   __shared__ float4 s_acc[kCombineWarps][kCombineSteps][32];
   __shared__ float s_sum[kCombineWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -138,6 +147,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   trace_mark(p, TraceKernel::combine, 0);
   if (programmatic) pdl_wait();  // launched under the forward that writes the partials (pdl.cuh)
   trace_mark(p, TraceKernel::combine, 1);
+  reset_tile_counters(tile_counters, num_counters);
   float s = 0.0f;
   float4 acc[kCombineSteps] = {};
   const float m = fold_splits<kCombineWarps>(p, num_splits, out_partial, lse_partial, head, grow, warp, lane, s, acc);
@@ -164,11 +174,13 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
 template <class T>
 __global__ void __launch_bounds__(kCombineWarps * 32)
     combine_rows_kernel(const __grid_constant__ detail::FwdParams p, int num_splits, const float* out_partial,
-                        const float* lse_partial, bool programmatic) {
+                        const float* lse_partial, unsigned long long* tile_counters, int num_counters,
+                        bool programmatic) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   trace_mark(p, TraceKernel::combine, 0);
   if (programmatic) pdl_wait();  // launched under the forward that writes the partials (pdl.cuh)
   trace_mark(p, TraceKernel::combine, 1);
+  reset_tile_counters(tile_counters, num_counters);
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kCombineWarps + warp;
   if (row >= static_cast<std::int64_t>(p.h) * p.total_q) return;
   const int head = static_cast<int>(row / p.total_q);

@@ -20,6 +20,9 @@ struct FwdLaunch {
   int num_splits = 1;
   float* out_partial = nullptr;
   float* lse_partial = nullptr;
+  // fwd_split_counters(p) words after them: the narrow tile's shared key tiles (SharedKeyTiles), which
+  // the combine sets back to 0.
+  unsigned long long* tile_counters = nullptr;
   int num_sms = 0;  // of params.device, for the split heuristic
   std::size_t smem_optin = 0;  // shared memory per block of params.device (opt-in limit), for ring depths
   std::size_t smem_per_sm = 0;  // shared memory per multiprocessor of params.device: tile choice, ring depths
@@ -30,8 +33,16 @@ struct FwdLaunch {
   bool after_own_kernel = false;
 };
 
-// Bytes of workspace that num_splits partials of p need (out and lse, each 256-byte aligned).
+// Bytes of workspace that num_splits partials of p need (out and lse, then the tile counters, each
+// 256-byte aligned).
 std::size_t fwd_split_workspace_bytes(const detail::FwdParams& p, int num_splits);
+
+// Whether the split blocks of p share their key tiles (SharedKeyTiles; the definition has the numbers).
+bool fwd_split_shares_tiles(const detail::FwdParams& p, int num_splits);
+
+// Counters of a split launch of p: one per (query block, head group, batch) of the narrow tile, whose
+// split blocks share their key tiles; 0 for the other tiles (fixed splits).
+int fwd_split_counters(const detail::FwdParams& p);
 
 // The number of KV splits worth running p with on a device of num_sms multiprocessors (1 = none).
 // Splitting pays when the unsplit grid leaves multiprocessors idle and each split still gets
@@ -40,7 +51,7 @@ int fwd_choose_num_splits(const detail::FwdParams& p, int num_sms, std::size_t s
 
 // Carve the partial buffers out of a workspace of fwd_split_workspace_bytes(p, num_splits).
 void fwd_split_buffers(const detail::FwdParams& p, int num_splits, void* workspace, float** out_partial,
-                       float** lse_partial);
+                       float** lse_partial, unsigned long long** tile_counters);
 
 // Queue the forward on launch.stream (never synchronises, never allocates). T is __half or
 // __nv_bfloat16; kHeadDim is the head-dim bucket (64, 128, 256) that p.d <= kHeadDim pads to.

@@ -35,6 +35,11 @@ struct FwdKernelArgs {
   int kv_slots = 0;  // slots of a kv_slots ring (fwd_kv_slots, 2 to 5); unused by (K, V) pair rings
   float* out_partial = nullptr;  // num_splits > 1 only
   float* lse_partial = nullptr;
+  // Split-KV blocks that share their row block's key tiles (common/block_range.cuh: SharedKeyTiles,
+  // the narrow tile only): a counter per (query block, head group, batch) in the workspace, and the
+  // launch's epoch << 32. Null: fixed splits.
+  unsigned long long* tile_counters = nullptr;
+  unsigned long long counter_tag = 0;
   // Launched under the kernel before it (common/pdl.cuh: forward_kvcache's append, which writes the
   // rotated q and the appended K/V rows); only ever for the narrow tile. Kernels launched otherwise
   // do not wait.
@@ -44,7 +49,10 @@ struct FwdKernelArgs {
   bool programmatic_dependents = false;
 };
 
-template <class T, int kHeadDim, FwdTileKind kKind, bool kScoreMods>
+// kShareTiles: the split blocks share their row block's key tiles (args.tile_counters; the narrow
+// tile's pair ring only). A variant of its own: carried as a run-time choice, the positions'
+// bookkeeping slowed the fixed splits' loop by 1-3.5% (paged 134 MB shapes the most; H100).
+template <class T, int kHeadDim, FwdTileKind kKind, bool kScoreMods, bool kShareTiles = false>
 __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd_tile_sm80(kHeadDim, kKind).min_blocks)
     fwd_kernel_sm80(const __grid_constant__ FwdKernelArgs args) {
   constexpr FwdTileSm80 kTile = fwd_tile_sm80(kHeadDim, kKind);
@@ -91,7 +99,10 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
   const detail::Band band = detail::band_of(p, si);
   const int i_first = blk.query(R0);
   const int i_end = blk.query((R0 + kBlockM < blk.rows_total ? R0 + kBlockM : blk.rows_total) - 1) + 1;
-  const KeyTiles tiles = key_tiles<kBlockN>(band, i_first, i_end, si.len_k, split, args.num_splits);
+  static_assert(!kShareTiles || (kKind == FwdTileKind::narrow && !kSlotRing && kSub == 1),
+                "shared key tiles are written for the narrow tile's (K, V) pair ring");
+  const KeyTiles tiles = key_tiles<kBlockN>(band, i_first, i_end, si.len_k, kShareTiles ? 0 : split,
+                                            kShareTiles ? 1 : args.num_splits);
   const int s_lo = tiles.lo, s_hi = tiles.hi;
 
   const ScoreMod mod(p);
@@ -171,39 +182,78 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
     }
   };
   if constexpr (!kSlotRing && kSub == 1) {
-    // Tile t of the visit order (n = s_hi - 1 - t) into ring stage t % kStages: K and V as one group.
-    auto load_kv = [&](int t, int window) {
-      if (t < num_tiles) load_pair(sK + (t % kStages) * kStageElems, s_hi - 1 - t, window);
+    // Step t reads visit position g_t into ring stage t % kStages: tile s_hi - 1 - g_t, K and V as one
+    // group, while g_t < num_tiles (SharedKeyTiles: g_t = t for a fixed split). Positions are known
+    // kAhead steps early: a step copies tile g_{t + kStages - 1} and reads the block-table entries of
+    // g_{t + kStages}.
+    constexpr int kAhead = kStages + 1;
+    SharedKeyTiles order;
+    if (kShareTiles) {
+      order.counter =
+          args.tile_counters + (static_cast<std::int64_t>(b) * gridDim.y + blockIdx.y) * args.num_m_blocks + m_block;
+      order.tag = args.counter_tag;
+      order.stride = args.num_splits;
+      order.first = split;
+    }
+    // Whether any position past the fixed ones is left to take from the counter.
+    const bool take = kShareTiles && kAhead * args.num_splits < num_tiles;
+    __shared__ int s_taken[2];  // g_{t + kAhead} for step t, in slot t % 2 (written by thread 0 a step earlier)
+    auto load_kv = [&](int t, int g, int window) {
+      if (g < num_tiles) load_pair(sK + (t % kStages) * kStageElems, s_hi - 1 - g, window);
       cp_async_commit();  // empty past the last tile, so that wait_group counts stay uniform
     };
-    // Block-table entries of tile t (paged caches): read a whole step before its copies are issued.
-    auto window_of = [&](int t) {
-      const int n = s_hi - 1 - t;
-      return paged && t < num_tiles
+    // Block-table entries of position g (paged caches): read a whole step before its copies are issued.
+    auto window_of = [&](int g) {
+      const int n = s_hi - 1 - g;
+      return paged && g < num_tiles
                  ? page_window<kBlockN>(p, b, static_cast<int>(si.k_row0) + n * kBlockN, si.len_k - n * kBlockN)
                  : 0;
     };
-    if (num_tiles > 0) {
+    int pos[kAhead];  // g_t, ..., g_{t + kStages} (kShareTiles)
+#pragma unroll
+    for (int j = 0; j < kAhead; ++j) pos[j] = order.fixed(j);
+    // Position g_{t + j}: a fixed split's is t + j, computed, so its loop is the plain one.
+    auto at = [&](int t, int j) { return kShareTiles ? pos[j] : t + j; };
+    if (at(0, 0) < num_tiles) {
       // The block table's entries for the first stages: the append does not write the block table,
       // so these reads are in flight while the append finishes.
       int first_windows[kStages];
 #pragma unroll
-      for (int t = 0; t < kStages; ++t) first_windows[t] = window_of(t);
+      for (int t = 0; t < kStages; ++t) first_windows[t] = window_of(at(0, t));
       // Launched under forward_kvcache's append (pdl.cuh), which writes the rotated q and the appended
       // K/V rows: every read of them waits for it.
       if (args.programmatic) pdl_wait();
       trace_mark(p, TraceKernel::forward, 1);
       load_tile_async<kBlockM, kHeadDim, kThreads>(sQ, q_row, p.d, q);
 #pragma unroll
-      for (int t = 0; t < kStages - 1; ++t) load_kv(t, first_windows[t]);
+      for (int t = 0; t < kStages - 1; ++t) load_kv(t, at(0, t), first_windows[t]);
+      // Thread 0 takes g_{kAhead} now (claiming the counter: the combine of the call before set it
+      // back to 0, and that call ended before this grid started, or before its pdl_wait) and keeps
+      // the take of g_{kAhead + 1} in flight across step 0.
+      unsigned long long pending = 0;
+      bool taking = take && threadIdx.x == 0;
+      if (taking) {
+        const int g = order.taken<kAhead>(order.take_first());
+        s_taken[0] = g;
+        taking = g < num_tiles;
+        if (taking) pending = order.take_next();
+      }
       int window = first_windows[kStages - 1];
 #pragma unroll 1
-      for (int t = 0; t < num_tiles; ++t) {
-        const int key0 = (s_hi - 1 - t) * kBlockN;
+      for (int t = 0; at(t, 0) < num_tiles; ++t) {
+        const int key0 = (s_hi - 1 - at(t, 0)) * kBlockN;
         cp_async_wait<kStages - 2>();
         __syncthreads();  // tile t (and Q) landed; every warp is done with tile t - 1's stage
-        load_kv(t + kStages - 1, window);  // into the stage tile t - 1 used
-        window = window_of(t + kStages);
+        load_kv(t + kStages - 1, at(t, kStages - 1), window);  // into the stage tile t - 1 used
+        window = window_of(at(t, kStages));
+        const int next = take ? s_taken[t & 1] : order.fixed(t + kAhead);
+        if (kShareTiles && threadIdx.x == 0 && take) {
+          // g_{t + kAhead + 1}, read at step t + 1; past the last position every later one is too.
+          const int g = taking ? order.taken<kAhead>(pending) : num_tiles;
+          s_taken[(t + 1) & 1] = g;
+          taking = g < num_tiles;
+          if (taking) pending = order.take_next();
+        }
         if (kQInRegisters && t == 0 && warp_active) load_q_fragments(q_frag, q_addr);
         const std::uint32_t stage_bytes = static_cast<unsigned>(t) % kStages * kStageElems * sizeof(T);
 
@@ -211,6 +261,11 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
           float s[kMTiles][kNTiles][4] = {};  // (16·kMTiles, kBlockN) per warp
           scores(s, stage_bytes, key0);
           gemm_pv<T>(o, s, v_addr.plus(stage_bytes));
+        }
+        if constexpr (kShareTiles) {
+#pragma unroll
+          for (int j = 0; j + 1 < kAhead; ++j) pos[j] = pos[j + 1];
+          pos[kAhead - 1] = next;
         }
       }
     }

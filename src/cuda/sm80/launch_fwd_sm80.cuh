@@ -9,6 +9,7 @@
 #include "common/check.cuh"
 #include "common/combine.cuh"
 #include "common/device_props.cuh"
+#include "common/launch_epoch.hpp"
 #include "common/pdl.cuh"
 #include "sm80/fwd_sm80.hpp"
 #include "sm80/kernel_fwd_sm80.cuh"
@@ -16,13 +17,14 @@
 
 namespace flashmonoid::cuda {
 
-template <class T, int kHeadDim, FwdTileKind kKind, bool kScoreMods>
+template <class T, int kHeadDim, FwdTileKind kKind, bool kScoreMods, bool kShareTiles = false>
 void launch_fwd_tile_sm80(const FwdKernelArgs& args, const FwdPlanSm80& plan, cudaStream_t stream) {
   constexpr FwdTileSm80 kTile = fwd_tile_sm80(kHeadDim, kKind);
-  auto* kernel = fwd_kernel_sm80<T, kHeadDim, kKind, kScoreMods>;
+  auto* kernel = fwd_kernel_sm80<T, kHeadDim, kKind, kScoreMods, kShareTiles>;
   const std::size_t smem = kTile.smem_bytes(kHeadDim, args.kv_slots);
   // Above 48 KB a block needs the opt-in limit (up to 227 KB on sm90, 163 KB on sm80).
-  if (smem > 48 * 1024) allow_dynamic_smem<fwd_kernel_sm80<T, kHeadDim, kKind, kScoreMods>>(smem, args.p.device.index);
+  if (smem > 48 * 1024)
+    allow_dynamic_smem<fwd_kernel_sm80<T, kHeadDim, kKind, kScoreMods, kShareTiles>>(smem, args.p.device.index);
   const dim3 grid(plan.num_m_blocks * args.num_splits, plan.grid_heads, args.p.batch);
   launch_kernel(kernel, grid, dim3(kTile.warps * 32), smem, stream, args.programmatic, args);
 }
@@ -38,6 +40,12 @@ void run_fwd_sm80(const detail::FwdParams& p, const FwdLaunch& launch) {
   args.num_splits = launch.num_splits > 1 ? launch.num_splits : 1;
   args.out_partial = launch.out_partial;
   args.lse_partial = launch.lse_partial;
+  const bool share_tiles = fwd_split_shares_tiles(p, args.num_splits);
+  const int num_counters = share_tiles ? fwd_split_counters(p) : 0;
+  if (num_counters > 0) {
+    args.tile_counters = launch.tile_counters;
+    args.counter_tag = (next_launch_epoch() & 0xffffffffull) << 32;
+  }
   // Only the narrow tile (every KV-cache call's) waits where pdl.cuh requires; the others never start
   // early.
   args.programmatic = launch.pdl && launch.after_own_kernel && plan.kind == FwdTileKind::narrow;
@@ -51,7 +59,11 @@ void run_fwd_sm80(const detail::FwdParams& p, const FwdLaunch& launch) {
     else launch_fwd_tile_sm80<T, kHeadDim, decltype(kind)::value, false>(args, plan, launch.stream);
   };
   using K = FwdTileKind;
-  if (plan.kind == K::narrow) launch_kind(std::integral_constant<K, K::narrow>{});
+  if (share_tiles) {
+    // fwd_split_shares_tiles: the narrow tile at hdim <= 128 without score modifiers.
+    if constexpr (kHeadDim <= 128)
+      launch_fwd_tile_sm80<T, kHeadDim, K::narrow, false, true>(args, plan, launch.stream);
+  } else if (plan.kind == K::narrow) launch_kind(std::integral_constant<K, K::narrow>{});
   else if (plan.kind == K::wide_large_smem) launch_kind(std::integral_constant<K, K::wide_large_smem>{});
   else launch_kind(std::integral_constant<K, K::wide>{});
   if (args.num_splits > 1) {
@@ -59,7 +71,7 @@ void run_fwd_sm80(const detail::FwdParams& p, const FwdLaunch& launch) {
     launch_kernel(args.num_splits <= kCombineBatch ? combine_rows_kernel<T> : combine_splits_kernel<T>, dim3(blocks),
                   dim3(kCombineWarps * 32), 0, launch.stream, args.programmatic_dependents, p, args.num_splits,
                   static_cast<const float*>(args.out_partial), static_cast<const float*>(args.lse_partial),
-                  args.programmatic_dependents);
+                  args.tile_counters, num_counters, args.programmatic_dependents);
   }
 }
 

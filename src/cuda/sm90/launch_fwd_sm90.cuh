@@ -4,30 +4,17 @@
 
 #include <cuda_runtime.h>
 
-#include <atomic>
-#include <chrono>
 #include <climits>
-#include <random>
 
 #include "common/check.cuh"
 #include "common/device_props.cuh"
+#include "common/launch_epoch.hpp"
 #include "sm90/fwd_sm90.hpp"
 #include "sm90/kernel_fwd_sm90.cuh"
 #include "sm90/tensor_map.hpp"
 #include "sm90/tile_fwd_sm90.hpp"
 
 namespace flashmonoid::cuda {
-
-// FwdTailSm90::epoch: new at every launch of the process and never 0 (odd), from a random start, so
-// that no flag left in a reused workspace by an earlier launch or another process matches it.
-inline unsigned long long next_launch_epoch() {
-  static std::atomic<unsigned long long> next{[] {
-    std::random_device rd;
-    const unsigned long long t = static_cast<unsigned long long>(std::chrono::steady_clock::now().time_since_epoch().count());
-    return ((static_cast<unsigned long long>(rd()) << 32) ^ rd() ^ (t * 0x9E3779B97F4A7C15ull)) | 1ull;
-  }()};
-  return next.fetch_add(2, std::memory_order_relaxed);
-}
 
 template <class T, int kHeadDim, FwdVariantSm90 kVariant>
 void launch_fwd_sm90(const detail::FwdParams& p, const FwdLaunchSm90& launch) {
