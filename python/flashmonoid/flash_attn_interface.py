@@ -384,7 +384,8 @@ def flash_attn_with_kvcache(
     headdim), any page_block_size >= 1. rotary_cos/sin (seqlen_ro, rotary_dim / 2): query i sits at
     cache_seqlens + i when causal or windowed, else at cache_seqlens. num_splits: 0 = heuristic.
     Returns out, and softmax_lse (batch_size, nheads, seqlen) with return_softmax_lse. No backward,
-    as upstream."""
+    as upstream. Under torch.use_deterministic_algorithms(True) the result repeats bit for bit run to
+    run (otherwise split-KV decoding over a long contiguous cache may differ in the last bits)."""
     if _kvcache_fast(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                      block_table, alibi_slopes):
         # The library checks every other rule of _check_kvcache before it touches memory; when it

@@ -141,8 +141,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         log.debug("sdpa -> flashmonoid: q %s, k %s, %s, window %s, dropout_p %s", tuple(query.shape),
                   tuple(key.shape), query.dtype, window, dropout_p)
     # (b, h, s, d) -> (b, s, h, d): views, the head dim stays contiguous.
+    # torch.use_deterministic_algorithms(True): bit-identical results run to run (Options::deterministic).
     out, _ = torch_ops.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                 softmax_scale=scale, window=window, dropout_p=dropout_p)
+                                 softmax_scale=scale, window=window, dropout_p=dropout_p,
+                                 deterministic=torch.are_deterministic_algorithms_enabled())
     return out.transpose(1, 2)
 
 

@@ -295,7 +295,8 @@ def _fwd_kvcache_impl(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
     # the memory_format argument alone costs 1.5 us, and a contiguous q's format is contiguous.
     out = torch.empty_like(q) if q.is_contiguous() else torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(b, h, s_q, dtype=torch.float32, device=q.device)
-    opts = _kvcache_options(softmax_scale, causal, window_left, window_right, softcap)
+    opts = _kvcache_options(softmax_scale, causal, window_left, window_right, softcap,
+                            torch.are_deterministic_algorithms_enabled())
     # The caches are written in place: never copied (their last dimension is contiguous by contract).
     _backend.forward_kvcache(_c(q), k_cache, v_cache, _c(k), _c(v), _c(rotary_cos), _c(rotary_sin),
                              rotary_interleaved, _c(cache_seqlens), cache_seqlen, _c(cache_batch_idx),
@@ -310,13 +311,16 @@ _kv_options = {}
 atexit.register(_kv_options.clear)
 
 
-def _kvcache_options(softmax_scale, causal, window_left, window_right, softcap):
-    key = (softmax_scale, causal, window_left, window_right, softcap)
+def _kvcache_options(softmax_scale, causal, window_left, window_right, softcap, deterministic):
+    # deterministic: torch.use_deterministic_algorithms(True) keeps CUDA split-KV decoding's split
+    # blocks on fixed key ranges (Options::deterministic), so its bits repeat run to run.
+    key = (softmax_scale, causal, window_left, window_right, softcap, deterministic)
     opts = _kv_options.get(key)
     if opts is None:
         if len(_kv_options) > 256:
             _kv_options.clear()
-        opts = _kv_options[key] = _options(softmax_scale, causal, window_left, window_right, softcap, 0.0, None)
+        opts = _kv_options[key] = _options(softmax_scale, causal, window_left, window_right, softcap, 0.0, None,
+                                           deterministic)
     return opts
 
 

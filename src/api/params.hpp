@@ -63,6 +63,9 @@ struct FwdParams {
   std::uint32_t dropout_threshold = 0;     // see detail/philox.hpp
   float dropout_rescale = 1.0f;            // 1 / (1 - p)
   std::uint64_t seed = 0, offset = 0;
+  // Options::deterministic: bit-identical results run to run (the backward without floating-point
+  // atomics, the forward's split blocks on fixed key ranges: fwd_split_shares_tiles).
+  bool deterministic = false;
 
   KvCacheParams kv;  // K/V addressing of forward_kvcache and paged varlen; inactive otherwise
 #ifdef FLASHMONOID_TRACE
@@ -82,7 +85,6 @@ struct BwdParams : FwdParams {
   void* dk = nullptr;
   void* dv = nullptr;
   Strides do_stride, dq_stride, dk_stride, dv_stride;
-  bool deterministic = false;
 };
 
 // Where sequence b lives and how long it is. Host and device alike.

@@ -267,6 +267,7 @@ FwdParams make_fwd_params(const TensorView& q, const TensorView& k, const Tensor
   p.dropout_rescale = 1.0f / (1.0f - o.dropout_p);
   p.seed = o.dropout_seed;
   p.offset = o.dropout_offset;
+  p.deterministic = o.deterministic;
   return p;
 }
 

@@ -33,8 +33,10 @@ constexpr int kMaxSplits = 128;
 bool fwd_split_shares_tiles(const detail::FwdParams& p, int num_splits) {
   const FwdPlanSm80 plan = plan_fwd_sm80(p, 0);
   // The shared variant is compiled for the decoding kernels only: hdim <= 128 without score modifiers.
+  // Which tiles a block takes, and so the order of its partial's sums, varies run to run: not under
+  // Options::deterministic.
   if (num_splits <= 1 || plan.kind != FwdTileKind::narrow || p.kv.block_table != nullptr || p.score_mods() ||
-      head_dim_bucket(p.d) > 128)
+      head_dim_bucket(p.d) > 128 || p.deterministic)
     return false;
   const std::int64_t key_tiles = (static_cast<std::int64_t>(p.seqlen_k) + plan.tile.block_n - 1) / plan.tile.block_n;
   return key_tiles >= static_cast<std::int64_t>(kMinTilesPerSharedSplit) * num_splits;

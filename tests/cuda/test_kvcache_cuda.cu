@@ -18,6 +18,7 @@
 
 #include "device_tensor.hpp"
 #include "kvcache_case.hpp"
+#include "sm80/fwd_sm80.hpp"
 
 namespace fmtest {
 namespace {
@@ -271,6 +272,41 @@ TEST(KvCacheCuda, SharedKeyTilesOnAnyWorkspace) {
   windowed.leftpad = true;
   twice_on_random_workspace(windowed, 2);
   capture_and_replay(full, 2);
+}
+
+// Which split calls share key tiles: a host rule (fwd_split_shares_tiles), so this runs without a
+// GPU. b = 1 decoding, GQA 32/8, hdim 128: 64-key tiles.
+TEST(KvCacheCudaPlan, SharedKeyTilesRule) {
+  using flashmonoid::cuda::fwd_split_shares_tiles;
+  flashmonoid::detail::FwdParams p;
+  p.dtype = DType::bf16;
+  p.batch = 1;
+  p.h = 32;
+  p.h_k = 8;
+  p.d = 128;
+  p.seqlen_q = 1;
+  p.total_q = 1;
+  p.seqlen_k = 131072;  // 2048 key tiles
+  p.kv.active = true;
+  EXPECT_TRUE(fwd_split_shares_tiles(p, 33));  // 62 tiles per split
+  EXPECT_TRUE(fwd_split_shares_tiles(p, 64));  // 32
+  EXPECT_FALSE(fwd_split_shares_tiles(p, 65));
+  EXPECT_FALSE(fwd_split_shares_tiles(p, 1));  // unsplit
+  auto with = [&](auto change) {
+    flashmonoid::detail::FwdParams q = p;
+    change(q);
+    return fwd_split_shares_tiles(q, 33);
+  };
+  EXPECT_FALSE(with([](auto& q) { q.seqlen_k = 32768; }));  // 16 tiles per split
+  EXPECT_FALSE(with([](auto& q) { q.deterministic = true; }));
+  EXPECT_FALSE(with([](auto& q) { q.softcap = 30.0f; }));  // score modifiers: no shared variant
+  EXPECT_FALSE(with([](auto& q) { q.d = 256; }));
+  static const int table[1] = {0};
+  EXPECT_FALSE(with([](auto& q) {  // paged
+    q.kv.block_table = table;
+    q.kv.page_size = 16;
+  }));
+  EXPECT_TRUE(with([](auto& q) { q.d = 64; }));
 }
 
 // cache_seqlens as one host int (every sequence holds the same rows), and calls without new rows

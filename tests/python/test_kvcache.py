@@ -185,6 +185,32 @@ def test_kvcache_int_seqlens_and_no_append():
     assert full.shape == case.q.shape and not full.isnan().any()
 
 
+@pytest.mark.parametrize("device,dtype", CONFIGS)
+def test_kvcache_repeats_bit_for_bit_under_torch_deterministic_mode(device, dtype):
+    """torch.use_deterministic_algorithms(True) sets Options::deterministic for the call: CUDA split-KV
+    decoding then keeps its split blocks on fixed key ranges (over a long contiguous cache they
+    otherwise take key tiles from a shared counter, and the order of a partial's sums varies)."""
+    from flashmonoid import torch_ops
+    # CUDA: b = 1, 8 KV heads, 128k keys: the heuristic's 33 splits of 62 key tiles would share.
+    b, h, h_k, d, cap = (1, 32, 8, 128, 131072) if device == "cuda" else (2, 4, 2, 32, 64)
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(b, 1, h, d, generator=g).to(device, dtype)
+    k_cache = torch.randn(b, cap, h_k, d, generator=g).to(device, dtype)
+    v_cache = torch.randn(b, cap, h_k, d, generator=g).to(device, dtype)
+    seqlens = torch.full((b,), cap, dtype=torch.int32, device=device)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        on = torch.are_deterministic_algorithms_enabled()
+        assert torch_ops._kvcache_options(0.125, True, -1, 0, 0.0, on).deterministic
+        outs = [fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True) for _ in range(3)]
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert not torch_ops._kvcache_options(0.125, True, -1, 0, 0.0, False).deterministic
+    assert not outs[0].isnan().any()
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
+
+
 def test_kvcache_never_reads_device_values_on_the_host(monkeypatch):
     case = Case("cpu", torch.float32, page=3, leftpad=True, rotary_dim=16, seed=4)
 
