@@ -56,6 +56,11 @@ struct FwdParams {
   float scale_log2 = 1.0f;   // scale · log2(e), for exp2-based kernels
   float softcap = 0.0f;      // 0 = off
   bool causal = false;       // implied by window_right == 0; kept for dispatch
+  // Options::deterministic: bit-identical results run to run (the backward without floating-point
+  // atomics, the forward's split blocks on fixed key ranges: fwd_split_shares_tiles). Beside causal,
+  // in its padding: at the end of FwdParams its 8 bytes moved the kernels' parameters and ptxas
+  // serialised the wgmma products of six sm90 score-modifier forward kernels (tools/check_spills.py).
+  bool deterministic = false;
   int window_left = -1, window_right = -1;
   const float* alibi = nullptr;            // fp32 slopes, or nullptr
   std::int64_t alibi_batch_stride = 0;     // 0 when slopes are (h)
@@ -63,9 +68,6 @@ struct FwdParams {
   std::uint32_t dropout_threshold = 0;     // see detail/philox.hpp
   float dropout_rescale = 1.0f;            // 1 / (1 - p)
   std::uint64_t seed = 0, offset = 0;
-  // Options::deterministic: bit-identical results run to run (the backward without floating-point
-  // atomics, the forward's split blocks on fixed key ranges: fwd_split_shares_tiles).
-  bool deterministic = false;
 
   KvCacheParams kv;  // K/V addressing of forward_kvcache and paged varlen; inactive otherwise
 #ifdef FLASHMONOID_TRACE
