@@ -794,7 +794,8 @@ void write_records(const char* out_path) {
 // the device copy and the forward_kvcache decoding shapes (pass "decode"), --no-kvcache all but those,
 // --kvcache-host only the host time of the C++ forward_kvcache (pass "decode_host"), --grid-probe the
 // forward's partial last round (grid_probe), --kv-trace B S_K PAGE S_Q APPEND one decoding call's
-// block timeline (kv_trace; a -DFLASHMONOID_TRACE=ON build).
+// block timeline (kv_trace; a -DFLASHMONOID_TRACE=ON build), --kv-splits the 134 MB decoding shapes
+// over forced split counts (kv_splits_probe).
 int main(int argc, char** argv) {
   const std::string dev = device_name();
   const char* out_path = nullptr;
