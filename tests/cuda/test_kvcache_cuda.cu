@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -257,7 +258,8 @@ TEST(KvCacheCuda, ForcedSplitsOnAnyWorkspace) {
 // key tiles per split; block_range.cuh: SharedKeyTiles) on any workspace: forced 2 and 4 splits
 // over 4-8k keys, full sequences and random lengths, a batch index, leftpad, a window (the second
 // call finds the counters that the first call's combine set back to 0); then one CUDA graph
-// replayed three times (every replay has the capture's epoch).
+// replayed three times (every replay has the capture's epoch). KvCacheCudaPlan.SharedKeyTilesRule
+// checks that these shapes take the shared kernel.
 TEST(KvCacheCuda, SharedKeyTilesOnAnyWorkspace) {
   SKIP_WITHOUT_GPU();
   KvShape full = split_shape(DType::bf16, 1, 128, 4200);
@@ -307,6 +309,19 @@ TEST(KvCacheCudaPlan, SharedKeyTilesRule) {
     q.kv.page_size = 16;
   }));
   EXPECT_TRUE(with([](auto& q) { q.d = 64; }));
+  // SharedKeyTilesOnAnyWorkspace's shapes (split_shape: b 2, 16/4 heads) do share, so that test
+  // runs the shared kernel: (s_q, d, capacity, splits).
+  for (auto [s_q, d, capacity, splits] : {std::array{1, 128, 4200, 2}, {4, 64, 8300, 4}, {3, 128, 4200, 2}}) {
+    flashmonoid::detail::FwdParams q = p;
+    q.batch = 2;
+    q.h = 16;
+    q.h_k = 4;
+    q.seqlen_q = s_q;
+    q.total_q = 2 * s_q;
+    q.d = d;
+    q.seqlen_k = capacity;
+    EXPECT_TRUE(fwd_split_shares_tiles(q, splits)) << "s_q " << s_q << " d " << d << " capacity " << capacity;
+  }
 }
 
 // cache_seqlens as one host int (every sequence holds the same rows), and calls without new rows

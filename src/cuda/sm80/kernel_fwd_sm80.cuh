@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
     // g_{t + kStages}.
     constexpr int kAhead = kStages + 1;
     SharedKeyTiles order;
-    if (kShareTiles) {
+    if constexpr (kShareTiles) {
       order.counter =
           args.tile_counters + (static_cast<std::int64_t>(b) * gridDim.y + blockIdx.y) * args.num_m_blocks + m_block;
       order.tag = args.counter_tag;
@@ -247,7 +247,7 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
         load_kv(t + kStages - 1, at(t, kStages - 1), window);  // into the stage tile t - 1 used
         window = window_of(at(t, kStages));
         const int next = take ? s_taken[t & 1] : order.fixed(t + kAhead);
-        if (kShareTiles && threadIdx.x == 0 && take) {
+        if (take && threadIdx.x == 0) {
           // g_{t + kAhead + 1}, read at step t + 1; past the last position every later one is too.
           const int g = taking ? order.taken<kAhead>(pending) : num_tiles;
           s_taken[(t + 1) & 1] = g;
