@@ -610,14 +610,20 @@ void kv_probe(bool all) {
 // Forced split counts on the 134 MB decoding shapes (issue 10): graph-replayed x copy per variant
 // for the heuristic (0: one wave of two blocks per SM) and for several waves of shorter splits,
 // which the block scheduler hands to whichever multiprocessor frees a slot first.
-void kv_splits_probe() {
+// short: b = 1 over 1-4k keys, where kMinTilesPerSplit rather than the resident blocks caps the
+// heuristic's splits (8 at 1k... 16 at 4k).
+void kv_splits_probe(bool short_caches) {
   std::printf("%-4s %-7s %-10s %6s %8s\n", "b", "s_k", "variant", "splits", "x copy");
   struct Shape {
     int b, sk;
     std::vector<int> splits;
   };
-  for (const Shape& sh : {Shape{1, 32768, {0, 32, 64, 86, 128}}, Shape{8, 4096, {0, 8, 12, 16}},
-                          Shape{1, 131072, {0, 64, 128}}}) {
+  const std::vector<Shape> shapes =
+      short_caches ? std::vector<Shape>{{1, 1024, {0, 8, 16, 24, 33}}, {1, 2048, {0, 8, 16, 24, 33}},
+                                        {1, 4096, {0, 8, 24, 32, 33}}}
+                   : std::vector<Shape>{{1, 32768, {0, 32, 64, 86, 128}}, {8, 4096, {0, 8, 12, 16}},
+                                        {1, 131072, {0, 64, 128}}};
+  for (const Shape& sh : shapes) {
     struct V {
       const char* name;
       int page, sq;
@@ -795,12 +801,12 @@ void write_records(const char* out_path) {
 // --kvcache-host only the host time of the C++ forward_kvcache (pass "decode_host"), --grid-probe the
 // forward's partial last round (grid_probe), --kv-trace B S_K PAGE S_Q APPEND one decoding call's
 // block timeline (kv_trace; a -DFLASHMONOID_TRACE=ON build), --kv-splits the 134 MB decoding shapes
-// over forced split counts (kv_splits_probe).
+// over forced split counts (kv_splits_probe), --kv-splits-short b = 1 over 1-4k keys.
 int main(int argc, char** argv) {
   const std::string dev = device_name();
   const char* out_path = nullptr;
   bool with_bwd = true, decode_only = false, kvcache_only = false, with_kvcache = true, kvcache_host = false;
-  bool kv_probe_only = false, kv_probe_all = false, kv_splits_only = false;
+  bool kv_probe_only = false, kv_probe_all = false, kv_splits_only = false, kv_splits_short = false;
   std::vector<std::array<int, 3>> cases;  // (hdim, causal, seqlen)
   std::vector<std::array<int, 5>> traces;  // --kv-trace (b, s_k, page, s_q, append)
   for (int i = 1; i < argc; ++i) {
@@ -818,6 +824,7 @@ int main(int argc, char** argv) {
     }
     else if (!std::strcmp(argv[i], "--kv-probe-all")) kv_probe_only = kv_probe_all = true;
     else if (!std::strcmp(argv[i], "--kv-splits")) kv_splits_only = true;
+    else if (!std::strcmp(argv[i], "--kv-splits-short")) kv_splits_only = kv_splits_short = true;
     else if (!std::strcmp(argv[i], "--kv-case") && i + 4 < argc) {
       // One decoding shape (b, s_k, page, s_q; append and rotary), 20 calls on the default stream
       // and graph-replayed TB/s: for profilers (ncu -k ... on these calls).
@@ -882,7 +889,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (kv_splits_only) {
-    kv_splits_probe();
+    kv_splits_probe(kv_splits_short);
     return 0;
   }
   if (kvcache_only) decode_only = true;

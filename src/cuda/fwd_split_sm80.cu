@@ -11,9 +11,27 @@ namespace {
 constexpr std::size_t kAlign = 256;
 constexpr std::size_t align_up(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-// A split should still stream several key tiles, so that its fixed cost (Q load, partial write,
-// its share of the combine) stays small next to the K/V it reads: 4 tiles = 256 keys.
+// The fewest key tiles a split streams: enough that its partial (rows · d fp32, written, then read by
+// the combine) stays at most a quarter of the K/V it reads (2 · block_n · d 2-byte values per tile),
+// so ceil(4 · rows / block_n), at most kMinTilesPerSplit. Decoding's packed rows (4-16 of the narrow
+// tile's 64) then take 1 tile per split, so a short cache fills the resident blocks too. H100,
+// graph-replayed, x copy, b = 1, the splits this gives against those of 4 tiles per split
+// (`gpu_bench --kv-splits-short`, 33 splits standing for 32 at 2k):
+// - 1k keys, 16 splits against 4: plain 0.165 / 0.134, append 0.140 / 0.120, page 16 0.133 / 0.103,
+//   s_q 4 0.124 / 0.108;
+// - 2k, 32 against 8: plain 0.281 / 0.256, append 0.253 / 0.229, page 16 0.245 / 0.203, s_q 4
+//   0.221 / 0.206;
+// - 4k, 33 against 16: plain 0.483 / 0.466, append 0.430 / 0.413, page 16 0.426 / 0.375, s_q 4
+//   0.395 / 0.378.
+// Full 64-row and wide tiles keep 4 tiles (256 keys): there a partial is as large as the K/V tile
+// it sums.
 constexpr int kMinTilesPerSplit = 4;
+
+int min_tiles_per_split(const detail::FwdParams& p, const FwdPlanSm80& plan) {
+  const int rows = std::min(p.seqlen_q * plan.pack, plan.tile.block_m);
+  return std::clamp((4 * rows + plan.tile.block_n - 1) / plan.tile.block_n, 1, kMinTilesPerSplit);
+}
+
 // Split blocks share their row block's key tiles (SharedKeyTiles) where each split would stream at
 // least this many. H100, graph-replayed, x copy against fixed splits, contiguous caches: 64-128
 // tiles per split +2-3.5% (b = 1 128k 1.018 against 0.990, b = 8 32k 1.038 against 1.010, s_q 4
@@ -69,7 +87,7 @@ void fwd_split_buffers(const detail::FwdParams& p, int num_splits, void* workspa
 // prompts with few heads); then fill the blocks that stay resident per multiprocessor (the tile's
 // min_blocks: 2 for the narrow tile), one wave at most (rounded down: blocks past one wave stream
 // with a fraction of the chip's copies in flight), without giving any split fewer than
-// kMinTilesPerSplit key tiles. Example, decoding b = 1, h = 32, h_k = 8 on 132 SMs: 8 packed
+// min_tiles_per_split key tiles. Example, decoding b = 1, h = 32, h_k = 8 on 132 SMs: 8 packed
 // blocks, 2 · 132 / 8 = 33 splits. Two blocks per SM rather than one: a paged cache's row gather
 // issues its copies from the warps that do the products, and one block per SM left page 16 at
 // 0.60-0.67x of contiguous (H200, graph-replayed, TB/s of K/V, b <= 8; the same with the pages in
@@ -89,8 +107,8 @@ int fwd_choose_num_splits(const detail::FwdParams& p, int num_sms, std::size_t s
       smem_per_sm > 0 ? std::clamp<std::int64_t>(static_cast<std::int64_t>(smem_per_sm / block_smem), 1, plan.tile.min_blocks)
                       : plan.tile.min_blocks;
   const std::int64_t resident = static_cast<std::int64_t>(num_sms) * per_sm;
-  const std::int64_t splits = std::min<std::int64_t>({resident / blocks, key_tiles / kMinTilesPerSplit,
-                                                      kMaxSplits});
+  const std::int64_t splits =
+      std::min<std::int64_t>({resident / blocks, key_tiles / min_tiles_per_split(p, plan), kMaxSplits});
   return splits > 1 ? static_cast<int>(splits) : 1;
 }
 

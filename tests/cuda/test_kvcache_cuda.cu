@@ -276,10 +276,36 @@ TEST(KvCacheCuda, SharedKeyTilesOnAnyWorkspace) {
   capture_and_replay(full, 2);
 }
 
-// Which split calls share key tiles: a host rule (fwd_split_shares_tiles), so this runs without a
-// GPU. b = 1 decoding, GQA 32/8, hdim 128: 64-key tiles.
-TEST(KvCacheCudaPlan, SharedKeyTilesRule) {
-  using flashmonoid::cuda::fwd_split_shares_tiles;
+// Options::deterministic: a shape whose splits would share key tiles runs the fixed splits instead
+// (KvCacheCudaPlan.SharedKeyTilesRule), so repeated calls on one workspace give the same bits; the
+// first is checked against the reference.
+TEST(KvCacheCuda, DeterministicRepeatsBitForBit) {
+  SKIP_WITHOUT_GPU();
+  KvShape s = split_shape(DType::bf16, 1, 128, 8300);
+  s.full = true;
+  KvProblem pb(s);
+  DeviceKv d(pb, 4);
+  d.opt.deterministic = true;
+  fill_random(*d.work);
+  d.run(4);
+  check_results(pb, d);
+  HostTensor out0 = pb.new_out(), lse0 = pb.new_lse();
+  d.out.copy_to(out0);
+  d.lse.copy_to(lse0);
+  for (int repeat = 0; repeat < 3; ++repeat) {
+    d.out.copy_from(pb.new_out());  // poisoned again
+    d.run(4);
+    cuda_ok(cudaDeviceSynchronize());
+    HostTensor out = pb.new_out(), lse = pb.new_lse();
+    d.out.copy_to(out);
+    d.lse.copy_to(lse);
+    EXPECT_TRUE(same_bytes(out, out0)) << "out of repeat " << repeat;
+    EXPECT_TRUE(same_bytes(lse, lse0)) << "lse of repeat " << repeat;
+  }
+}
+
+// The host plan tests' call: b = 1 decoding, GQA 32/8, hdim 128 bf16 (the narrow tile's 64-key tiles).
+flashmonoid::detail::FwdParams decode_params(int seqlen_k) {
   flashmonoid::detail::FwdParams p;
   p.dtype = DType::bf16;
   p.batch = 1;
@@ -288,8 +314,16 @@ TEST(KvCacheCudaPlan, SharedKeyTilesRule) {
   p.d = 128;
   p.seqlen_q = 1;
   p.total_q = 1;
-  p.seqlen_k = 131072;  // 2048 key tiles
+  p.seqlen_k = seqlen_k;
   p.kv.active = true;
+  return p;
+}
+
+// Which split calls share key tiles: a host rule (fwd_split_shares_tiles), so this runs without a
+// GPU.
+TEST(KvCacheCudaPlan, SharedKeyTilesRule) {
+  using flashmonoid::cuda::fwd_split_shares_tiles;
+  const flashmonoid::detail::FwdParams p = decode_params(131072);  // 2048 key tiles
   EXPECT_TRUE(fwd_split_shares_tiles(p, 33));  // 62 tiles per split
   EXPECT_TRUE(fwd_split_shares_tiles(p, 64));  // 32
   EXPECT_FALSE(fwd_split_shares_tiles(p, 65));
@@ -321,7 +355,41 @@ TEST(KvCacheCudaPlan, SharedKeyTilesRule) {
     q.d = d;
     q.seqlen_k = capacity;
     EXPECT_TRUE(fwd_split_shares_tiles(q, splits)) << "s_q " << s_q << " d " << d << " capacity " << capacity;
+    // DeterministicRepeatsBitForBit's shape would share, but not under Options::deterministic.
+    if (capacity == 8300) {
+      q.seqlen_q = 1;
+      q.total_q = 2;
+      q.d = 128;
+      EXPECT_TRUE(fwd_split_shares_tiles(q, splits));
+      q.deterministic = true;
+      EXPECT_FALSE(fwd_split_shares_tiles(q, splits));
+    }
   }
+}
+
+// How many splits decoding gets on an H100 (132 SMs, 228 KB per SM): one wave of two blocks per SM,
+// at least one key tile per split for packed decoding rows, four for a full 64-row block. A host
+// rule (fwd_choose_num_splits), so this runs without a GPU.
+TEST(KvCacheCudaPlan, SplitsFillTheResidentBlocks) {
+  using flashmonoid::cuda::fwd_choose_num_splits;
+  const flashmonoid::detail::FwdParams p = decode_params(0);
+  auto splits = [&](int s_q, int s_k, int batch = 1) {
+    flashmonoid::detail::FwdParams q = p;
+    q.seqlen_q = s_q;
+    q.total_q = batch * s_q;
+    q.batch = batch;
+    q.seqlen_k = s_k;
+    return fwd_choose_num_splits(q, 132, 233472);
+  };
+  EXPECT_EQ(splits(1, 1024), 16);   // 16 key tiles of 64: one each
+  EXPECT_EQ(splits(1, 2048), 32);
+  EXPECT_EQ(splits(1, 4096), 33);   // 2 · 132 / 8 blocks
+  EXPECT_EQ(splits(1, 32768), 33);
+  EXPECT_EQ(splits(4, 1024), 16);   // 16 packed rows
+  EXPECT_EQ(splits(16, 1024), 4);   // 64 packed rows: a full block, 4 tiles per split
+  EXPECT_EQ(splits(1, 4096, 8), 4); // 64 blocks: 2 · 132 / 64
+  EXPECT_EQ(splits(1, 128), 2);
+  EXPECT_EQ(splits(1, 64), 1);      // one key tile: no split
 }
 
 // cache_seqlens as one host int (every sequence holds the same rows), and calls without new rows
