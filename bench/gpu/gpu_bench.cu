@@ -610,8 +610,8 @@ void kv_probe(bool all) {
 // Forced split counts on the 134 MB decoding shapes (issue 10): graph-replayed x copy per variant
 // for the heuristic (0: one wave of two blocks per SM) and for several waves of shorter splits,
 // which the block scheduler hands to whichever multiprocessor frees a slot first.
-// short: b = 1 over 1-4k keys, where kMinTilesPerSplit rather than the resident blocks caps the
-// heuristic's splits (8 at 1k... 16 at 4k).
+// short: b = 1 over 1-4k keys, where the key tiles per split rather than the resident blocks can cap
+// the heuristic's splits (min_tiles_per_split in fwd_split_sm80.cu).
 void kv_splits_probe(bool short_caches) {
   std::printf("%-4s %-7s %-10s %6s %8s\n", "b", "s_k", "variant", "splits", "x copy");
   struct Shape {

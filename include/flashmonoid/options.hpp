@@ -36,11 +36,12 @@ struct Options {
   std::uint64_t dropout_offset = 0;
 
   // Bit-identical results run to run. The backward without it may add partial gradients with
-  // floating-point atomics. The forward is bit-identical run to run either way, but for one case: CUDA split-KV decoding over a contiguous KV with at least
-  // 32 key tiles per split (long caches, few sequences: 64 key tiles of 64 keys at hdim <= 128),
-  // whose split blocks take key tiles from a shared counter (+2-3.5% on the H100), so the order of a
-  // partial's sums varies in the last bits; with deterministic they keep fixed key ranges. The
-  // Python KV-cache call sets it when torch.are_deterministic_algorithms_enabled().
+  // floating-point atomics. The forward is bit-identical run to run either way, but for one case:
+  // CUDA split-KV decoding over a contiguous KV with at least 32 key tiles per split (long caches,
+  // few sequences: 64 key tiles of 64 keys at hdim <= 128), whose split blocks take key tiles from a
+  // shared counter (+2-3.5% on the H100), so the order of a partial's sums varies in the last bits;
+  // with deterministic they keep fixed key ranges. The Python KV-cache call sets it when
+  // torch.are_deterministic_algorithms_enabled().
   bool deterministic = false;
 };
 
