@@ -294,6 +294,7 @@ TEST(KvCacheCuda, DeterministicRepeatsBitForBit) {
   d.lse.copy_to(lse0);
   for (int repeat = 0; repeat < 3; ++repeat) {
     d.out.copy_from(pb.new_out());  // poisoned again
+    d.lse.copy_from(pb.new_lse());
     d.run(4);
     cuda_ok(cudaDeviceSynchronize());
     HostTensor out = pb.new_out(), lse = pb.new_lse();
@@ -343,9 +344,8 @@ TEST(KvCacheCudaPlan, SharedKeyTilesRule) {
     q.kv.page_size = 16;
   }));
   EXPECT_TRUE(with([](auto& q) { q.d = 64; }));
-  // SharedKeyTilesOnAnyWorkspace's shapes (split_shape: b 2, 16/4 heads) do share, so that test
-  // runs the shared kernel: (s_q, d, capacity, splits).
-  for (auto [s_q, d, capacity, splits] : {std::array{1, 128, 4200, 2}, {4, 64, 8300, 4}, {3, 128, 4200, 2}}) {
+  // split_shape's calls (b 2, 16/4 heads) with s_q, d and capacity keys.
+  auto split_call = [&](int s_q, int d, int capacity) {
     flashmonoid::detail::FwdParams q = p;
     q.batch = 2;
     q.h = 16;
@@ -354,17 +354,18 @@ TEST(KvCacheCudaPlan, SharedKeyTilesRule) {
     q.total_q = 2 * s_q;
     q.d = d;
     q.seqlen_k = capacity;
-    EXPECT_TRUE(fwd_split_shares_tiles(q, splits)) << "s_q " << s_q << " d " << d << " capacity " << capacity;
-    // DeterministicRepeatsBitForBit's shape would share, but not under Options::deterministic.
-    if (capacity == 8300) {
-      q.seqlen_q = 1;
-      q.total_q = 2;
-      q.d = 128;
-      EXPECT_TRUE(fwd_split_shares_tiles(q, splits));
-      q.deterministic = true;
-      EXPECT_FALSE(fwd_split_shares_tiles(q, splits));
-    }
-  }
+    return q;
+  };
+  // SharedKeyTilesOnAnyWorkspace's shapes do share, so that test runs the shared kernel:
+  // (s_q, d, capacity, splits).
+  for (auto [s_q, d, capacity, splits] : {std::array{1, 128, 4200, 2}, {4, 64, 8300, 4}, {3, 128, 4200, 2}})
+    EXPECT_TRUE(fwd_split_shares_tiles(split_call(s_q, d, capacity), splits))
+        << "s_q " << s_q << " d " << d << " capacity " << capacity;
+  // DeterministicRepeatsBitForBit's shape would share, but not under Options::deterministic.
+  flashmonoid::detail::FwdParams repeated = split_call(1, 128, 8300);
+  EXPECT_TRUE(fwd_split_shares_tiles(repeated, 4));
+  repeated.deterministic = true;
+  EXPECT_FALSE(fwd_split_shares_tiles(repeated, 4));
 }
 
 // How many splits decoding gets on an H100 (132 SMs, 228 KB per SM): one wave of two blocks per SM,
