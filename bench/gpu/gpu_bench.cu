@@ -540,14 +540,19 @@ void kv_trace(int b, int sk, int page, int sq, bool append) {
       row(name.c_str(), v);
     }
   }
-  // clock64 durations within a forward block: entry -> after wait -> mainloop done -> exit.
-  for (int e = 1; e < fc::kTraceEvents; ++e) {
-    std::vector<double> v;
-    for (int i = 0; i < blocks[1]; ++i)
-      if (at(1, i, e, 0) != 0 && at(1, i, e - 1, 0) != 0) v.push_back(static_cast<double>(at(1, i, e, 1) - at(1, i, e - 1, 1)));
-    const std::string name = std::string("forward cycles ") + events[e - 1] + " -> " + events[e];
-    row(name.c_str(), v);
-  }
+  // clock64 durations within a forward block (entry -> after wait -> mainloop done -> exit) and a
+  // combine block (entry -> after wait -> splits folded -> exit).
+  const char* combine_events[] = {"entry", "after wait", "folded", "exit"};
+  for (int k = 1; k < fc::kTraceKernels; ++k)
+    for (int e = 1; e < fc::kTraceEvents; ++e) {
+      std::vector<double> v;
+      for (int i = 0; i < blocks[k]; ++i)
+        if (at(k, i, e, 0) != 0 && at(k, i, e - 1, 0) != 0)
+          v.push_back(static_cast<double>(at(k, i, e, 1) - at(k, i, e - 1, 1)));
+      const char** names = k == 1 ? events : combine_events;
+      const std::string name = std::string(kernels[k]) + " cycles " + names[e - 1] + " -> " + names[e];
+      row(name.c_str(), v);
+    }
   std::sort(stamps.begin(), stamps.end());
   unsigned long long step = ~0ull;
   for (std::size_t i = 1; i < stamps.size(); ++i)
@@ -583,18 +588,21 @@ void bench_kvcache_all(const std::string& dev) {
 // K/V, with append and rotary, for the page table shuffled or in pool order, at the heuristic's split
 // count (two blocks per multiprocessor) and at half of it (one block per multiprocessor, the heuristic
 // before 2026-11-26), on the shapes where page 16 lagged (b <= 8); those two rows with --kv-probe-all.
+// Short caches (b = 1, 1k and 4k keys) and the plain paged read (no append: a serving engine that
+// writes its cache in a kernel of its own) as well.
 void kv_probe(bool all) {
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   std::printf("%-4s %-7s %-20s %8s %8s\n", "b", "s_k", "variant", "TB/s", "x copy");
-  for (auto [b, sk] : {std::pair{1, 32768}, {8, 4096}, {1, 131072}, {8, 32768}, {8, 131072}}) {
+  for (auto [b, sk] : {std::pair{1, 1024}, {1, 4096}, {1, 32768}, {8, 4096}, {1, 131072}, {8, 32768}, {8, 131072}}) {
     const int one_per_sm = std::max(1, sms / (8 * b));  // 8 KV heads: b · 8 packed blocks
     struct V {
       const char* name;
       int page, sq, splits;
       bool append, shuffle;
     };
-    for (const V& v : {V{"plain", 0, 1, 0, false, true}, V{"contiguous", 0, 1, 0, true, true},
+    for (const V& v : {V{"plain", 0, 1, 0, false, true}, V{"plain page16", 16, 1, 0, false, true},
+                       V{"contiguous", 0, 1, 0, true, true},
                        V{"contiguous 1/SM", 0, 1, one_per_sm, true, true}, V{"page16", 16, 1, 0, true, true},
                        V{"page16 in order", 16, 1, 0, true, false}, V{"page16 1/SM", 16, 1, one_per_sm, true, true},
                        V{"page64", 64, 1, 0, true, true}, V{"s_q 4", 0, 4, 0, true, true}}) {

@@ -151,6 +151,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   float s = 0.0f;
   float4 acc[kCombineSteps] = {};
   const float m = fold_splits<kCombineWarps>(p, num_splits, out_partial, lse_partial, head, grow, warp, lane, s, acc);
+  trace_mark(p, TraceKernel::combine, 2);  // warp 0's splits loaded and folded
 #pragma unroll
   for (int k = 0; k < kCombineSteps; ++k) s_acc[warp][k][lane] = acc[k];
   if (lane == 0) s_sum[warp] = s;
@@ -188,6 +189,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   float s = 0.0f;
   float4 acc[kCombineSteps] = {};
   const float m = fold_splits<1>(p, num_splits, out_partial, lse_partial, head, grow, 0, lane, s, acc);
+  trace_mark(p, TraceKernel::combine, 2);  // the row's splits loaded and folded
   store_combined<T>(p, head, grow, m, s, acc, lane);
   trace_mark(p, TraceKernel::combine, 3);
 }
