@@ -424,7 +424,9 @@ struct KvDecode {
   static std::size_t rows(int b, int sk) { return static_cast<std::size_t>(b) * sk * hk * d * 2; }
   // shuffle: pages of a sequence scattered over the pool (the benchmark's case); false: in pool
   // order, which puts every row where a contiguous cache has it (only the gather's arithmetic differs).
-  KvDecode(int b_, int sk_, int page_, int sq_, bool append_, bool rotary_, bool shuffle = true)
+  // head_major: a contiguous cache whose heads are outermost in memory ((b, h_k, s, d), SDPA's usual
+  // layout, strided as (b, s, h_k, d)), where a K/V tile of one head is one contiguous run.
+  KvDecode(int b_, int sk_, int page_, int sq_, bool append_, bool rotary_, bool shuffle = true, bool head_major = false)
       : b(b_), sk(sk_), page(page_), sq(sq_), append(append_), rotary(rotary_), kv_bytes(rows(b_, sk_)),
         q(static_cast<std::size_t>(b_) * sq_ * h * d * 2, true), o(static_cast<std::size_t>(b_) * sq_ * h * d * 2),
         lse(static_cast<std::size_t>(b_) * h * sq_ * 4), k(kv_bytes, true), v(kv_bytes, true),
@@ -448,6 +450,10 @@ struct KvDecode {
       cache.k = TensorView(k.p, DType::bf16, dev, {pages, page, hk, d});
       cache.v = TensorView(v.p, DType::bf16, dev, {pages, page, hk, d});
       cache.block_table = TensorView(table.p, DType::i32, dev, {b, per_seq});
+    } else if (head_major) {
+      const std::int64_t hs = static_cast<std::int64_t>(sk) * d;
+      cache.k = TensorView(k.p, DType::bf16, dev, {b, sk, hk, d}, {hk * hs, d, hs, 1});
+      cache.v = TensorView(v.p, DType::bf16, dev, {b, sk, hk, d}, {hk * hs, d, hs, 1});
     } else {
       cache.k = view4(k.p, DType::bf16, b, sk, hk, d);
       cache.v = view4(v.p, DType::bf16, b, sk, hk, d);
@@ -613,6 +619,21 @@ void kv_probe(bool all) {
       std::printf("%-4d %-7d %-20s %8.3f %8.3f\n", b, sk, v.name, pb.tbps(gms), pb.tbps(gms) / g_copy_tbps);
     }
   }
+}
+
+// The cache's layout (issue 10): graph-replayed x copy of the plain read and the append + rotary
+// call over a (b, s, h_k, d) cache (flash-attn's layout, the benchmark's) and over the same shape
+// with the heads outermost in memory (SDPA's (b, h_k, s, d), which the cuDNN peer reads).
+void kv_layout_probe() {
+  std::printf("%-4s %-7s %-24s %8s %8s\n", "b", "s_k", "variant", "TB/s", "x copy");
+  for (auto [b, sk] : {std::pair{1, 4096}, {1, 32768}, {8, 4096}, {1, 131072}, {8, 32768}})
+    for (bool head_major : {false, true})
+      for (bool append : {false, true}) {
+        KvDecode pb(b, sk, 0, 1, append, append, true, head_major);
+        const double gms = graph_ms([&](cudaStream_t s) { pb.run(s); });
+        const std::string name = std::string(append ? "append" : "plain") + (head_major ? " head-major" : "");
+        std::printf("%-4d %-7d %-24s %8.3f %8.3f\n", b, sk, name.c_str(), pb.tbps(gms), pb.tbps(gms) / g_copy_tbps);
+      }
 }
 
 // Forced split counts on the 134 MB decoding shapes (issue 10): graph-replayed x copy per variant
@@ -809,12 +830,14 @@ void write_records(const char* out_path) {
 // --kvcache-host only the host time of the C++ forward_kvcache (pass "decode_host"), --grid-probe the
 // forward's partial last round (grid_probe), --kv-trace B S_K PAGE S_Q APPEND one decoding call's
 // block timeline (kv_trace; a -DFLASHMONOID_TRACE=ON build), --kv-splits the 134 MB decoding shapes
-// over forced split counts (kv_splits_probe), --kv-splits-short b = 1 over 1-4k keys.
+// over forced split counts (kv_splits_probe), --kv-splits-short b = 1 over 1-4k keys, --kv-layout
+// the plain and append calls over (b, s, h_k, d) and head-major caches (kv_layout_probe).
 int main(int argc, char** argv) {
   const std::string dev = device_name();
   const char* out_path = nullptr;
   bool with_bwd = true, decode_only = false, kvcache_only = false, with_kvcache = true, kvcache_host = false;
   bool kv_probe_only = false, kv_probe_all = false, kv_splits_only = false, kv_splits_short = false;
+  bool kv_layout_only = false;
   std::vector<std::array<int, 3>> cases;  // (hdim, causal, seqlen)
   std::vector<std::array<int, 5>> traces;  // --kv-trace (b, s_k, page, s_q, append)
   for (int i = 1; i < argc; ++i) {
@@ -832,6 +855,7 @@ int main(int argc, char** argv) {
     }
     else if (!std::strcmp(argv[i], "--kv-probe-all")) kv_probe_only = kv_probe_all = true;
     else if (!std::strcmp(argv[i], "--kv-splits")) kv_splits_only = true;
+    else if (!std::strcmp(argv[i], "--kv-layout")) kv_layout_only = true;
     else if (!std::strcmp(argv[i], "--kv-splits-short")) kv_splits_only = kv_splits_short = true;
     else if (!std::strcmp(argv[i], "--kv-case") && i + 4 < argc) {
       // One decoding shape (b, s_k, page, s_q; append and rotary), 20 calls on the default stream
@@ -898,6 +922,10 @@ int main(int argc, char** argv) {
   }
   if (kv_splits_only) {
     kv_splits_probe(kv_splits_short);
+    return 0;
+  }
+  if (kv_layout_only) {
+    kv_layout_probe();
     return 0;
   }
   if (kvcache_only) decode_only = true;
