@@ -3,7 +3,10 @@
 // device}. CUDA events around each call (training shapes: around a queue of calls, device_ms), warm-up
 // first, median of the timed repetitions. Every
 // training shape has batch·seqlen = 16k tokens and hidden 2048, so q, k and v are 64 MB each, above
-// the 50 MB L2: repeated calls stream from HBM. Decoding shapes are 128 MB and more of K/V.
+// the 50 MB L2: repeated calls stream from HBM. Decoding shapes are 128 MB and more of K/V, but for
+// b = 1 at 4k keys (17 MB; the probes' 1k, 4 MB): those stay in the L2 across a graph's calls, so
+// they time short, latency-bound calls (comparable between builds and with the cuDNN peer, which
+// runs them the same way), not HBM reads; the issue's bandwidth bars start at 64 MB.
 // FLOPs: forward 4·b·h·s_q·s_k·d (halved when causal), backward 2.5x forward.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -594,8 +597,8 @@ void bench_kvcache_all(const std::string& dev) {
 // K/V, with append and rotary, for the page table shuffled or in pool order, at the heuristic's split
 // count (two blocks per multiprocessor) and at half of it (one block per multiprocessor, the heuristic
 // before 2026-11-26), on the shapes where page 16 lagged (b <= 8); those two rows with --kv-probe-all.
-// Short caches (b = 1, 1k and 4k keys) and the plain paged read (no append: a serving engine that
-// writes its cache in a kernel of its own) as well.
+// Short caches (b = 1, 1k and 4k keys: L2-resident, see the top of the file) and the plain paged
+// read (no append: a serving engine that writes its cache in a kernel of its own) as well.
 void kv_probe(bool all) {
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
