@@ -53,7 +53,7 @@ bool fwd_split_shares_tiles(const detail::FwdParams& p, int num_splits) {
   // The shared variant is compiled for the decoding kernels only: hdim <= 128 without score modifiers.
   // Which tiles a block takes, and so the order of its partial's sums, varies run to run: not under
   // Options::deterministic.
-  if (num_splits <= 1 || plan.kind != FwdTileKind::narrow || p.kv.block_table != nullptr || p.score_mods() ||
+  if (num_splits <= 1 || !fwd_cache_tile(plan.kind) || p.kv.block_table != nullptr || p.score_mods() ||
       head_dim_bucket(p.d) > 128 || p.deterministic)
     return false;
   const std::int64_t key_tiles = (static_cast<std::int64_t>(p.seqlen_k) + plan.tile.block_n - 1) / plan.tile.block_n;
@@ -63,7 +63,7 @@ bool fwd_split_shares_tiles(const detail::FwdParams& p, int num_splits) {
 int fwd_split_counters(const detail::FwdParams& p) {
   // The narrow tile's choice does not depend on the device's shared memory (plan_fwd_sm80).
   const FwdPlanSm80 plan = plan_fwd_sm80(p, 0);
-  return plan.kind == FwdTileKind::narrow ? plan.num_m_blocks * plan.grid_heads * p.batch : 0;
+  return fwd_cache_tile(plan.kind) ? plan.num_m_blocks * plan.grid_heads * p.batch : 0;
 }
 
 std::size_t fwd_split_workspace_bytes(const detail::FwdParams& p, int num_splits) {

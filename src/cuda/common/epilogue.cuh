@@ -39,13 +39,16 @@ template <class T, int kHeadDim, int kMTiles, int kBlockM, int kThreads>
 __device__ __forceinline__ void store_output(const detail::FwdParams& p, const BlockRows& blk, int R0,
                                              const float (&o)[kMTiles][kHeadDim / 8][4],
                                              const float (&inv_l)[2 * kMTiles], const float (&lse)[2 * kMTiles],
-                                             const RowCoords<kMTiles>& rows, T* sO, int warp_row0, int lane) {
+                                             const RowCoords<kMTiles>& rows, T* sO, int warp_row0, int lane,
+                                             bool holds_rows = true) {
   // Each warp writes only the rows it read Q from, so no block barrier is needed before these
   // stores; __syncwarp orders the warp's own last Q reads before them (racecheck flagged the
-  // intra-warp pair once a divergent branch sat in the mainloop).
+  // intra-warp pair once a divergent branch sat in the mainloop). holds_rows false: a warp whose
+  // state another warp merged (the decode tile's warps 1-3) writes nothing but takes part in the
+  // copy out.
   __syncwarp();
 #pragma unroll
-  for (int mi = 0; mi < kMTiles; ++mi)
+  for (int mi = 0; mi < kMTiles && holds_rows; ++mi)
 #pragma unroll
     for (int di = 0; di < kHeadDim / 8; ++di)
 #pragma unroll
@@ -68,7 +71,7 @@ __device__ __forceinline__ void store_output(const detail::FwdParams& p, const B
       *reinterpret_cast<uint4*>(g) = *reinterpret_cast<const uint4*>(sO + swizzled<kHeadDim>(r, c * 8));
     }
   }
-  store_lse(p, blk, lse, rows, lane);
+  if (holds_rows) store_lse(p, blk, lse, rows, lane);
 }
 
 // O·(1/l) straight from the accumulators, without shared memory or a barrier, in 16-byte stores

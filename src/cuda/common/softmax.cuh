@@ -162,6 +162,21 @@ struct OnlineSoftmax {
     }
   }
 
+  // Merge another unfinished state of the same rows (another warp's, over other keys: its running
+  // max m_b and this lane's share of its sums l_b) into this one, the monoid's merge before
+  // finish(). factor_a and factor_b rescale this state's O and the other's before they are added.
+  __device__ __forceinline__ void merge(const float (&m_b)[kRows], const float (&l_b)[kRows], float mul,
+                                        float (&factor_a)[kRows], float (&factor_b)[kRows]) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const float mx = fmaxf(m[r], m_b[r]);
+      const float base = mx == -INFINITY ? 0.0f : mx * mul;
+      factor_a[r] = fast_exp2(m[r] * mul - base);  // 0 for a state without keys (m = -inf)
+      factor_b[r] = fast_exp2(m_b[r] * mul - base);
+      l[r] = l[r] * factor_a[r] + l_b[r] * factor_b[r];
+      m[r] = mx;
+    }
+  }
   // Merge a finished part of the same rows (another key range's normalised output y and natural-log
   // lse_part) into the state, the monoid's merge in the state's form: the part weighs as one more key
   // of score lse_part / (mul · ln 2) whose value row is y. The caller then sets

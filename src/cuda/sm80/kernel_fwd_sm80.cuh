@@ -58,10 +58,16 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
   constexpr FwdTileSm80 kTile = fwd_tile_sm80(kHeadDim, kKind);
   constexpr int kBlockM = kTile.block_m, kBlockN = kTile.block_n, kNWarps = kTile.warps;
   constexpr int kThreads = kNWarps * 32;
-  constexpr int kMTiles = kBlockM / (16 * kNWarps);  // m16 tiles per warp
-  constexpr int kNTiles = kBlockN / 8;
+  // The decode tile's warps split each key tile (tile_fwd_sm80.hpp: warps_on_keys): every warp holds
+  // all kBlockM rows and kWarpKeys of the keys; the other tiles' warps split the rows.
+  constexpr bool kWarpsOnKeys = kTile.warps_on_keys;
+  constexpr int kMTiles = kWarpsOnKeys ? kBlockM / 16 : kBlockM / (16 * kNWarps);  // m16 tiles per warp
+  constexpr int kWarpKeys = kWarpsOnKeys ? kBlockN / kNWarps : kBlockN;
+  constexpr int kNTiles = kWarpKeys / 8;
   constexpr int kDTiles = kHeadDim / 8;
-  static_assert(kMTiles * 16 * kNWarps == kBlockM, "kBlockM must be a whole number of m16 tiles per warp");
+  static_assert(kMTiles * 16 * (kWarpsOnKeys ? 1 : kNWarps) == kBlockM,
+                "kBlockM must be a whole number of m16 tiles per warp");
+  static_assert(kWarpKeys % 16 == 0, "a warp's keys are whole k16 steps of P·V");
   constexpr bool kQInRegisters = kTile.q_in_registers;
   constexpr bool kSlotRing = kTile.kv_slots;
 
@@ -91,7 +97,8 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
   const int kv_head = blk.head_base / (p.h / p.h_k);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int warp_row0 = warp * 16 * kMTiles;
+  const int warp_row0 = kWarpsOnKeys ? 0 : warp * 16 * kMTiles;
+  const int warp_key0 = kWarpsOnKeys ? warp * kWarpKeys : 0;  // the warp's first key in each tile
   const bool warp_active = R0 + warp_row0 < blk.rows_total;  // has at least one real row
   const RowCoords<kMTiles> rows(R0 + warp_row0, blk.rows_total, args.pack, blk.head_base, lane);
 
@@ -99,7 +106,7 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
   const detail::Band band = detail::band_of(p, si);
   const int i_first = blk.query(R0);
   const int i_end = blk.query((R0 + kBlockM < blk.rows_total ? R0 + kBlockM : blk.rows_total) - 1) + 1;
-  static_assert(!kShareTiles || (kKind == FwdTileKind::narrow && !kSlotRing && kSub == 1),
+  static_assert(!kShareTiles || (fwd_cache_tile(kKind) && !kSlotRing && kSub == 1),
                 "shared key tiles are written for the narrow tile's (K, V) pair ring");
   const KeyTiles tiles = key_tiles<kBlockN>(band, i_first, i_end, si.len_k, kShareTiles ? 0 : split,
                                             kShareTiles ? 1 : args.num_splits);
@@ -126,7 +133,7 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
   // such calls that tile; a paged cache has no row 0 and is gathered by paged_kv_sm80.cuh): in the
   // wide tiles the cache addressing cost hdim 128 a 4-byte spill (ptxas, sm90), so they keep the
   // plain strided copy.
-  constexpr bool kCacheAddressing = kKind == FwdTileKind::narrow;
+  constexpr bool kCacheAddressing = fwd_cache_tile(kKind);
   const bool paged = kCacheAddressing && p.kv.block_table != nullptr;
   const T* k_seq = k + (kCacheAddressing ? (paged ? 0 : detail::kv_offset(p, p.k_stride, b, si.k_row0, kv_head))
                                          : detail::offset_of(p.k_stride, b, si.k_row0, kv_head));
@@ -154,10 +161,12 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
   };
   const int num_tiles = tiles.count();
   const LdsmLane<kHeadDim> q_addr = q_lane<kHeadDim>(sQ, warp_row0, lane);
-  const LdsmLane<kHeadDim> k_addr = k_lane<kHeadDim>(sK, lane);
-  const LdsmLane<kHeadDim> v_addr = v_lane<kHeadDim>(kSlotRing ? sK : sK + kSub * kBlockN * kHeadDim, lane);
+  const LdsmLane<kHeadDim> k_addr = k_lane<kHeadDim>(sK + warp_key0 * kHeadDim, lane);
+  const LdsmLane<kHeadDim> v_addr =
+      v_lane<kHeadDim>((kSlotRing ? sK : sK + kSub * kBlockN * kHeadDim) + warp_key0 * kHeadDim, lane);
   // s (16·kMTiles, kBlockN) of this warp = P of key tile key0, from the K tile k_bytes into the ring.
-  auto scores = [&](float (&s)[kMTiles][kNTiles][4], std::uint32_t k_bytes, int key0) {
+  auto scores = [&](float (&s)[kMTiles][kNTiles][4], std::uint32_t k_bytes, int tile_key0) {
+    const int key0 = tile_key0 + warp_key0;  // of the warp's first column
     if constexpr (kQInRegisters)
       gemm_qk<T>(s, q_frag, k_addr.plus(k_bytes));
     else
@@ -171,7 +180,7 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
         slope_log2[r] = mod.alibi ? detail::alibi_slope(p, b, rows.head(r)) * kLog2e : 0.0f;
       mod.apply(s, slope_log2, rows, band.diag, key0, lane);
     }
-    if (tiles.needs_mask(key0))
+    if (tiles.needs_mask(tile_key0))  // per tile: its unmasked range holds every warp's keys
       apply_mask(s, band, rows, si.len_k, key0, lane);
     softmax.fold(s, o, mul);
     if (dropout) {
@@ -365,6 +374,55 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
   // The split-KV combine may launch once every block is here; it waits for this grid before reading
   // the partials. Not at the start: waiting combine blocks resident beside the mainloops slowed
   // decoding by 7-20% (H200, b <= 8).
+  if constexpr (kWarpsOnKeys) {
+    // Every warp summed the same rows over its own keys of each tile: warps 1..3 leave their states
+    // (O, and m and l per row) in the ring's shared memory, free once every copy has landed and
+    // every warp is past its last product, and warp 0 merges them into its own (the monoid's merge,
+    // OnlineSoftmax::merge). Word i of lane l of warp w at red[((w - 1) · kWords + i) · 32 + l].
+    constexpr int kOWords = kMTiles * kDTiles * 4, kWords = kOWords + 4 * kMTiles;
+    static_assert((kNWarps - 1) * kWords * 32 * sizeof(float) <= kStages * kStageElems * sizeof(T),
+                  "the warps' states fit in the K/V ring");
+    float* red = reinterpret_cast<float*>(sK);
+    cp_async_wait<0>();
+    __syncthreads();
+    if (warp > 0) {
+      float* mine = red + (warp - 1) * kWords * 32 + lane;
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+        for (int di = 0; di < kDTiles; ++di)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) mine[((mi * kDTiles + di) * 4 + e) * 32] = o[mi][di][e];
+#pragma unroll
+      for (int r = 0; r < 2 * kMTiles; ++r) {
+        mine[(kOWords + 2 * r) * 32] = softmax.m[r];
+        mine[(kOWords + 2 * r + 1) * 32] = softmax.l[r];
+      }
+    }
+    __syncthreads();
+    if (warp == 0) {
+#pragma unroll 1
+      for (int w = 1; w < kNWarps; ++w) {
+        const float* theirs = red + (w - 1) * kWords * 32 + lane;
+        float m_b[2 * kMTiles], l_b[2 * kMTiles], fa[2 * kMTiles], fb[2 * kMTiles];
+#pragma unroll
+        for (int r = 0; r < 2 * kMTiles; ++r) {
+          m_b[r] = theirs[(kOWords + 2 * r) * 32];
+          l_b[r] = theirs[(kOWords + 2 * r + 1) * 32];
+        }
+        softmax.merge(m_b, l_b, mul, fa, fb);
+#pragma unroll
+        for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+          for (int di = 0; di < kDTiles; ++di)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int r = 2 * mi + e / 2;
+              o[mi][di][e] = o[mi][di][e] * fa[r] + theirs[((mi * kDTiles + di) * 4 + e) * 32] * fb[r];
+            }
+      }
+    }
+  }
   trace_mark(p, TraceKernel::forward, 2);
   if (args.programmatic_dependents) pdl_launch_dependents();
   float inv_l[2 * kMTiles], lse[2 * kMTiles];
@@ -373,10 +431,14 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
 #pragma unroll
     for (int r = 0; r < 2 * kMTiles; ++r) inv_l[r] *= p.dropout_rescale;
   }
-  if (args.num_splits > 1)
-    store_partial<kHeadDim>(p, blk, split, args.out_partial, args.lse_partial, o, inv_l, lse, rows, lane);
-  else
-    store_output<T, kHeadDim, kMTiles, kBlockM, kThreads>(p, blk, R0, o, inv_l, lse, rows, sQ, warp_row0, lane);
+  const bool holds_rows = !kWarpsOnKeys || warp == 0;  // the decode tile's merged state is warp 0's
+  if (args.num_splits > 1) {
+    if (holds_rows)
+      store_partial<kHeadDim>(p, blk, split, args.out_partial, args.lse_partial, o, inv_l, lse, rows, lane);
+  } else {
+    store_output<T, kHeadDim, kMTiles, kBlockM, kThreads>(p, blk, R0, o, inv_l, lse, rows, sQ, warp_row0, lane,
+                                                          holds_rows);
+  }
   trace_mark(p, TraceKernel::forward, 3);
 }
 

@@ -48,7 +48,7 @@ void run_fwd_sm80(const detail::FwdParams& p, const FwdLaunch& launch) {
   }
   // Only the narrow tile (every KV-cache call's) waits where pdl.cuh requires; the others never start
   // early.
-  args.programmatic = launch.pdl && launch.after_own_kernel && plan.kind == FwdTileKind::narrow;
+  args.programmatic = launch.pdl && launch.after_own_kernel && fwd_cache_tile(plan.kind);
   args.programmatic_dependents = launch.pdl && args.num_splits > 1;
   args.kv_slots = plan.tile.kv_slots ? fwd_kv_slots(plan.tile, kHeadDim, launch.smem_optin, launch.smem_per_sm) : 0;
   // Softcap, ALiBi and dropout are compiled into a second variant so the common path carries none
@@ -60,9 +60,13 @@ void run_fwd_sm80(const detail::FwdParams& p, const FwdLaunch& launch) {
   };
   using K = FwdTileKind;
   if (share_tiles) {
-    // fwd_split_shares_tiles: the narrow tile at hdim <= 128 without score modifiers.
-    if constexpr (kHeadDim <= 128)
-      launch_fwd_tile_sm80<T, kHeadDim, K::narrow, false, true>(args, plan, launch.stream);
+    // fwd_split_shares_tiles: the narrow or decode tile at hdim <= 128 without score modifiers.
+    if constexpr (kHeadDim <= 128) {
+      if (plan.kind == K::decode) launch_fwd_tile_sm80<T, kHeadDim, K::decode, false, true>(args, plan, launch.stream);
+      else launch_fwd_tile_sm80<T, kHeadDim, K::narrow, false, true>(args, plan, launch.stream);
+    }
+  } else if (plan.kind == K::decode) {
+    if constexpr (kHeadDim <= 128) launch_kind(std::integral_constant<K, K::decode>{});
   } else if (plan.kind == K::narrow) launch_kind(std::integral_constant<K, K::narrow>{});
   else if (plan.kind == K::wide_large_smem) launch_kind(std::integral_constant<K, K::wide_large_smem>{});
   else launch_kind(std::integral_constant<K, K::wide>{});

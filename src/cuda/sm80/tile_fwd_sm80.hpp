@@ -22,6 +22,10 @@ struct FwdTileSm80 {
   // Key tiles of block_n per (K, V) pair stage (pair rings): the copy and the barrier cover `sub`
   // tiles, while the scores and the softmax still run one block_n tile at a time (registers).
   int sub = 1;
+  // The warps side by side along each key tile instead of down the rows (the decode tile): every
+  // warp computes all block_m rows over its block_n / warps keys with an online softmax of its own,
+  // and the warps' states are merged (the monoid's merge) after the mainloop.
+  bool warps_on_keys = false;
   // Q, then the K/V ring of 2-byte T: `stages` (K, V) pairs of `sub` tiles, or `slots` single tiles.
   constexpr std::size_t smem_bytes(int head_dim, int slots = 0) const {
     const int ring_tiles = kv_slots ? slots : 2 * stages * sub;
@@ -38,7 +42,12 @@ inline constexpr int kFwdNarrowRows = 64;
 
 // Which tile a launch uses: wide (prefill, training), narrow (decoding, short prompts), or the wide
 // tile for devices whose multiprocessors hold two larger blocks (fwd_large_smem_tile: sm90's 228 KB).
-enum class FwdTileKind : int { wide, narrow, wide_large_smem };
+// decode: at most 16 query rows (times GQA pack), hdim <= 128, no dropout: the narrow tile's ring
+// with its 4 warps splitting each 64-key tile (warps_on_keys).
+enum class FwdTileKind : int { wide, narrow, wide_large_smem, decode };
+// The tiles that read K/V through a KV cache's batch index or block table and may run under an
+// append (pdl.cuh): narrow and decode.
+constexpr bool fwd_cache_tile(FwdTileKind kind) { return kind == FwdTileKind::narrow || kind == FwdTileKind::decode; }
 
 // hdim 64 and 128: FlashAttention-2's layout, 4 warps of 32 query rows (2 m tiles), so every K/V
 // fragment read from shared memory feeds two MMAs: 160-192 bytes of shared memory per MMA instead
@@ -62,8 +71,14 @@ enum class FwdTileKind : int { wide, narrow, wide_large_smem };
 // Narrow (decoding, short prompts): 4 warps of 16 rows, at most 255 registers so that 2 blocks fit;
 // 3 stages at hdim <= 128 (2 tiles, 64 KB, in flight per block: one 16 KB tile per block was under
 // the ~35 KB per multiprocessor that 3 TB/s needs at ~1.5 us latency), 2 at hdim 256 (96 KB).
+// Decode: 16 rows, 4 warps of 16 keys each per 64-key tile, the narrow tile's 3 stages. In decoding
+// (4-16 packed rows) the narrow tile's warps 1-3 hold no row and wait at its barriers while warp 0
+// runs every product of a tile; cuDNN's decoding kernel splits its tiles' keys over its warps
+// (1x4x1) and its forward ran 11.6 us against the narrow tile's 15.4 at b = 1, 4k keys (H100, ncu).
+inline constexpr int kFwdDecodeRows = 16;
 constexpr FwdTileSm80 fwd_tile_sm80(int head_dim_bucket, FwdTileKind kind) {
-  if (kind == FwdTileKind::narrow)
+  if (kind == FwdTileKind::decode && head_dim_bucket <= 128) return FwdTileSm80{16, 64, 4, 2, true, 3, false, 1, true};
+  if (kind == FwdTileKind::narrow || kind == FwdTileKind::decode)
     return head_dim_bucket <= 128 ? FwdTileSm80{64, 64, 4, 2, true, 3, false} : FwdTileSm80{64, 32, 4, 2, false, 2, false};
   const bool large = kind == FwdTileKind::wide_large_smem;
   if (head_dim_bucket <= 64) return {128, 64, 4, 2, false, 2, false};
@@ -124,7 +139,7 @@ inline FwdPlanSm80 plan_fwd_sm80(const detail::FwdParams& p, std::size_t smem_pe
   // KV caches (batch index, pages) are read by the narrow tile only (kernel_fwd_sm80.cuh:
   // load_keys), long query blocks too (paged prefill, chunked prefill).
   if (rows <= kFwdNarrowRows || p.kv.active || p.kv.block_table != nullptr)
-    plan.kind = FwdTileKind::narrow;
+    plan.kind = rows <= kFwdDecodeRows && bucket <= 128 && p.dropout_p == 0.0f ? FwdTileKind::decode : FwdTileKind::narrow;
   else if (fwd_large_smem_tile(bucket, smem_per_sm, p.seqlen_k))
     plan.kind = FwdTileKind::wide_large_smem;
   plan.tile = fwd_tile_sm80(bucket, plan.kind);
