@@ -20,6 +20,7 @@
 #include "device_tensor.hpp"
 #include "kvcache_case.hpp"
 #include "sm80/fwd_sm80.hpp"
+#include "sm80/tile_fwd_sm80.hpp"
 
 namespace fmtest {
 namespace {
@@ -391,6 +392,34 @@ TEST(KvCacheCudaPlan, SplitsFillTheResidentBlocks) {
   EXPECT_EQ(splits(1, 4096, 8), 4); // 64 blocks: 2 · 132 / 64
   EXPECT_EQ(splits(1, 128), 2);
   EXPECT_EQ(splits(1, 64), 1);      // one key tile: no split
+}
+
+// Which tile a call takes (plan_fwd_sm80, host only): the decode tile (its warps split each key
+// tile) for at most 16 packed rows at hdim <= 128 without dropout, the narrow tile for other
+// decoding and short calls.
+TEST(KvCacheCudaPlan, DecodeTileForFewPackedRows) {
+  using flashmonoid::cuda::FwdTileKind;
+  using flashmonoid::cuda::plan_fwd_sm80;
+  const flashmonoid::detail::FwdParams p = decode_params(4096);
+  auto kind = [&](auto change) {
+    flashmonoid::detail::FwdParams q = p;
+    change(q);
+    return plan_fwd_sm80(q, 233472).kind;
+  };
+  EXPECT_EQ(kind([](auto&) {}), FwdTileKind::decode);                        // 4 packed rows
+  EXPECT_EQ(kind([](auto& q) { q.seqlen_q = 4; }), FwdTileKind::decode);     // 16
+  EXPECT_EQ(kind([](auto& q) { q.seqlen_q = 5; }), FwdTileKind::narrow);     // 20
+  EXPECT_EQ(kind([](auto& q) { q.d = 64; }), FwdTileKind::decode);
+  EXPECT_EQ(kind([](auto& q) { q.d = 256; }), FwdTileKind::narrow);
+  EXPECT_EQ(kind([](auto& q) { q.dropout_p = 0.1f; }), FwdTileKind::narrow);
+  EXPECT_EQ(kind([](auto& q) { q.softcap = 30.0f; }), FwdTileKind::decode);   // score modifiers run on it
+  EXPECT_EQ(kind([](auto& q) { q.kv.active = false; }), FwdTileKind::decode); // a plain forward of 4 rows
+  EXPECT_EQ(kind([](auto& q) { q.h_k = 32; }), FwdTileKind::decode);          // MHA: 1 row per head
+  EXPECT_EQ(kind([](auto& q) { q.h_k = 32; q.seqlen_q = 17; }), FwdTileKind::narrow);
+  const flashmonoid::cuda::FwdPlanSm80 plan = plan_fwd_sm80(p, 233472);
+  EXPECT_EQ(plan.tile.block_m, 16);
+  EXPECT_EQ(plan.num_m_blocks, 1);
+  EXPECT_TRUE(plan.tile.warps_on_keys);
 }
 
 // cache_seqlens as one host int (every sequence holds the same rows), and calls without new rows
