@@ -7,12 +7,14 @@
 # table of medians is printed last. FM_AB_TESTS: a gtest filter of
 # test_kvcache_cuda and test_fwd_cuda run on this tree's build first (default: the KV-cache tests
 # and the decoding cases), and under compute-sanitizer memcheck and racecheck (KV-cache tests;
-# FM_AB_SANITIZERS: the tools, empty for none).
+# FM_AB_SANITIZERS: the tools, empty for none). FM_AB_PROBE: the probe's flag (default --kv-probe;
+# --kv-probe-d256 for head dim 256).
 set -uo pipefail
 OUT=${OUT:-$PWD/ab_out}
 REFS=${FM_AB_REF:-.ab/ref}
 ROUNDS=${FM_AB_ROUNDS:-2}
 TESTS=${FM_AB_TESTS:-'KvCacheCuda.*:Decode/*:*SplitKV*'}
+PROBE=${FM_AB_PROBE:---kv-probe}
 mkdir -p "$OUT"
 build() {  # source dir, build dir, name, targets...
   local src=$1 dir=$2 name=$3
@@ -43,7 +45,7 @@ if [ "$TESTS" != none ]; then
 fi
 for r in $(seq "$ROUNDS"); do
   for v in "${names[@]}"; do
-    build-ab-$v/bench/gpu/flashmonoid-gpu-bench --kv-probe >"$OUT/probe_${v}_$r.txt" 2>"$OUT/probe_${v}_$r.err" ||
+    build-ab-$v/bench/gpu/flashmonoid-gpu-bench "$PROBE" >"$OUT/probe_${v}_$r.txt" 2>"$OUT/probe_${v}_$r.err" ||
       { echo "probe $v failed"; tail -5 "$OUT/probe_${v}_$r.err"; }
   done
 done

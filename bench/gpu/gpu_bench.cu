@@ -412,7 +412,8 @@ void decode_paths() {
 // tbps counts the K/V bytes the attention reads (2 · b · s_k · h_k · d · 2), next to the device's
 // copy bandwidth measured in the same run.
 struct KvDecode {
-  static constexpr int h = 32, hk = 8, d = 128;
+  static constexpr int h = 32, hk = 8;
+  int d;  // head dim: 128 (the issue's shapes), 256 for --kv-probe-d256
   int b, sk, page, sq;
   bool append, rotary;
   int splits = 0;  // ctx.num_splits (0: the heuristic)
@@ -424,17 +425,18 @@ struct KvDecode {
   TensorView qv, ov, lv, knv, vnv;
   flashmonoid::Options opt;
 
-  static std::size_t rows(int b, int sk) { return static_cast<std::size_t>(b) * sk * hk * d * 2; }
+  static std::size_t rows(int b, int sk, int d = 128) { return static_cast<std::size_t>(b) * sk * hk * d * 2; }
   // shuffle: pages of a sequence scattered over the pool (the benchmark's case); false: in pool
   // order, which puts every row where a contiguous cache has it (only the gather's arithmetic differs).
   // head_major: a contiguous cache whose heads are outermost in memory ((b, h_k, s, d), SDPA's usual
   // layout, strided as (b, s, h_k, d)), where a K/V tile of one head is one contiguous run.
-  KvDecode(int b_, int sk_, int page_, int sq_, bool append_, bool rotary_, bool shuffle = true, bool head_major = false)
-      : b(b_), sk(sk_), page(page_), sq(sq_), append(append_), rotary(rotary_), kv_bytes(rows(b_, sk_)),
-        q(static_cast<std::size_t>(b_) * sq_ * h * d * 2, true), o(static_cast<std::size_t>(b_) * sq_ * h * d * 2),
+  KvDecode(int b_, int sk_, int page_, int sq_, bool append_, bool rotary_, bool shuffle = true, bool head_major = false,
+           int d_ = 128)
+      : d(d_), b(b_), sk(sk_), page(page_), sq(sq_), append(append_), rotary(rotary_), kv_bytes(rows(b_, sk_, d_)),
+        q(static_cast<std::size_t>(b_) * sq_ * h * d_ * 2, true), o(static_cast<std::size_t>(b_) * sq_ * h * d_ * 2),
         lse(static_cast<std::size_t>(b_) * h * sq_ * 4), k(kv_bytes, true), v(kv_bytes, true),
-        k_new(append_ ? rows(b_, sq_) : 0, append_), v_new(append_ ? rows(b_, sq_) : 0, append_),
-        cos(rotary_ ? static_cast<std::size_t>(sk_) * d : 0, rotary_), sin(rotary_ ? static_cast<std::size_t>(sk_) * d : 0, rotary_),
+        k_new(append_ ? rows(b_, sq_, d_) : 0, append_), v_new(append_ ? rows(b_, sq_, d_) : 0, append_),
+        cos(rotary_ ? static_cast<std::size_t>(sk_) * d_ : 0, rotary_), sin(rotary_ ? static_cast<std::size_t>(sk_) * d_ : 0, rotary_),
         seqlens(static_cast<std::size_t>(b_) * 4), table(page_ ? static_cast<std::size_t>(b_) * (sk_ / page_) * 4 : 0) {
     const Device dev = Device::cuda(0);
     std::vector<int> lens(b, sk - (append ? sq : 0));
@@ -581,7 +583,7 @@ void bench_kvcache(int b, int sk, int page, int sq, bool append, bool rotary, co
                 ", \"page_size\": %d, \"append\": %s, \"rotary\": %s, \"timing\": \"graph\", \"copy_tbps\": %.3f, "
                 "\"host_us\": %.1f",
                 page, append ? "true" : "false", rotary ? "true" : "false", g_copy_tbps, host);
-  record("decode", KvDecode::d, true, b, KvDecode::h, KvDecode::hk, sq, sk, gms, "tbps", pb.tbps(gms), dev, extra);
+  record("decode", pb.d, true, b, KvDecode::h, KvDecode::hk, sq, sk, gms, "tbps", pb.tbps(gms), dev, extra);
 }
 
 void bench_kvcache_all(const std::string& dev) {
@@ -599,11 +601,14 @@ void bench_kvcache_all(const std::string& dev) {
 // before 2026-11-26), on the shapes where page 16 lagged (b <= 8); those two rows with --kv-probe-all.
 // Short caches (b = 1, 1k and 4k keys: L2-resident, see the top of the file) and the plain paged
 // read (no append: a serving engine that writes its cache in a kernel of its own) as well.
-void kv_probe(bool all) {
+void kv_probe(bool all, int d = 128) {
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   std::printf("%-4s %-7s %-20s %8s %8s\n", "b", "s_k", "variant", "TB/s", "x copy");
-  for (auto [b, sk] : {std::pair{1, 1024}, {1, 4096}, {1, 32768}, {8, 4096}, {1, 131072}, {8, 32768}, {8, 131072}}) {
+  const std::vector<std::pair<int, int>> shapes =
+      d == 128 ? std::vector<std::pair<int, int>>{{1, 1024}, {1, 4096}, {1, 32768}, {8, 4096}, {1, 131072}, {8, 32768}, {8, 131072}}
+               : std::vector<std::pair<int, int>>{{1, 1024}, {1, 4096}, {1, 16384}, {4, 4096}, {1, 65536}, {8, 32768}};
+  for (auto [b, sk] : shapes) {
     const int one_per_sm = std::max(1, sms / (8 * b));  // 8 KV heads: b · 8 packed blocks
     struct V {
       const char* name;
@@ -616,7 +621,7 @@ void kv_probe(bool all) {
                        V{"page16 in order", 16, 1, 0, true, false}, V{"page16 1/SM", 16, 1, one_per_sm, true, true},
                        V{"page64", 64, 1, 0, true, true}, V{"s_q 4", 0, 4, 0, true, true}}) {
       if (!all && (v.splits != 0 || !v.shuffle)) continue;
-      KvDecode pb(b, sk, v.page, v.sq, v.append, v.append, v.shuffle);
+      KvDecode pb(b, sk, v.page, v.sq, v.append, v.append, v.shuffle, false, d);
       pb.splits = v.splits;
       const double gms = graph_ms([&](cudaStream_t s) { pb.run(s); });
       std::printf("%-4d %-7d %-20s %8.3f %8.3f\n", b, sk, v.name, pb.tbps(gms), pb.tbps(gms) / g_copy_tbps);
@@ -711,7 +716,7 @@ void bench_kvcache_host(const std::string& dev) {
       std::snprintf(extra, sizeof extra,
                     ", \"page_size\": %d, \"append\": %s, \"rotary\": %s, \"calls\": %d, \"launches\": %d", page,
                     var.append ? "true" : "false", var.append ? "true" : "false", kHostCalls, var.launches);
-      record("decode_host", KvDecode::d, true, 1, KvDecode::h, KvDecode::hk, 1, 512, us / 1000.0, "host_us", us, dev,
+      record("decode_host", pb.d, true, 1, KvDecode::h, KvDecode::hk, 1, 512, us / 1000.0, "host_us", us, dev,
              extra, dlpack ? "flashmonoid_cpp_dlpack" : "flashmonoid_cpp");
     }
   }
@@ -834,13 +839,15 @@ void write_records(const char* out_path) {
 // forward's partial last round (grid_probe), --kv-trace B S_K PAGE S_Q APPEND one decoding call's
 // block timeline (kv_trace; a -DFLASHMONOID_TRACE=ON build), --kv-splits the 134 MB decoding shapes
 // over forced split counts (kv_splits_probe), --kv-splits-short b = 1 over 1-4k keys, --kv-layout
-// the plain and append calls over (b, s, h_k, d) and head-major caches (kv_layout_probe).
+// the plain and append calls over (b, s, h_k, d) and head-major caches (kv_layout_probe),
+// --kv-probe-d256 kv_probe's variants at head dim 256 (Gemma's; shapes of the same bytes as hdim 128's).
 int main(int argc, char** argv) {
   const std::string dev = device_name();
   const char* out_path = nullptr;
   bool with_bwd = true, decode_only = false, kvcache_only = false, with_kvcache = true, kvcache_host = false;
   bool kv_probe_only = false, kv_probe_all = false, kv_splits_only = false, kv_splits_short = false;
   bool kv_layout_only = false;
+  int kv_probe_d = 128;
   std::vector<std::array<int, 3>> cases;  // (hdim, causal, seqlen)
   std::vector<std::array<int, 5>> traces;  // --kv-trace (b, s_k, page, s_q, append)
   for (int i = 1; i < argc; ++i) {
@@ -857,6 +864,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     else if (!std::strcmp(argv[i], "--kv-probe-all")) kv_probe_only = kv_probe_all = true;
+    else if (!std::strcmp(argv[i], "--kv-probe-d256")) kv_probe_only = true, kv_probe_d = 256;
     else if (!std::strcmp(argv[i], "--kv-splits")) kv_splits_only = true;
     else if (!std::strcmp(argv[i], "--kv-layout")) kv_layout_only = true;
     else if (!std::strcmp(argv[i], "--kv-splits-short")) kv_splits_only = kv_splits_short = true;
@@ -920,7 +928,7 @@ int main(int argc, char** argv) {
   }
   bench_copy(dev);
   if (kv_probe_only) {
-    kv_probe(kv_probe_all);
+    kv_probe(kv_probe_all, kv_probe_d);
     return 0;
   }
   if (kv_splits_only) {
