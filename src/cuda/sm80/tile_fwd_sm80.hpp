@@ -78,6 +78,8 @@ constexpr bool fwd_cache_tile(FwdTileKind kind) { return kind == FwdTileKind::na
 // Measured against the narrow tile (H100, graph-replayed): +8-13% at b = 1 4k, +3-5% at the 134 MB
 // shapes, +1-3% from 537 MB. 128-key tiles (2 stages, 1 block per multiprocessor) were within 1.5%
 // of it on contiguous caches and 2-6% slower on paged ones; 8 warps of 16 keys 5-14% slower at b = 1.
+// hdim 256 keeps the narrow tile: a decode block there (139-205 KB, or 2 warps on 32-key tiles) fits
+// once per multiprocessor, and lost up to 16% on paged caches and 7% at s_q 4 (H100).
 inline constexpr int kFwdDecodeRows = 16;
 constexpr FwdTileSm80 fwd_tile_sm80(int head_dim_bucket, FwdTileKind kind) {
   if (kind == FwdTileKind::decode && head_dim_bucket <= 128) return FwdTileSm80{16, 64, 4, 2, true, 3, false, 1, true};
