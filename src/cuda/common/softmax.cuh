@@ -164,18 +164,19 @@ struct OnlineSoftmax {
 
   // Merge another unfinished state of the same rows (another warp's, over other keys: its running
   // max m_b and this lane's share of its sums l_b) into this one, the monoid's merge before
-  // finish(). factor_a and factor_b rescale this state's O and the other's before they are added.
+  // finish(). factor_a and factor_b rescale this state's O and the other's before they are added
+  // (0 for a state without keys, m = -inf).
   __device__ __forceinline__ void merge(const float (&m_b)[kRows], const float (&l_b)[kRows], float mul,
                                         float (&factor_a)[kRows], float (&factor_b)[kRows]) {
+    float mx[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      const float mx = fmaxf(m[r], m_b[r]);
-      const float base = mx == -INFINITY ? 0.0f : mx * mul;
-      factor_a[r] = fast_exp2(m[r] * mul - base);  // 0 for a state without keys (m = -inf)
-      factor_b[r] = fast_exp2(m_b[r] * mul - base);
-      l[r] = l[r] * factor_a[r] + l_b[r] * factor_b[r];
-      m[r] = mx;
+      mx[r] = fmaxf(m[r], m_b[r]);
+      factor_b[r] = fast_exp2(m_b[r] * mul - (mx[r] == -INFINITY ? 0.0f : mx[r] * mul));
     }
+    move_max(mx, mul, factor_a);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) l[r] = l[r] * factor_a[r] + l_b[r] * factor_b[r];
   }
   // Merge a finished part of the same rows (another key range's normalised output y and natural-log
   // lse_part) into the state, the monoid's merge in the state's form: the part weighs as one more key

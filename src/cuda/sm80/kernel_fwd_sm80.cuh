@@ -411,15 +411,13 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
           l_b[r] = theirs[(kOWords + 2 * r + 1) * 32];
         }
         softmax.merge(m_b, l_b, mul, fa, fb);
+        softmax.rescale(o, fa);
 #pragma unroll
         for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
           for (int di = 0; di < kDTiles; ++di)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int r = 2 * mi + e / 2;
-              o[mi][di][e] = o[mi][di][e] * fa[r] + theirs[((mi * kDTiles + di) * 4 + e) * 32] * fb[r];
-            }
+            for (int e = 0; e < 4; ++e) o[mi][di][e] += theirs[((mi * kDTiles + di) * 4 + e) * 32] * fb[2 * mi + e / 2];
       }
     }
   }

@@ -66,7 +66,8 @@ void run_fwd_sm80(const detail::FwdParams& p, const FwdLaunch& launch) {
       else launch_fwd_tile_sm80<T, kHeadDim, K::narrow, false, true>(args, plan, launch.stream);
     }
   } else if (plan.kind == K::decode) {
-    if constexpr (kHeadDim <= 128) launch_kind(std::integral_constant<K, K::decode>{});
+    // plan_fwd_sm80 picks decode at hdim <= 128 only; above, its tile is the narrow one (fwd_tile_sm80).
+    launch_kind(std::integral_constant<K, kHeadDim <= 128 ? K::decode : K::narrow>{});
   } else if (plan.kind == K::narrow) launch_kind(std::integral_constant<K, K::narrow>{});
   else if (plan.kind == K::wide_large_smem) launch_kind(std::integral_constant<K, K::wide_large_smem>{});
   else launch_kind(std::integral_constant<K, K::wide>{});
