@@ -13,6 +13,7 @@
 #include "api/kvcache_params.hpp"
 #include "common/check.cuh"
 #include "common/device_guard.cuh"
+#include "common/device_props.cuh"
 #include "common/pdl.cuh"
 #include "common/trace.cuh"
 #include "common/types.cuh"
@@ -95,15 +96,21 @@ struct AppendArgs {
   const void* q = nullptr;  // the caller's q (c.attn.q already points at the rotated copy)
   detail::Strides q_stride;
   std::int64_t k_rows = 0, q_rows = 0;  // b·s_new·h_k rows of k (and as many of v), b·s_q·h of q
+  bool programmatic = false;            // launched under the kernel before it in the stream (pdl.cuh)
 };
 
 // One warp per row: k_new rows (rotated into the cache), v_new rows (copied), q rows (rotated into
 // the workspace). Every cache row written is below the clamped capacity (detail::seq_info), so a
 // bad cache_seqlens entry cannot write past the sequence's cache. The forward after it launches
-// under it (pdl.cuh) and waits for it before reading q or K/V.
+// under it (pdl.cuh) and waits for it before reading q or K/V. It launches under whatever kernel
+// comes before it in the stream (where the device has PDL), and waits for that kernel before it
+// reads or writes anything, so its launch overlaps that kernel's tail (a decoding step's previous
+// attention call, whose last kernel lets it launch early; a kernel that does not simply lets it
+// launch when it ends).
 template <class T>
 __global__ void __launch_bounds__(kAppendWarps * 32) append_rotary_kernel(const __grid_constant__ AppendArgs a) {
   pdl_launch_dependents();  // the forward may launch now: it waits for this grid where it must
+  if (a.programmatic) pdl_wait();
   const detail::FwdParams& p = a.c.attn;
   trace_mark(p, TraceKernel::append, 0);
   const int lane = threadIdx.x % 32;
@@ -199,11 +206,9 @@ void forward_kvcache(const detail::KvCacheCall& c, const Context& ctx, PointerSo
   if (rows > 0) {
     const auto stream = static_cast<cudaStream_t>(ctx.stream);
     const unsigned blocks = static_cast<unsigned>((rows + kAppendWarps - 1) / kAppendWarps);
-    if (c.attn.dtype == DType::bf16)
-      append_rotary_kernel<__nv_bfloat16><<<blocks, kAppendWarps * 32, 0, stream>>>(a);
-    else
-      append_rotary_kernel<__half><<<blocks, kAppendWarps * 32, 0, stream>>>(a);
-    FM_CUDA_CHECK_LAUNCH();
+    a.programmatic = device_props(c.attn.device.index).major >= 9;
+    launch_kernel(c.attn.dtype == DType::bf16 ? append_rotary_kernel<__nv_bfloat16> : append_rotary_kernel<__half>,
+                  dim3(blocks), dim3(kAppendWarps * 32), 0, stream, a.programmatic, a);
   }
   forward(a.c.attn, rest, rows > 0);
 }

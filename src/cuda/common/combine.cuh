@@ -145,7 +145,10 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   const int head = static_cast<int>(row / p.total_q);
   const std::int64_t grow = row % p.total_q;
   trace_mark(p, TraceKernel::combine, 0);
-  if (programmatic) pdl_wait();  // launched under the forward that writes the partials (pdl.cuh)
+  if (programmatic) {
+    pdl_wait();               // launched under the forward that writes the partials (pdl.cuh)
+    pdl_launch_dependents();  // the next call's append may launch (it waits for this grid)
+  }
   trace_mark(p, TraceKernel::combine, 1);
   reset_tile_counters(tile_counters, num_counters);
   float s = 0.0f;
@@ -179,7 +182,10 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
                         bool programmatic) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   trace_mark(p, TraceKernel::combine, 0);
-  if (programmatic) pdl_wait();  // launched under the forward that writes the partials (pdl.cuh)
+  if (programmatic) {
+    pdl_wait();               // launched under the forward that writes the partials (pdl.cuh)
+    pdl_launch_dependents();  // the next call's append may launch (it waits for this grid)
+  }
   trace_mark(p, TraceKernel::combine, 1);
   reset_tile_counters(tile_counters, num_counters);
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kCombineWarps + warp;

@@ -44,8 +44,8 @@ struct FwdKernelArgs {
   // rotated q and the appended K/V rows); only ever for the narrow tile. Kernels launched otherwise
   // do not wait.
   bool programmatic = false;
-  // A split-KV combine is launched under this forward (pdl.cuh): the blocks let it launch once their
-  // mainloops are done.
+  // The kernel after this one may launch under it (pdl.cuh: the split-KV combine, or the next
+  // forward_kvcache call's append): the blocks let it launch once their mainloops are done.
   bool programmatic_dependents = false;
 };
 

@@ -49,7 +49,9 @@ void run_fwd_sm80(const detail::FwdParams& p, const FwdLaunch& launch) {
   // Only the narrow tile (every KV-cache call's) waits where pdl.cuh requires; the others never start
   // early.
   args.programmatic = launch.pdl && launch.after_own_kernel && fwd_cache_tile(plan.kind);
-  args.programmatic_dependents = launch.pdl && args.num_splits > 1;
+  // The kernel after this one (the combine, or the next call's append) may launch once every block's
+  // mainloop is done.
+  args.programmatic_dependents = launch.pdl;
   args.kv_slots = plan.tile.kv_slots ? fwd_kv_slots(plan.tile, kHeadDim, launch.smem_optin, launch.smem_per_sm) : 0;
   // Softcap, ALiBi and dropout are compiled into a second variant so the common path carries none
   // of their registers (tanhf and 10-round Philox per element would otherwise crowd out O and S).
