@@ -7,10 +7,11 @@
 // Used for the chains of one call: forward_kvcache's append -> forward, and forward -> the split-KV
 // combine, where the next kernel's launch and prologue overlap the previous kernel's tail instead of
 // following it: +5-8% at b = 1 32k and b = 8 4k decoding with append and rotary, calls without an
-// append unchanged (H200, graph-replayed; bench/NOTES.md, issue 10). And between calls: the append
-// launches under whatever kernel precedes it and waits for it first thing; the forward and the
-// combine let the next kernel launch early, so back-to-back decoding calls overlap the append's
-// launch with the last call's tail: +1.3-2% with append at the 134 MB shapes, +5% at b = 1 1k (H100).
+// append unchanged (H200, graph-replayed; bench/NOTES.md, issue 10). And between calls: a call's
+// first kernel (the append, or the cache tiles' forward without one) launches under whatever kernel
+// precedes it and waits for it first thing; the forward and the combine let the next kernel launch
+// early, so back-to-back decoding calls overlap that launch with the last call's tail: +1-2% at the
+// 134 MB shapes, +5% at b = 1 1-4k (H100).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -44,6 +44,10 @@ struct FwdKernelArgs {
   // rotated q and the appended K/V rows); only ever for the narrow tile. Kernels launched otherwise
   // do not wait.
   bool programmatic = false;
+  // Launched under whatever kernel is before it in the stream (the cache tiles without an append of
+  // their own: the previous decoding call's kernel lets it launch early): waits for that kernel
+  // before reading anything, cache_seqlens included.
+  bool wait_at_entry = false;
   // The kernel after this one may launch under it (pdl.cuh: the split-KV combine, or the next
   // forward_kvcache call's append): the blocks let it launch once their mainloops are done.
   bool programmatic_dependents = false;
@@ -85,6 +89,7 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
   T* sK = sQ + kBlockM * kHeadDim;
 
   const detail::FwdParams& p = args.p;
+  if (args.wait_at_entry) pdl_wait();
   trace_mark(p, TraceKernel::forward, 0);
   const int split = static_cast<int>(blockIdx.x) % args.num_splits;
   // Reversed so that the longest causal blocks (the last query rows) start first.

@@ -26,7 +26,7 @@ void launch_fwd_tile_sm80(const FwdKernelArgs& args, const FwdPlanSm80& plan, cu
   if (smem > 48 * 1024)
     allow_dynamic_smem<fwd_kernel_sm80<T, kHeadDim, kKind, kScoreMods, kShareTiles>>(smem, args.p.device.index);
   const dim3 grid(plan.num_m_blocks * args.num_splits, plan.grid_heads, args.p.batch);
-  launch_kernel(kernel, grid, dim3(kTile.warps * 32), smem, stream, args.programmatic, args);
+  launch_kernel(kernel, grid, dim3(kTile.warps * 32), smem, stream, args.programmatic || args.wait_at_entry, args);
 }
 
 template <class T, int kHeadDim>
@@ -49,6 +49,7 @@ void run_fwd_sm80(const detail::FwdParams& p, const FwdLaunch& launch) {
   // Only the narrow tile (every KV-cache call's) waits where pdl.cuh requires; the others never start
   // early.
   args.programmatic = launch.pdl && launch.after_own_kernel && fwd_cache_tile(plan.kind);
+  args.wait_at_entry = launch.pdl && !launch.after_own_kernel && fwd_cache_tile(plan.kind);
   // The kernel after this one (the combine, or the next call's append) may launch once every block's
   // mainloop is done.
   args.programmatic_dependents = launch.pdl;
