@@ -106,11 +106,12 @@ struct AppendArgs {
 // comes before it in the stream (where the device has PDL), and waits for that kernel before it
 // reads or writes anything, so its launch overlaps that kernel's tail (a decoding step's previous
 // attention call, whose last kernel lets it launch early; a kernel that does not simply lets it
-// launch when it ends).
+// launch when it ends). The forward is let launch only after that wait: it reads cache_seqlens and
+// the block table before its own wait for this grid, and the kernel before may have written them.
 template <class T>
 __global__ void __launch_bounds__(kAppendWarps * 32) append_rotary_kernel(const __grid_constant__ AppendArgs a) {
-  pdl_launch_dependents();  // the forward may launch now: it waits for this grid where it must
   if (a.programmatic) pdl_wait();
+  pdl_launch_dependents();  // the forward may launch now: it waits for this grid where it must
   const detail::FwdParams& p = a.c.attn;
   trace_mark(p, TraceKernel::append, 0);
   const int lane = threadIdx.x % 32;

@@ -4,7 +4,7 @@
 // rotary both styles with rotary_dim < d, s_q 1..17 with causal among the new tokens, windows,
 // softcap, ALiBi, GQA/MQA, forced splits, split blocks sharing their key tiles; the cache bytes
 // after the append equal the CPU's (same rotary bits); CUDA graphs captured once and replayed with
-// new seqlens / block-table / data;
+// new seqlens / block-table / data; lengths and pages written by the kernel just before the call;
 // values only the device sees (seqlens past the capacity, pages past num_pages) run without a fault
 // (run this binary under compute-sanitizer memcheck for the proof).
 // Outputs are NaN-poisoned before every launch; unused cache rows and pages hold NaN.
@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "device_tensor.hpp"
+#include "common/pdl.cuh"
 #include "kvcache_case.hpp"
 #include "sm80/fwd_sm80.hpp"
 #include "sm80/tile_fwd_sm80.hpp"
@@ -455,6 +456,54 @@ TEST(KvCacheCuda, GraphCaptureAndReplay) {
   s.s_new = 1;
   s.leftpad = true;
   capture_and_replay(s, 0);
+}
+
+// dst[i] = src[i] for i < n (two arrays), after ~ns of spinning: a kernel that writes a decoding
+// call's lengths and page table late, just before the call, as an engine's step preparation may.
+__global__ void copy_late(int* dst_a, const int* src_a, int n_a, int* dst_b, const int* src_b, int n_b,
+                          unsigned long long ns) {
+  // Lets the next kernel launch at once, as a kernel that knows programmatic launches may (the last
+  // kernel of a decoding call does): the call's own waits must still order every read after it.
+  flashmonoid::cuda::pdl_launch_dependents();
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    __nanosleep(1000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
+  for (int i = static_cast<int>(threadIdx.x); i < n_a; i += static_cast<int>(blockDim.x)) dst_a[i] = src_a[i];
+  for (int i = static_cast<int>(threadIdx.x); i < n_b; i += static_cast<int>(blockDim.x)) dst_b[i] = src_b[i];
+}
+
+// The call's first kernel launches under the kernel before it (pdl.cuh): nothing it or the forward
+// reads may come from before that kernel ends. cache_seqlens and the block table hold another
+// problem's values until a kernel just before the call (copy_late, 50 us late) writes this one's.
+TEST(KvCacheCuda, InputsWrittenByTheKernelBefore) {
+  SKIP_WITHOUT_GPU();
+  for (int page : {0, 16})
+    for (int s_new : {1, 0}) {
+      KvShape s = decode_shape(DType::bf16);
+      s.page_size = page;
+      s.s_new = s_new;
+      s.rotary_dim = s_new > 0 ? 128 : 0;
+      SCOPED_TRACE(s.str());
+      KvProblem stale(s), pb(s);
+      DeviceKv d(stale, 0);
+      d.load(pb);
+      d.seqlens.copy_from(stale.seqlens);
+      if (page > 0) d.block_table.copy_from(stale.block_table);
+      DeviceTensor seqlens(pb.seqlens), table(pb.block_table);
+      cudaStream_t stream;
+      cuda_ok(cudaStreamCreate(&stream));
+      copy_late<<<1, 128, 0, stream>>>(static_cast<int*>(d.seqlens.ptr), static_cast<const int*>(seqlens.ptr), s.b,
+                                       page > 0 ? static_cast<int*>(d.block_table.ptr) : nullptr,
+                                       static_cast<const int*>(table.ptr),
+                                       page > 0 ? static_cast<int>(table.bytes / sizeof(int)) : 0, 50000);
+      cuda_ok(cudaGetLastError());
+      d.run(0, stream);
+      check_results(pb, d);
+      cuda_ok(cudaStreamDestroy(stream));
+    }
 }
 
 // Values only the device sees, out of range: the kernels clamp them (kvcache.hpp) and must not
