@@ -26,7 +26,11 @@
 // Windows of at least the capacity are unbounded (flash-attn's normalisation, which also decides
 // the rotary rule above). Dropout is not available here.
 //
-// The call never allocates, never synchronises and never reads a device tensor on the host.
+// The call never allocates, never synchronises and never reads a device tensor on the host. Its
+// work is stream-ordered as usual: on CUDA devices of compute capability 9.0 and later its first
+// kernel launches under the kernel before it in the stream (programmatic dependent launch) and waits
+// for that kernel to complete before it reads or writes anything, so that kernel may write any of
+// the call's inputs; only the launch overlaps its tail.
 // On the CPU every value is checked (errors name the argument). On CUDA the values only the device
 // sees are made safe, never trusted for addressing: seqlens[i] is clamped to [0, capacity - s_new],
 // leftpad[i] to [0, seqlens[i]], batch_idx[i] to [0, b_cache), and a block_table entry outside
