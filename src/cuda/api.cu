@@ -12,6 +12,7 @@
 #include "common/check.cuh"
 #include "common/device_guard.cuh"
 #include "common/device_props.cuh"
+#include "common/pdl.cuh"
 #include "common/types.cuh"
 #include "cuda_backend.hpp"
 #include "flashmonoid/detail/monoid.hpp"
@@ -355,7 +356,7 @@ void forward(const detail::FwdParams& p, const Context& ctx, bool after_own_kern
   launch.num_sms = props.num_sms;
   launch.smem_optin = props.smem_optin;
   launch.smem_per_sm = props.smem_per_sm;
-  launch.pdl = props.major >= 9;
+  launch.pdl = pdl_available(props);
   launch.after_own_kernel = after_own_kernel;
   int splits = ctx.num_splits > 0 ? ctx.num_splits : fwd_choose_num_splits(p, launch.num_sms, launch.smem_per_sm);
   // Without room for the partials the call still runs, unsplit (documented in attention.hpp).

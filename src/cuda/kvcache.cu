@@ -13,7 +13,6 @@
 #include "api/kvcache_params.hpp"
 #include "common/check.cuh"
 #include "common/device_guard.cuh"
-#include "common/device_props.cuh"
 #include "common/pdl.cuh"
 #include "common/trace.cuh"
 #include "common/types.cuh"
@@ -207,7 +206,7 @@ void forward_kvcache(const detail::KvCacheCall& c, const Context& ctx, PointerSo
   if (rows > 0) {
     const auto stream = static_cast<cudaStream_t>(ctx.stream);
     const unsigned blocks = static_cast<unsigned>((rows + kAppendWarps - 1) / kAppendWarps);
-    a.programmatic = device_props(c.attn.device.index).major >= 9;
+    a.programmatic = pdl_available(device_props(c.attn.device.index));
     launch_kernel(c.attn.dtype == DType::bf16 ? append_rotary_kernel<__nv_bfloat16> : append_rotary_kernel<__half>,
                   dim3(blocks), dim3(kAppendWarps * 32), 0, stream, a.programmatic, a);
   }

@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   trace_mark(p, TraceKernel::combine, 0);
   if (programmatic) {
     pdl_wait();               // launched under the forward that writes the partials (pdl.cuh)
-    pdl_launch_dependents();  // the next call's append may launch (it waits for this grid)
+    pdl_launch_dependents();  // the next call's first kernel may launch (it waits for this grid)
   }
   trace_mark(p, TraceKernel::combine, 1);
   reset_tile_counters(tile_counters, num_counters);
@@ -184,7 +184,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   trace_mark(p, TraceKernel::combine, 0);
   if (programmatic) {
     pdl_wait();               // launched under the forward that writes the partials (pdl.cuh)
-    pdl_launch_dependents();  // the next call's append may launch (it waits for this grid)
+    pdl_launch_dependents();  // the next call's first kernel may launch (it waits for this grid)
   }
   trace_mark(p, TraceKernel::combine, 1);
   reset_tile_counters(tile_counters, num_counters);

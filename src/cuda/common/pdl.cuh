@@ -20,6 +20,7 @@
 #include <utility>
 
 #include "common/check.cuh"
+#include "common/device_props.cuh"
 
 namespace flashmonoid::cuda {
 
@@ -34,6 +35,9 @@ __device__ __forceinline__ void pdl_launch_dependents() {
   cudaTriggerProgrammaticLaunchCompletion();
 #endif
 }
+
+// Whether a device runs programmatic launches (compute capability 9.0 and later).
+inline bool pdl_available(const DeviceProps& props) { return props.major >= 9; }
 
 // kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization when
 // `programmatic` (callers pass it only on devices of compute capability 9.0 and later, and only

@@ -41,8 +41,8 @@ struct FwdKernelArgs {
   unsigned long long* tile_counters = nullptr;
   unsigned long long counter_tag = 0;
   // Launched under the kernel before it (common/pdl.cuh: forward_kvcache's append, which writes the
-  // rotated q and the appended K/V rows); only ever for the narrow tile. Kernels launched otherwise
-  // do not wait.
+  // rotated q and the appended K/V rows); only ever for the cache tiles (fwd_cache_tile). Kernels
+  // launched otherwise do not wait.
   bool programmatic = false;
   // Launched under whatever kernel is before it in the stream (the cache tiles without an append of
   // their own: the previous decoding call's kernel lets it launch early): waits for that kernel
@@ -376,9 +376,6 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
     }
   }
 
-  // The split-KV combine may launch once every block is here; it waits for this grid before reading
-  // the partials. Not at the start: waiting combine blocks resident beside the mainloops slowed
-  // decoding by 7-20% (H200, b <= 8).
   if constexpr (kWarpsOnKeys) {
     // Every warp summed the same rows over its own keys of each tile: warps 1..3 leave their states
     // (O, and m and l per row) in the ring's shared memory, free once every copy has landed and
@@ -427,6 +424,9 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
     }
   }
   trace_mark(p, TraceKernel::forward, 2);
+  // The next kernel (the split-KV combine, or the next call's first kernel) may launch once every
+  // block is here; it waits for this grid before reading anything. Not at the start: waiting combine
+  // blocks resident beside the mainloops slowed decoding by 7-20% (H200, b <= 8).
   if (args.programmatic_dependents) pdl_launch_dependents();
   float inv_l[2 * kMTiles], lse[2 * kMTiles];
   softmax.finish(mul, inv_l, lse);

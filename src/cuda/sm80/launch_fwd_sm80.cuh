@@ -46,8 +46,8 @@ void run_fwd_sm80(const detail::FwdParams& p, const FwdLaunch& launch) {
     args.tile_counters = launch.tile_counters;
     args.counter_tag = (next_launch_epoch() & 0xffffffffull) << 32;
   }
-  // Only the narrow tile (every KV-cache call's) waits where pdl.cuh requires; the others never start
-  // early.
+  // Only the cache tiles (every KV-cache call's, and decoding's) wait where pdl.cuh requires; the
+  // others never start early.
   args.programmatic = launch.pdl && launch.after_own_kernel && fwd_cache_tile(plan.kind);
   args.wait_at_entry = launch.pdl && !launch.after_own_kernel && fwd_cache_tile(plan.kind);
   // The kernel after this one (the combine, or the next call's append) may launch once every block's
