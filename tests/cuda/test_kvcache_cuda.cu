@@ -1,5 +1,5 @@
 // CUDA forward_kvcache against the CPU float64 reference on the gathered keys (kvcache_case.hpp):
-// contiguous and paged caches (pages 1, 3, 16, 64, 256, shuffled tables), batch index, leftpad,
+// contiguous and paged caches (pages 1, 3, 8, 16, 32, 64, 256, shuffled tables), batch index, leftpad,
 // cache_seqlens as a tensor or one host int, calls without new rows, appends crossing pages,
 // rotary both styles with rotary_dim < d, s_q 1..17 with causal among the new tokens, windows,
 // softcap, ALiBi, GQA/MQA, forced splits, split blocks sharing their key tiles; the cache bytes
@@ -154,15 +154,34 @@ KvShape decode_shape(DType t) {
 
 TEST(KvCacheCuda, Layouts) {
   SKIP_WITHOUT_GPU();
-  for (int page : {0, 1, 3, 16, 64, 256}) {
+  for (int page : {0, 1, 3, 8, 16, 32, 64, 256}) {
     KvShape s = decode_shape(page % 2 ? DType::f16 : DType::bf16);
     s.page_size = page;
     s.s_new = 5;
     s.s_q = 5;
     s.batch_idx = page == 0;
-    s.leftpad = page != 16;
+    s.leftpad = page != 16 && page != 32;
     run_case(s);
   }
+}
+
+// Pages of 2-4 of a thread's rows per tile, gathered a page at a time (paged_kv_sm80.cuh:
+// gather_pages) where a tile starts a page, per row otherwise (leftpad): 1 and 4 packed rows (the
+// decode tile) and 20 (the narrow tile), head dims 64, 128 and 256.
+TEST(KvCacheCuda, PagesOfSeveralRowsPerThread) {
+  SKIP_WITHOUT_GPU();
+  for (int d : {64, 128, 256})
+    for (int page : {8, 16, 32})
+      for (int s_q : {1, 5}) {
+        KvShape s = decode_shape(DType::bf16);
+        s.d = d;
+        s.page_size = page;
+        s.s_q = s_q;
+        s.s_new = s_q;
+        s.rotary_dim = d / 2;
+        s.leftpad = s_q == 5;
+        run_case(s);
+      }
 }
 
 TEST(KvCacheCuda, RotaryBothStyles) {

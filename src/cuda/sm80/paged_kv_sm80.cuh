@@ -132,6 +132,49 @@ __device__ __forceinline__ void load_paged_kv_async(T* sk, T* sv, const detail::
       cp_async_16(sv + s, v_head + v_off, ok);
     }
   };
+  // A tile that starts a page whose size is a power of two holding kGroup = page_size / kRowStep
+  // (2, 4, ... < kRows / kRowStep) of this thread's rows: copy `it` is row (it % kGroup)·kRowStep
+  // + r0 of the tile's page it / kGroup, so the page lookup and the 64-bit page offsets are made
+  // once per page and a group's other copies add a loop-invariant row step (page 16 at hdim 128:
+  // 2 copies per page).
+  auto gather_pages = [&](auto group) {
+    constexpr int kGroup = decltype(group)::value;
+    const std::int64_t k_step = kRowStep * p.k_stride.row, v_step = kRowStep * p.v_stride.row;
+    const T* k_row = k_head + wide(r0) * p.k_stride.row;
+    const T* v_row = v_head + wide(r0) * p.v_stride.row;
+#pragma unroll
+    for (int g = 0; g < kRows / kRowStep / kGroup; ++g) {
+      const int page = detail::clamp_int(__shfl_sync(0xffffffffu, window, g), 0, kv.num_pages - 1);
+      const T* kp = k_row + wide(page) * p.k_stride.batch;
+      const T* vp = v_row + wide(page) * p.v_stride.batch;
+#pragma unroll
+      for (int j = 0; j < kGroup; ++j) {
+        const int it = g * kGroup + j;
+        const bool ok = col_ok && r0 + it * kRowStep < rows_valid;
+        cp_async_16(sk + s0 + it * kRowStep * kCols, kp, ok);
+        cp_async_16(sv + s0 + it * kRowStep * kCols, vp, ok);
+        kp += k_step;
+        vp += v_step;
+      }
+    }
+  };
+  // Groups of 2, 4, ... copies: the first whose page size matches, else the per-copy gather.
+  auto grouped = [&](auto group, auto& self) -> bool {
+    constexpr int kGroup = decltype(group)::value;
+    // Not at hdim 256 (4-row steps): there the narrow tile's hoisted page offsets spilled 4 bytes
+    // (ptxas, sm_90), and its 32-key tiles read pages of 32 and more in one copy already.
+    if constexpr (kRowStep % 8 != 0 || 2 * kGroup > kRows / kRowStep) {
+      return false;
+    } else {
+      if (kv.page_size == kGroup * kRowStep) {
+        gather_pages(group);
+        return true;
+      }
+      return self(std::integral_constant<int, 2 * kGroup>{}, self);
+    }
+  };
+  if (first_in_page == 0 && pd.shift >= 0 && grouped(std::integral_constant<int, 2>{}, grouped))
+    return;
   if (!page_window_fits_warp(first_in_page, kRows, kv.page_size))
     gather(std::false_type{}, std::false_type{});  // pages of 1 or 2 rows: one lookup per row
   else if (pd.shift >= 0)
