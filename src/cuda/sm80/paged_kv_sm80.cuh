@@ -108,9 +108,8 @@ __device__ __forceinline__ void load_paged_kv_async(T* sk, T* sv, const detail::
   // Row r of the tile: row (first_in_page + r) % page_size of the tile's page
   // (first_in_page + r) / page_size, whose entry lane holds (kWindow) or is read here. A zero-fill
   // copy reads nothing, so a row past rows_valid keeps its address (in page 0 at worst): no
-  // select per copy. The gather's issue cost is what page 16 loses to a contiguous cache (pages in
-  // pool order run as slowly); without the selects and with the swizzle hoisted: H100, b = 1 32k,
-  // append, 0.741 -> 0.770 of copy (contiguous 0.818), b = 8 4k 0.734 -> 0.772.
+  // select per copy. Without the selects and with the swizzle hoisted: H100, b = 1 32k, append,
+  // 0.741 -> 0.770 of copy (contiguous 0.818), b = 8 4k 0.734 -> 0.772.
   auto gather = [&](auto pow2, auto from_window) {
     constexpr bool kPow2 = decltype(pow2)::value, kWindow = decltype(from_window)::value;
 #pragma unroll
@@ -136,7 +135,10 @@ __device__ __forceinline__ void load_paged_kv_async(T* sk, T* sv, const detail::
   // (2, 4, ... < kRows / kRowStep) of this thread's rows: copy `it` is row (it % kGroup)·kRowStep
   // + r0 of the tile's page it / kGroup, so the page lookup and the 64-bit page offsets are made
   // once per page and a group's other copies add a loop-invariant row step (page 16 at hdim 128:
-  // 2 copies per page).
+  // 2 copies per page, ~110 SASS instructions per tile's 16 copies against the gather's ~200 and a
+  // contiguous cache's ~94). H100, x copy with append: page 16 b = 1 32k 0.808 -> 0.819, b = 8 4k
+  // 0.814 -> 0.825, b = 1 128k 0.965 -> 0.971 (contiguous 0.844-0.845, 1.013): what page 16 still
+  // loses is not the copies' instructions (pages in pool order run as slowly, so not the addresses).
   auto gather_pages = [&](auto group) {
     constexpr int kGroup = decltype(group)::value;
     const std::int64_t k_step = kRowStep * p.k_stride.row, v_step = kRowStep * p.v_stride.row;
