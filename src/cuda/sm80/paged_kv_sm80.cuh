@@ -8,6 +8,8 @@
 //   wait on the table;
 // - load_paged_kv_async: each row's page comes from that lane by a shuffle, its row in the page
 //   from shifts and masks (power-of-two pages) or one 32-bit division; K and V share the lookups.
+//   Where a tile starts a page of 2-4 of a thread's rows (pages of 16 or 32 at hdim 64-128), one
+//   lookup serves the page's copies.
 // Rows of one sequence are ints (capacity is an int), so the row arithmetic is 32-bit; only
 // page · batch stride is 64-bit. Windows wider than a warp (pages of 1 or 2 rows at 64 keys per
 // tile) read the table per row instead.
