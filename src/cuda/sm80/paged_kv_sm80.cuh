@@ -162,22 +162,20 @@ __device__ __forceinline__ void load_paged_kv_async(T* sk, T* sv, const detail::
       }
     }
   };
-  // Groups of 2, 4, ... copies: the first whose page size matches, else the per-copy gather.
-  auto grouped = [&](auto group, auto& self) -> bool {
+  // Pages of 2 or 4 of this thread's rows (a page size equal to kGroup·kRowStep is a power of two).
+  // Not at hdim 256 (4-row steps): there the narrow tile's hoisted page offsets spilled 4 bytes
+  // (ptxas, sm_90), and its 32-key tiles read pages of 32 and more in one copy already.
+  auto grouped = [&](auto group) {
     constexpr int kGroup = decltype(group)::value;
-    // Not at hdim 256 (4-row steps): there the narrow tile's hoisted page offsets spilled 4 bytes
-    // (ptxas, sm_90), and its 32-key tiles read pages of 32 and more in one copy already.
-    if constexpr (kRowStep % 8 != 0 || 2 * kGroup > kRows / kRowStep) {
-      return false;
-    } else {
+    if constexpr (kRowStep % 8 == 0 && 2 * kGroup <= kRows / kRowStep) {
       if (kv.page_size == kGroup * kRowStep) {
         gather_pages(group);
         return true;
       }
-      return self(std::integral_constant<int, 2 * kGroup>{}, self);
     }
+    return false;
   };
-  if (first_in_page == 0 && pd.shift >= 0 && grouped(std::integral_constant<int, 2>{}, grouped))
+  if (first_in_page == 0 && (grouped(std::integral_constant<int, 2>{}) || grouped(std::integral_constant<int, 4>{})))
     return;
   if (!page_window_fits_warp(first_in_page, kRows, kv.page_size))
     gather(std::false_type{}, std::false_type{});  // pages of 1 or 2 rows: one lookup per row
