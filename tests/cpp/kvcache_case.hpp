@@ -22,6 +22,7 @@ struct KvShape {
   bool batch_idx = false, leftpad = false;
   bool seqlens_tensor = true;  // false: one host int (every sequence holds the same rows)
   bool full = false;           // every sequence full after the append
+  int held = -1;               // >= 0: the rows every sequence holds before the append (else random)
   int rotary_dim = 0;
   bool interleaved = true;
   bool causal = false;
@@ -37,6 +38,7 @@ struct KvShape {
     if (batch_idx) s += " batch_idx";
     if (leftpad) s += " leftpad";
     if (!seqlens_tensor) s += " seqlen-int";
+    if (held >= 0) s += " held" + std::to_string(held);
     if (rotary_dim) s += " rotary" + std::to_string(rotary_dim) + (interleaved ? "i" : "n");
     if (causal) s += " causal";
     if (window_left >= 0 || window_right >= 0)
@@ -78,7 +80,9 @@ struct KvProblem {
     lp.assign(s.b, 0);
     const int common = uniform_int(0, capacity - s.s_new);
     for (int i = 0; i < s.b; ++i) {
-      held[i] = s.full ? capacity - s.s_new : s.seqlens_tensor ? uniform_int(0, capacity - s.s_new) : common;
+      held[i] = s.held >= 0 ? s.held
+                : s.full    ? capacity - s.s_new
+                : s.seqlens_tensor ? uniform_int(0, capacity - s.s_new) : common;
       if (s.leftpad) lp[i] = uniform_int(0, held[i]);
     }
     const std::int64_t rows_phys = paged ? s.page_size : capacity;

@@ -297,6 +297,42 @@ TEST(KvCacheCuda, SharedKeyTilesOnAnyWorkspace) {
   capture_and_replay(full, 2);
 }
 
+// Appended rows across a 64-key tile boundary (new keys in two tiles, which fixed or shared splits
+// give to different blocks), appends crossing pages of 1, 3 and 16 rows with 12 packed rows (the
+// decode tile), and left windows that see all of 4 new rows or only some. The cache bytes after
+// the append are checked against the CPU's (check_results).
+TEST(KvCacheCuda, AppendsAcrossKeyTiles) {
+  SKIP_WITHOUT_GPU();
+  for (int splits : {0, 1, 3, 8}) {
+    KvShape s = split_shape(DType::bf16, 4, 128, 3000);  // 16 packed rows: the decode tile
+    s.held = 64 * 20 + 62;                              // new keys 1342-1345: tiles 20 and 21
+    s.interleaved = splits % 2 == 0;
+    twice_on_random_workspace(s, splits);
+  }
+  KvShape shared = split_shape(DType::f16, 4, 64, 8300);  // shared key tiles at 4 splits
+  shared.held = 64 * 100 + 63;
+  shared.batch_idx = true;
+  twice_on_random_workspace(shared, 4);
+  for (int page : {1, 3, 16}) {
+    KvShape s = decode_shape(DType::bf16);
+    s.page_size = page;
+    s.s_q = s.s_new = 3;
+    s.rotary_dim = 64;
+    s.interleaved = page != 3;
+    s.leftpad = page == 3;
+    run_case(s);
+    run_case(s, 5);
+  }
+  for (int window_left : {1, 3}) {
+    KvShape s = decode_shape(DType::bf16);
+    s.s_q = s.s_new = 4;
+    s.rotary_dim = 128;
+    s.window_left = window_left;
+    run_case(s);
+    run_case(s, 3);
+  }
+}
+
 // Options::deterministic: a shape whose splits would share key tiles runs the fixed splits instead
 // (KvCacheCudaPlan.SharedKeyTilesRule), so repeated calls on one workspace give the same bits; the
 // first is checked against the reference.
