@@ -297,10 +297,11 @@ TEST(KvCacheCuda, SharedKeyTilesOnAnyWorkspace) {
   capture_and_replay(full, 2);
 }
 
-// Appended rows across a 64-key tile boundary (new keys in two tiles, which fixed or shared splits
-// give to different blocks), appends crossing pages of 1, 3 and 16 rows with 12 packed rows (the
-// decode tile), and left windows that see all of 4 new rows or only some. The cache bytes after
-// the append are checked against the CPU's (check_results).
+// Appended rows across a 64-key tile boundary: new keys in two tiles, read by one block (1 and 3
+// fixed splits) or by two (8 fixed splits, the heuristic's ~1 tile per split on a 132-SM device,
+// and shared key tiles, whose first positions are fixed per split). Appends over pages of 1, 3 and
+// 16 rows with 12 packed rows (the decode tile), and left windows that see all of 4 new rows or
+// only some. The cache bytes after the append are checked against the CPU's (check_results).
 TEST(KvCacheCuda, AppendsAcrossKeyTiles) {
   SKIP_WITHOUT_GPU();
   for (int splits : {0, 1, 3, 8}) {

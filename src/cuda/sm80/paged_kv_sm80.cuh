@@ -140,7 +140,8 @@ __device__ __forceinline__ void load_paged_kv_async(T* sk, T* sv, const detail::
   // 2 copies per page, ~110 SASS instructions per tile's 16 copies against the gather's ~200 and a
   // contiguous cache's ~94). H100, x copy with append: page 16 b = 1 32k 0.808 -> 0.819, b = 8 4k
   // 0.814 -> 0.825, b = 1 128k 0.965 -> 0.971 (contiguous 0.844-0.845, 1.013): what page 16 still
-  // loses is not the copies' instructions (pages in pool order run as slowly, so not the addresses).
+  // loses is mostly not the copies' instructions, nor the pages' scatter (pages in pool order read
+  // ~1.3% faster at 134 MB, H200; bench/NOTES.md has the block timelines of the rest).
   auto gather_pages = [&](auto group) {
     constexpr int kGroup = decltype(group)::value;
     const std::int64_t k_step = kRowStep * p.k_stride.row, v_step = kRowStep * p.v_stride.row;
