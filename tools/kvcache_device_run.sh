@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 10 on one GPU (a short lease): build (sm_90) into build-device, the KV-cache GPU tests
 # (ctest -R KvCache) and memcheck on the out-of-range and layout cases, gpu_bench --kvcache-only and
-# --kvcache-host (the C++ host time per call), the cuDNN peer on the same shapes, the Python host
+# --kvcache-host (the C++ host time per call) and --kv-eager (back-to-back calls, the call's kernels
+# as a graph or one by one), the cuDNN peer on the same shapes, the Python host
 # time of flash_attn_with_kvcache; JSON and logs under $OUT (default ./device_out), the bars' table
 # printed last. Run from the repo root.
 #   FM_PYTHON=0 skips the pip install and the host-time benchmark.
@@ -24,15 +25,16 @@ fi
 step "tests (KvCache)"
 (cd build-device && timeout 240 ctest -R KvCache -j 1 --output-on-failure) >"$OUT/tests.log" 2>&1 || status=1
 grep -E "tests passed|tests failed|\*\*\*Failed|Not Run" "$OUT/tests.log" | tail -8
-timeout 120 compute-sanitizer --tool memcheck --error-exitcode 3 build-device/tests/cpp/test_kvcache_cuda \
-  --gtest_filter='KvCacheCuda.DeviceOnlyValuesOutOfRangeAreClamped:KvCacheCuda.Layouts' >"$OUT/memcheck.log" 2>&1 ||
-  status=1
+timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 build-device/tests/cpp/test_kvcache_cuda \
+  --gtest_filter='KvCacheCuda.DeviceOnlyValuesOutOfRangeAreClamped:KvCacheCuda.Layouts:KvCacheCuda.LaunchModesAgree' \
+  >"$OUT/memcheck.log" 2>&1 || status=1
 echo "memcheck: $(grep 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)"
 
 step "gpu_bench --kvcache-only and --kvcache-host, cuDNN peer"
 timeout 150 build-device/bench/gpu/flashmonoid-gpu-bench "$OUT/kv.json" --kvcache-only 2>"$OUT/kv_bench.log" || status=1
 timeout 60 build-device/bench/gpu/flashmonoid-gpu-bench "$OUT/kv_host.json" --kvcache-host 2>"$OUT/kv_host.log" ||
   status=1
+timeout 60 build-device/bench/gpu/flashmonoid-gpu-bench --kv-eager >"$OUT/kv_eager.txt" 2>&1 || status=1
 FM_PEERS_KVCACHE=only PYTHONUNBUFFERED=1 timeout 150 python3 bench/peers.py "$OUT/peers_kv.json" 2>"$OUT/peers.log" ||
   status=1
 
@@ -46,6 +48,8 @@ if [ "${FM_PYTHON:-1}" != 0 ]; then
 fi
 
 step table
+echo "back-to-back calls from C++ without a caller's graph (gpu_bench --kv-eager):"
+cat "$OUT/kv_eager.txt"
 python3 - "$OUT" <<'PY'
 import json, os, sys
 out = sys.argv[1]
@@ -73,7 +77,8 @@ for (b, sk) in sorted({(k[0], k[1]) for k in fm}):
           f" | {f(g(0, 4))} | {f(cu.get((b, sk, 1)))} | {f(cu.get((b, sk, 4)))} | "
           f"{f(c / copy if c and copy else None)} | {f(ratio)} |")
 for r in cpp_host:
-    print(f"C++ host ({r['impl']}): b {r['batch']} page {r['page_size']}: {r['host_us']} us/call")
+    print(f"C++ host ({r['impl']}, {r.get('call_launch', 'kernels')}, {r.get('launches')} launches): b {r['batch']} "
+          f"page {r['page_size']} append {r.get('append')}: {r['host_us']} us/call")
 for r in host:
     print(f"python host: b {r['batch']} page {r['page_size']}: {r['host_us']} us/call (runs {r['host_us_runs']}); "
           f"layers {r.get('breakdown', {}).get('layers_us')}")

@@ -417,6 +417,7 @@ struct KvDecode {
   int b, sk, page, sq;
   bool append, rotary;
   int splits = 0;  // ctx.num_splits (0: the heuristic)
+  flashmonoid::CallLaunch call_launch = flashmonoid::CallLaunch::automatic;  // ctx.call_launch
   std::size_t kv_bytes;
   Buf q, o, lse, k, v, k_new, v_new, cos, sin, seqlens, table;
   std::unique_ptr<Buf> work;
@@ -486,6 +487,7 @@ struct KvDecode {
     ctx.workspace = work->p;
     ctx.workspace_bytes = work->bytes;
     ctx.num_splits = splits;
+    ctx.call_launch = call_launch;
     return ctx;
   }
   void run(cudaStream_t stream) {
@@ -678,6 +680,35 @@ void kv_splits_probe(bool short_caches) {
   }
 }
 
+// Calls queued back to back from C++ without a graph of the caller's (an engine's eager decoding
+// loop): wall time per call, so the host or the device, whichever is slower, over b = 1 caches of
+// 1-32k keys (4-134 MB) with append and rotary, the call's kernels as the cached graph and one by one
+// (Context::call_launch); where the graph's saved host time stops mattering is where the automatic
+// choice (kGraphKvBytes in kvcache.cu) belongs. 500 calls and one synchronisation, median of 5 runs.
+void kv_eager_probe() {
+  std::printf("%-7s %8s %14s %14s\n", "s_k", "MB", "graph us/call", "kernels us/call");
+  for (int sk : {1024, 4096, 8192, 12288, 16384, 32768}) {
+    KvDecode pb(1, sk, 0, 1, true, true);
+    double us[2];
+    int m = 0;
+    for (auto mode : {flashmonoid::CallLaunch::graph, flashmonoid::CallLaunch::kernels}) {
+      pb.call_launch = mode;
+      for (int i = 0; i < 50; ++i) pb.run(nullptr);
+      CHECK(cudaDeviceSynchronize());
+      std::vector<double> per_call;
+      for (int r = 0; r < 5; ++r) {
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < 500; ++i) pb.run(nullptr);
+        CHECK(cudaDeviceSynchronize());
+        per_call.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / 500);
+      }
+      std::sort(per_call.begin(), per_call.end());
+      us[m++] = per_call[2];
+    }
+    std::printf("%-7d %8.1f %14.2f %14.2f\n", sk, 2.0 * sk * KvDecode::hk * pb.d * 2 / 1e6, us[0], us[1]);
+  }
+}
+
 // Host time of forward_kvcache in C++, the floor under the Python call (issue 10's bar: 15 us per
 // decoding call): b = 1, 32/8 heads, hdim 128, 512 keys, s_q = 1, a 1-token append with rotary,
 // contiguous and page 16. kHostCalls calls queued back to back and one synchronisation (512 keys
@@ -686,7 +717,8 @@ void kv_splits_probe(bool short_caches) {
 // "flashmonoid_cpp_dlpack": the bindings' route (PointerSource::dlpack), alignment checks only.
 // Also, contiguous through the bindings' route, the same call with fewer launches: no append or
 // rotary (the forward and the split-KV combine), and unsplit as well (the forward alone); records
-// carry "launches".
+// carry "launches". Each twice: the call's kernels as the cached graph (Context::call_launch, the
+// default at 512 keys) and one by one; records carry "call_launch".
 void bench_kvcache_host(const std::string& dev) {
   constexpr int kHostCalls = 1000, kRuns = 5;
   struct Variant {
@@ -698,27 +730,31 @@ void bench_kvcache_host(const std::string& dev) {
     const int page = var.page;
     KvDecode pb(1, 512, page, 1, var.append, var.append);
     pb.splits = var.splits;
-    for (bool dlpack : {false, true}) {
-      if (!var.append && !dlpack) continue;
-      auto call = [&] { dlpack ? pb.run_dlpack(nullptr) : pb.run(nullptr); };
-      for (int i = 0; i < 50; ++i) call();
-      CHECK(cudaDeviceSynchronize());
-      std::vector<double> per_call;
-      for (int r = 0; r < kRuns; ++r) {
-        const auto t0 = std::chrono::steady_clock::now();
-        for (int i = 0; i < kHostCalls; ++i) call();
-        const auto t1 = std::chrono::steady_clock::now();
+    for (bool dlpack : {false, true})
+      for (auto mode : {flashmonoid::CallLaunch::graph, flashmonoid::CallLaunch::kernels}) {
+        if (!var.append && !dlpack) continue;
+        pb.call_launch = mode;
+        auto call = [&] { dlpack ? pb.run_dlpack(nullptr) : pb.run(nullptr); };
+        for (int i = 0; i < 50; ++i) call();
         CHECK(cudaDeviceSynchronize());
-        per_call.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / kHostCalls);
+        std::vector<double> per_call;
+        for (int r = 0; r < kRuns; ++r) {
+          const auto t0 = std::chrono::steady_clock::now();
+          for (int i = 0; i < kHostCalls; ++i) call();
+          const auto t1 = std::chrono::steady_clock::now();
+          CHECK(cudaDeviceSynchronize());
+          per_call.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / kHostCalls);
+        }
+        const double us = *std::min_element(per_call.begin(), per_call.end());
+        char extra[240];
+        std::snprintf(extra, sizeof extra,
+                      ", \"page_size\": %d, \"append\": %s, \"rotary\": %s, \"calls\": %d, \"launches\": %d, "
+                      "\"call_launch\": \"%s\"",
+                      page, var.append ? "true" : "false", var.append ? "true" : "false", kHostCalls, var.launches,
+                      mode == flashmonoid::CallLaunch::graph ? "graph" : "kernels");
+        record("decode_host", pb.d, true, 1, KvDecode::h, KvDecode::hk, 1, 512, us / 1000.0, "host_us", us, dev,
+               extra, dlpack ? "flashmonoid_cpp_dlpack" : "flashmonoid_cpp");
       }
-      const double us = *std::min_element(per_call.begin(), per_call.end());
-      char extra[192];
-      std::snprintf(extra, sizeof extra,
-                    ", \"page_size\": %d, \"append\": %s, \"rotary\": %s, \"calls\": %d, \"launches\": %d", page,
-                    var.append ? "true" : "false", var.append ? "true" : "false", kHostCalls, var.launches);
-      record("decode_host", pb.d, true, 1, KvDecode::h, KvDecode::hk, 1, 512, us / 1000.0, "host_us", us, dev,
-             extra, dlpack ? "flashmonoid_cpp_dlpack" : "flashmonoid_cpp");
-    }
   }
 }
 
@@ -838,7 +874,8 @@ void write_records(const char* out_path) {
 // --kvcache-host only the host time of the C++ forward_kvcache (pass "decode_host"), --grid-probe the
 // forward's partial last round (grid_probe), --kv-trace B S_K PAGE S_Q APPEND one decoding call's
 // block timeline (kv_trace; a -DFLASHMONOID_TRACE=ON build), --kv-splits the 134 MB decoding shapes
-// over forced split counts (kv_splits_probe), --kv-splits-short b = 1 over 1-4k keys, --kv-layout
+// over forced split counts (kv_splits_probe), --kv-splits-short b = 1 over 1-4k keys, --kv-eager
+// back-to-back calls without a caller's graph, the call's kernels as a graph or one by one, --kv-layout
 // the plain and append calls over (b, s, h_k, d) and head-major caches (kv_layout_probe),
 // --kv-probe-d256 kv_probe's variants at head dim 256 (Gemma's; shapes of the same bytes as hdim 128's).
 int main(int argc, char** argv) {
@@ -866,6 +903,10 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--kv-probe-all")) kv_probe_only = kv_probe_all = true;
     else if (!std::strcmp(argv[i], "--kv-probe-d256")) kv_probe_only = true, kv_probe_d = 256;
     else if (!std::strcmp(argv[i], "--kv-splits")) kv_splits_only = true;
+    else if (!std::strcmp(argv[i], "--kv-eager")) {
+      kv_eager_probe();
+      return 0;
+    }
     else if (!std::strcmp(argv[i], "--kv-layout")) kv_layout_only = true;
     else if (!std::strcmp(argv[i], "--kv-splits-short")) kv_splits_only = kv_splits_short = true;
     else if (!std::strcmp(argv[i], "--kv-case") && i + 4 < argc) {

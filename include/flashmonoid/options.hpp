@@ -83,6 +83,17 @@ enum class CudaPath : std::uint8_t { automatic, sm80, sm90 };
 // CPUs (tests and benchmarks compare the two).
 enum class CpuIsa : std::uint8_t { best, avx2 };
 
+// How a CUDA call of several kernels (forward_kvcache: the append, the forward and the split-KV
+// combine) reaches the stream. kernels: one launch each, the first launched under the kernel
+// before it in the stream (programmatic dependent launch). graph: the call's kernels as one CUDA
+// graph, instantiated once per kernel sequence and stream and replayed with each call's arguments:
+// 4 us of host time for three kernels against 10, but its first kernel starts only once the work
+// before it has ended (~1 us of device time per call when calls run back to back; bench/NOTES.md).
+// automatic: graph for calls whose K/V capacity is at most 32 MB (their device time is below the
+// host time of launching them one by one), kernels above. A stream being captured always gets
+// kernels, so the caller's graph holds them with their programmatic edges.
+enum class CallLaunch : std::uint8_t { automatic, kernels, graph };
+
 // Where and how a call runs. The library never synchronises and never allocates device memory:
 // CUDA work is queued on `stream`, and scratch memory comes from `workspace` (size it with the
 // *_workspace_size functions; 0 bytes is always valid for the forward and for the CPU).
@@ -109,6 +120,7 @@ struct Context {
   // forward's end while the other rank's NCCL kernel held SMs waiting for it (ring forward efficiency
   // at 256k tokens on 2 x H200: 0.80 with it on, 1.03 off; bench/NOTES.md).
   bool persistent_kernels = true;
+  CallLaunch call_launch = CallLaunch::automatic;  // forward_kvcache's kernels: one by one or as a graph
 };
 
 }  // namespace flashmonoid

@@ -342,9 +342,12 @@ std::size_t backward_workspace_size(const detail::BwdParams& p) {
   return sm90 > sm80 ? sm90 : sm80;
 }
 
-void forward(const detail::FwdParams& p, const Context& ctx, bool after_own_kernel) {
+void forward(const detail::FwdParams& p, const Context& ctx, bool after_own_kernel, LaunchBatch* batch) {
   DeviceGuard guard(p.device.index);
   if (forward_path(p, ctx) == KernelArch::sm90) {
+    // The sm90 forward runs no KV cache (fwd_sm90_eligible), so no batched call comes here; were one
+    // to, its kernels go first.
+    if (batch != nullptr) batch->launch(static_cast<cudaStream_t>(ctx.stream), p.device.index);
     const FwdLaunchSm90 launch{static_cast<cudaStream_t>(ctx.stream), ctx.sm_margin, ctx.persistent_kernels,
                                ctx.workspace, ctx.workspace == nullptr ? 0 : ctx.workspace_bytes};
     with_dtype(p.dtype, [&](auto t) { run_fwd_hopper<decltype(t)>(p, launch); });
@@ -358,6 +361,7 @@ void forward(const detail::FwdParams& p, const Context& ctx, bool after_own_kern
   launch.smem_per_sm = props.smem_per_sm;
   launch.pdl = pdl_available(props);
   launch.after_own_kernel = after_own_kernel;
+  launch.batch = batch;
   int splits = ctx.num_splits > 0 ? ctx.num_splits : fwd_choose_num_splits(p, launch.num_sms, launch.smem_per_sm);
   // Without room for the partials the call still runs, unsplit (documented in attention.hpp).
   if (splits > 1 && (ctx.workspace == nullptr || ctx.workspace_bytes < fwd_split_workspace_bytes(p, splits)))

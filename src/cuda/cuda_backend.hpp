@@ -35,8 +35,11 @@ std::size_t backward_workspace_size(const detail::BwdParams& p);
 
 // Queue the work on ctx.stream; never synchronise, never allocate. after_own_kernel: the last
 // launch on ctx.stream is this call's own (forward_kvcache's append), so on sm_90 and later the
-// forward may start under it (programmatic dependent launch, common/pdl.cuh).
-void forward(const detail::FwdParams& p, const Context& ctx, bool after_own_kernel = false);
+// forward may start under it (programmatic dependent launch, common/pdl.cuh). batch: the kernels
+// are added to it, for the caller to launch with the rest of its call (common/launch_batch.hpp).
+class LaunchBatch;
+void forward(const detail::FwdParams& p, const Context& ctx, bool after_own_kernel = false,
+             LaunchBatch* batch = nullptr);
 void backward(const detail::BwdParams& p, const Context& ctx);
 void merge(const detail::MergeParams& p, const Context& ctx);
 

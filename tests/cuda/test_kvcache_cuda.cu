@@ -26,6 +26,7 @@
 namespace fmtest {
 namespace {
 
+using flashmonoid::CallLaunch;
 using flashmonoid::Context;
 using flashmonoid::cpu::Precision;
 
@@ -72,9 +73,10 @@ struct DeviceKv {
     out.copy_from(p.new_out());
     lse.copy_from(p.new_lse());
   }
-  void run(int splits, cudaStream_t stream = nullptr) {
+  void run(int splits, cudaStream_t stream = nullptr, CallLaunch launch = CallLaunch::automatic) {
     Context ctx;
     ctx.stream = stream;
+    ctx.call_launch = launch;
     ctx.workspace = work->ptr;
     ctx.workspace_bytes = work->bytes;
     ctx.num_splits = splits;
@@ -248,17 +250,18 @@ KvShape split_shape(DType dtype, int s_q, int d, int capacity) {
 }
 
 // s with ctx.num_splits = splits on a workspace of random bytes, then a new problem of the same
-// shapes on the same workspace (whatever the first call left there).
-void twice_on_random_workspace(const KvShape& s, int splits) {
+// shapes on the same workspace (whatever the first call left there), its kernels sent as `launch` says.
+void twice_on_random_workspace(const KvShape& s, int splits, CallLaunch launch = CallLaunch::automatic,
+                               cudaStream_t stream = nullptr) {
   SCOPED_TRACE(s.str() + " splits " + std::to_string(splits));
   KvProblem pb(s);
   DeviceKv d(pb, splits);
   fill_random(*d.work);
-  d.run(splits);
+  d.run(splits, stream, launch);
   check_results(pb, d);
   KvProblem next(s);
   d.load(next);
-  d.run(splits);
+  d.run(splits, stream, launch);
   SCOPED_TRACE("second call");
   check_results(next, d);
 }
@@ -332,6 +335,38 @@ TEST(KvCacheCuda, AppendsAcrossKeyTiles) {
     run_case(s);
     run_case(s, 3);
   }
+}
+
+// Context::call_launch: a call's kernels one by one and as the cached graph (launch_batch.hpp), on
+// the same kinds of call: an append with rotary over pages of 16 (three kernels: append, forward,
+// combine), no append with 4 forced splits (two), unsplit (one, never a graph), shared key tiles.
+// Each call twice on one workspace (the graph's second launch gets new arguments), for two batch
+// sizes (the cached graph with other grids), on the legacy stream and on a stream of its own (a
+// graph of its own).
+TEST(KvCacheCuda, LaunchModesAgree) {
+  SKIP_WITHOUT_GPU();
+  cudaStream_t own;
+  cuda_ok(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking));
+  for (CallLaunch launch : {CallLaunch::kernels, CallLaunch::graph})
+    for (cudaStream_t stream : {cudaStream_t{nullptr}, own})
+      for (int b : {3, 5}) {
+        SCOPED_TRACE(std::string(launch == CallLaunch::graph ? "graph" : "kernels") +
+                     (stream == nullptr ? ", legacy stream" : ", own stream"));
+        KvShape paged = decode_shape(DType::bf16);
+        paged.b = b;
+        paged.page_size = 16;
+        paged.rotary_dim = 128;
+        twice_on_random_workspace(paged, 0, launch, stream);
+        KvShape plain = decode_shape(DType::f16);
+        plain.b = b;
+        plain.s_new = 0;
+        twice_on_random_workspace(plain, 4, launch, stream);
+        twice_on_random_workspace(plain, 1, launch, stream);
+      }
+  KvShape shared = split_shape(DType::bf16, 1, 128, 4200);
+  shared.full = true;
+  for (CallLaunch launch : {CallLaunch::kernels, CallLaunch::graph}) twice_on_random_workspace(shared, 2, launch, own);
+  cuda_ok(cudaStreamDestroy(own));
 }
 
 // Options::deterministic: a shape whose splits would share key tiles runs the fixed splits instead
@@ -536,34 +571,36 @@ __global__ void copy_late(int* dst_a, const int* src_a, int n_a, int* dst_b, con
 // problem's values until a kernel just before the call (copy_late, 50 us late) writes this one's.
 // Each case runs 6 times: with the append's trigger placed before its wait (a race: the forward
 // reads the lengths and the table before its own wait) one pass failed 1 run of 3, six passes
-// failed 3 of 3 (16-20 cases each, H100), and the fixed code passed 3 of 3.
+// failed 3 of 3 (16-20 cases each, H100), and the fixed code passed 3 of 3. Each case runs with the
+// kernels launched one by one (where the race lives) and as the cached graph (Context::call_launch).
 TEST(KvCacheCuda, InputsWrittenByTheKernelBefore) {
   SKIP_WITHOUT_GPU();
   for (int round = 0; round < 6; ++round)
     for (int page : {0, 16})
-      for (int s_new : {1, 0}) {
-        KvShape s = decode_shape(DType::bf16);
-        s.page_size = page;
-        s.s_new = s_new;
-        s.rotary_dim = s_new > 0 ? 128 : 0;
-        SCOPED_TRACE(s.str());
-        KvProblem stale(s), pb(s);
-        DeviceKv d(stale, 0);
-        d.load(pb);
-        d.seqlens.copy_from(stale.seqlens);
-        if (page > 0) d.block_table.copy_from(stale.block_table);
-        DeviceTensor seqlens(pb.seqlens), table(pb.block_table);
-        cudaStream_t stream;
-        cuda_ok(cudaStreamCreate(&stream));
-        copy_late<<<1, 128, 0, stream>>>(static_cast<int*>(d.seqlens.ptr), static_cast<const int*>(seqlens.ptr),
-                                         s.b, page > 0 ? static_cast<int*>(d.block_table.ptr) : nullptr,
-                                         static_cast<const int*>(table.ptr),
-                                         page > 0 ? static_cast<int>(table.bytes / sizeof(int)) : 0, 50000);
-        cuda_ok(cudaGetLastError());
-        d.run(0, stream);
-        check_results(pb, d);
-        cuda_ok(cudaStreamDestroy(stream));
-      }
+      for (int s_new : {1, 0})
+        for (CallLaunch launch : {CallLaunch::kernels, CallLaunch::graph}) {
+          KvShape s = decode_shape(DType::bf16);
+          s.page_size = page;
+          s.s_new = s_new;
+          s.rotary_dim = s_new > 0 ? 128 : 0;
+          SCOPED_TRACE(s.str() + (launch == CallLaunch::graph ? " graph" : " kernels"));
+          KvProblem stale(s), pb(s);
+          DeviceKv d(stale, 0);
+          d.load(pb);
+          d.seqlens.copy_from(stale.seqlens);
+          if (page > 0) d.block_table.copy_from(stale.block_table);
+          DeviceTensor seqlens(pb.seqlens), table(pb.block_table);
+          cudaStream_t stream;
+          cuda_ok(cudaStreamCreate(&stream));
+          copy_late<<<1, 128, 0, stream>>>(static_cast<int*>(d.seqlens.ptr), static_cast<const int*>(seqlens.ptr),
+                                           s.b, page > 0 ? static_cast<int*>(d.block_table.ptr) : nullptr,
+                                           static_cast<const int*>(table.ptr),
+                                           page > 0 ? static_cast<int>(table.bytes / sizeof(int)) : 0, 50000);
+          cuda_ok(cudaGetLastError());
+          d.run(0, stream, launch);
+          check_results(pb, d);
+          cuda_ok(cudaStreamDestroy(stream));
+        }
 }
 
 // Values only the device sees, out of range: the kernels clamp them (kvcache.hpp) and must not

@@ -21,6 +21,7 @@
 
 #include "common/check.cuh"
 #include "common/device_props.cuh"
+#include "common/launch_batch.hpp"
 
 namespace flashmonoid::cuda {
 
@@ -39,6 +40,21 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 // Whether a device runs programmatic launches (compute capability 9.0 and later).
 inline bool pdl_available(const DeviceProps& props) { return props.major >= 9; }
 
+// The configuration of a launch with programmatic stream serialization (attr: its storage).
+inline cudaLaunchConfig_t programmatic_config(dim3 grid, dim3 block, std::size_t smem, cudaStream_t stream,
+                                              cudaLaunchAttribute (&attr)[1]) {
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return config;
+}
+
 // kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization when
 // `programmatic` (callers pass it only on devices of compute capability 9.0 and later, and only
 // when the kernel before it in the stream is one of the same call's); the launch is checked.
@@ -51,16 +67,16 @@ void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t
     return;
   }
   cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  config.attrs = attr;
-  config.numAttrs = 1;
+  const cudaLaunchConfig_t config = programmatic_config(grid, block, smem, stream, attr);
   FM_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+// launch_kernel, or the same kernel added to `batch` (launch_batch.hpp) when there is one.
+template <class... Params, class... Args>
+void launch_kernel(LaunchBatch* batch, void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem,
+                   cudaStream_t stream, bool programmatic, Args&&... args) {
+  if (batch != nullptr) batch->add(kernel, grid, block, smem, programmatic, std::forward<Args>(args)...);
+  else launch_kernel(kernel, grid, block, smem, stream, programmatic, std::forward<Args>(args)...);
 }
 
 }  // namespace flashmonoid::cuda

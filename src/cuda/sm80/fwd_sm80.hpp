@@ -11,6 +11,8 @@
 
 namespace flashmonoid::cuda {
 
+class LaunchBatch;
+
 // Everything the launcher needs besides the call description.
 struct FwdLaunch {
   cudaStream_t stream = nullptr;
@@ -31,6 +33,7 @@ struct FwdLaunch {
   // stream when that one is the same call's (after_own_kernel: forward_kvcache's append).
   bool pdl = false;
   bool after_own_kernel = false;
+  LaunchBatch* batch = nullptr;  // where the kernels go instead of the stream (launch_batch.hpp), if set
 };
 
 // Bytes of workspace that num_splits partials of p need (out and lse, then the tile counters, each

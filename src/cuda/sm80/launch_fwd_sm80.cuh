@@ -18,7 +18,7 @@
 namespace flashmonoid::cuda {
 
 template <class T, int kHeadDim, FwdTileKind kKind, bool kScoreMods, bool kShareTiles = false>
-void launch_fwd_tile_sm80(const FwdKernelArgs& args, const FwdPlanSm80& plan, cudaStream_t stream) {
+void launch_fwd_tile_sm80(const FwdKernelArgs& args, const FwdPlanSm80& plan, const FwdLaunch& launch) {
   constexpr FwdTileSm80 kTile = fwd_tile_sm80(kHeadDim, kKind);
   auto* kernel = fwd_kernel_sm80<T, kHeadDim, kKind, kScoreMods, kShareTiles>;
   const std::size_t smem = kTile.smem_bytes(kHeadDim, args.kv_slots);
@@ -26,7 +26,8 @@ void launch_fwd_tile_sm80(const FwdKernelArgs& args, const FwdPlanSm80& plan, cu
   if (smem > 48 * 1024)
     allow_dynamic_smem<fwd_kernel_sm80<T, kHeadDim, kKind, kScoreMods, kShareTiles>>(smem, args.p.device.index);
   const dim3 grid(plan.num_m_blocks * args.num_splits, plan.grid_heads, args.p.batch);
-  launch_kernel(kernel, grid, dim3(kTile.warps * 32), smem, stream, args.programmatic || args.wait_at_entry, args);
+  launch_kernel(launch.batch, kernel, grid, dim3(kTile.warps * 32), smem, launch.stream,
+                args.programmatic || args.wait_at_entry, args);
 }
 
 template <class T, int kHeadDim>
@@ -58,15 +59,15 @@ void run_fwd_sm80(const detail::FwdParams& p, const FwdLaunch& launch) {
   // of their registers (tanhf and 10-round Philox per element would otherwise crowd out O and S).
   const bool score_mods = p.score_mods();
   auto launch_kind = [&](auto kind) {
-    if (score_mods) launch_fwd_tile_sm80<T, kHeadDim, decltype(kind)::value, true>(args, plan, launch.stream);
-    else launch_fwd_tile_sm80<T, kHeadDim, decltype(kind)::value, false>(args, plan, launch.stream);
+    if (score_mods) launch_fwd_tile_sm80<T, kHeadDim, decltype(kind)::value, true>(args, plan, launch);
+    else launch_fwd_tile_sm80<T, kHeadDim, decltype(kind)::value, false>(args, plan, launch);
   };
   using K = FwdTileKind;
   if (share_tiles) {
     // fwd_split_shares_tiles: the narrow or decode tile at hdim <= 128 without score modifiers.
     if constexpr (kHeadDim <= 128) {
-      if (plan.kind == K::decode) launch_fwd_tile_sm80<T, kHeadDim, K::decode, false, true>(args, plan, launch.stream);
-      else launch_fwd_tile_sm80<T, kHeadDim, K::narrow, false, true>(args, plan, launch.stream);
+      if (plan.kind == K::decode) launch_fwd_tile_sm80<T, kHeadDim, K::decode, false, true>(args, plan, launch);
+      else launch_fwd_tile_sm80<T, kHeadDim, K::narrow, false, true>(args, plan, launch);
     }
   } else if (plan.kind == K::decode) {
     // plan_fwd_sm80 picks decode at hdim <= 128 only; above, its tile is the narrow one (fwd_tile_sm80).
@@ -76,8 +77,8 @@ void run_fwd_sm80(const detail::FwdParams& p, const FwdLaunch& launch) {
   else launch_kind(std::integral_constant<K, K::wide>{});
   if (args.num_splits > 1) {
     const unsigned blocks = combine_blocks(static_cast<std::int64_t>(p.h) * p.total_q, args.num_splits);
-    launch_kernel(args.num_splits <= kCombineBatch ? combine_rows_kernel<T> : combine_splits_kernel<T>, dim3(blocks),
-                  dim3(kCombineWarps * 32), 0, launch.stream, args.programmatic_dependents, p, args.num_splits,
+    launch_kernel(launch.batch, args.num_splits <= kCombineBatch ? combine_rows_kernel<T> : combine_splits_kernel<T>,
+                  dim3(blocks), dim3(kCombineWarps * 32), 0, launch.stream, args.programmatic_dependents, p, args.num_splits,
                   static_cast<const float*>(args.out_partial), static_cast<const float*>(args.lse_partial),
                   args.tile_counters, num_counters, args.programmatic_dependents);
   }
