@@ -85,15 +85,17 @@ def host_us(call, dev, runs=RUNS):
     return per_call
 
 
-# (layer, module, attributes replaced by a stub, what the stub returns), innermost first. The torch
-# route enters _C through forward_kvcache_torch (round 3), others through forward_kvcache; since round
-# 3 flash_attn_with_kvcache calls torch_ops' implementation directly and runs _check_kvcache only
-# when a call fails or cannot take that path, so those two rows read ~0 for the decoding step.
+# (layer, module, attributes replaced by a stub, what the stub returns), innermost first. With torch
+# >= 2.10 flash_attn_with_kvcache's eager route is one call, _C.kvcache_eager_torch (checks, outputs,
+# stream, workspace and the library call; "C++ eager route"), and every other row reads ~0. Before
+# it, the torch route entered _C through forward_kvcache_torch from torch_ops' implementation, others
+# through forward_kvcache; _check_kvcache runs only when a call fails or cannot take the eager route.
 def _out_lse(q, *args, **kwargs):
     return q, q
 
 
 LAYERS = [
+    ("C++ eager route", _C, ("kvcache_eager_torch",), _out_lse),
     ("C++ call", _C, ("forward_kvcache", "forward_kvcache_torch"), None),
     ("_backend", _backend, ("forward_kvcache",), None),
     ("torch_ops impl", torch_ops, ("_fwd_kvcache_impl",), _out_lse),

@@ -113,6 +113,8 @@ class _Torch:
         self.capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
         self.kept = {}
         self.exchange = _C.has_torch_exchange(torch.empty(0))
+        if self.exchange:  # the types _C.kvcache_eager_torch takes (flash_attn_with_kvcache's eager route)
+            _C.set_torch_types(torch.Tensor, torch.nn.Parameter)
 
     def export(self, x):
         return None if x is None else self.to_dlpack(x)
@@ -161,6 +163,11 @@ def _torch():
     if _torch_route is None:
         _torch_route = _Torch()
     return _torch_route
+
+
+def kvcache_eager():
+    """Whether _C.kvcache_eager_torch can take torch tensors here (torch >= 2.10)."""
+    return _torch().exchange
 
 
 def _same(x):

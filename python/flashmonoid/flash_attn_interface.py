@@ -31,7 +31,7 @@ from typing import Optional, Union
 
 import torch
 
-from . import _attn_probs, torch_ops
+from . import _C, _attn_probs, _backend, torch_ops
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -386,20 +386,33 @@ def flash_attn_with_kvcache(
     Returns out, and softmax_lse (batch_size, nheads, seqlen) with return_softmax_lse. No backward,
     as upstream. Under torch.use_deterministic_algorithms(True) the result repeats bit for bit run to
     run (otherwise split-KV decoding over a long contiguous cache may differ in the last bits)."""
-    if _kvcache_fast(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                     block_table, alibi_slopes):
+    # The eager route: one call into _C checks what lets it skip torch's dispatcher (plain tensors,
+    # none needing grad, contiguous; see _C.kvcache_eager_torch) and returns None where that fails.
+    # Every rule of _check_kvcache it does not check itself (strides: the tensors are contiguous;
+    # seqlens with k; k with rotary; no ALiBi, whose padding rules differ) is checked here first.
+    if (alibi_slopes is None and (k is None or cache_seqlens is not None)
+            and (k is not None or (rotary_cos is None and rotary_sin is None))
+            and not torch.compiler.is_compiling()):
         # The library checks every other rule of _check_kvcache before it touches memory; when it
         # (or anything on the way) refuses the call, flash-attn's message for the input, if it has
         # one, is raised as before.
         try:
-            if isinstance(cache_seqlens, int):
-                seqlens, seqlen = None, cache_seqlens
+            if _backend.kvcache_eager():
+                r = _C.kvcache_eager_torch(
+                    q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                    block_table, softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]), float(softcap),
+                    bool(rotary_interleaved), int(num_splits), torch.is_grad_enabled(),
+                    torch.are_deterministic_algorithms_enabled(), _backend._cpu_algorithm, _backend._cpu_isa)
+            elif _kvcache_fast(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                               cache_leftpad, block_table):
+                # torch before 2.10 (no DLPack exchange table): the same checks and call in Python layers.
+                seqlens, seqlen = (None, cache_seqlens) if isinstance(cache_seqlens, int) else (cache_seqlens, -1)
+                r = torch_ops._fwd_kvcache_impl(
+                    q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, seqlen, cache_batch_idx, cache_leftpad,
+                    block_table, None, _scale(q, softmax_scale), bool(causal), int(window_size[0]),
+                    int(window_size[1]), float(softcap), bool(rotary_interleaved), int(num_splits))
             else:
-                seqlens, seqlen = cache_seqlens, -1
-            out, lse = torch_ops._fwd_kvcache_impl(
-                q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, seqlen, cache_batch_idx, cache_leftpad,
-                block_table, None, _scale(q, softmax_scale), bool(causal), int(window_size[0]), int(window_size[1]),
-                float(softcap), bool(rotary_interleaved), int(num_splits))
+                r = None
         except Exception:
             try:
                 _check_kvcache_all(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
@@ -407,7 +420,8 @@ def flash_attn_with_kvcache(
             except (AssertionError, RuntimeError) as flash_attn_error:
                 raise flash_attn_error from None
             raise
-        return (out, lse) if return_softmax_lse else out
+        if r is not None:
+            return r if return_softmax_lse else r[0]
     _check_kvcache_all(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                        cache_leftpad, block_table, alibi_slopes)
     out, lse = torch_ops.attention_kvcache(
@@ -427,18 +441,12 @@ def _check_kvcache_all(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
 
 
 def _kvcache_fast(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                  block_table, alibi_slopes):
-    """Whether a call may skip _check_kvcache on its way in: every rule the library does not share
-    holds (contiguous tensors, so every stride rule; 0 < batch; head dim <= 256 and a multiple of 8,
-    so nothing is padded, which could make mismatched head dims agree; seqlens with k; k with rotary;
-    no ALiBi) and nothing is traced or differentiated. ~3 us (2 of them torch_ops._eager_contiguous)
-    instead of _check_kvcache's 5-10."""
+                  block_table):
+    """Whether a call may take the eager route without _C.kvcache_eager_torch (torch before 2.10): the
+    checks that function makes, in Python (q 4-D with a batch and a head dim <= 256 and a multiple of
+    8, so nothing is padded; contiguous tensors; nothing differentiated). ~3 us."""
     shape = q.shape
     if len(shape) != 4 or shape[0] <= 0 or shape[3] > 256 or shape[3] % 8 != 0:
-        return False
-    if alibi_slopes is not None or (k is not None and cache_seqlens is None):
-        return False
-    if k is None and (rotary_cos is not None or rotary_sin is not None):
         return False
     seqlens = None if isinstance(cache_seqlens, int) else cache_seqlens
     return torch_ops._eager_contiguous((q, k_cache, v_cache, k, v, block_table),

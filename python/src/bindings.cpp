@@ -12,7 +12,9 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <cmath>
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -84,14 +86,24 @@ fm::TensorView view(const Array& a, const char* name) {
 // ---- torch tensors through DLPack's C exchange table ---------------------------------------------
 // torch (2.10 and later) publishes DLPack 1.3's DLPackExchangeAPI on its tensor type as the capsule
 // __dlpack_c_exchange_api__; its dltensor_from_py_object_no_sync fills a non-owning DLTensor of a
-// tensor from C. The layout below is dlpack.h's, up to the member used here.
+// tensor from C, its allocator makes a tensor with torch's allocator (on the device's current
+// stream), and its current_work_stream gives torch's current stream. The layouts below are dlpack.h's.
+struct ManagedTensor {  // DLManagedTensorVersioned
+  std::uint32_t major, minor;
+  void* manager_ctx;
+  void (*deleter)(ManagedTensor* self);
+  std::uint64_t flags;
+  nb::dlpack::dltensor dl_tensor;
+};
 struct DLPackExchangeApi {
   std::uint32_t major, minor;  // DLPackVersion
   const void* prev_api;
-  const void* managed_tensor_allocator;
+  int (*managed_tensor_allocator)(nb::dlpack::dltensor* prototype, ManagedTensor** out, void* error_ctx,
+                                  void (*set_error)(void* error_ctx, const char* kind, const char* message));
   const void* managed_tensor_from_py_object_no_sync;
-  const void* managed_tensor_to_py_object_no_sync;
-  int (*dltensor_from_py_object_no_sync)(void* py_object, nb::dlpack::dltensor* out);  // may be null
+  int (*managed_tensor_to_py_object_no_sync)(ManagedTensor* tensor, void** out_py_object);  // steals tensor
+  int (*dltensor_from_py_object_no_sync)(void* py_object, nb::dlpack::dltensor* out);        // may be null
+  int (*current_work_stream)(std::int32_t device_type, std::int32_t device_id, void** out_stream);
 };
 
 // The table of x's type (looked up once per type), or nullptr when it has none this file can use.
@@ -123,9 +135,7 @@ bool dltensor_of(nb::handle x, const char* name, nb::dlpack::dltensor* t) {
   return true;
 }
 
-fm::TensorView torch_view(nb::handle x, const char* name) {
-  nb::dlpack::dltensor d;
-  if (!dltensor_of(x, name, &d)) return {};
+fm::TensorView view_of(const nb::dlpack::dltensor& d, const char* name) {
   check_ndim(static_cast<std::size_t>(d.ndim), name);
   fm::TensorView t;
   t.data = static_cast<char*>(d.data) + d.byte_offset;
@@ -141,6 +151,11 @@ fm::TensorView torch_view(nb::handle x, const char* name) {
   return t;
 }
 
+fm::TensorView torch_view(nb::handle x, const char* name) {
+  nb::dlpack::dltensor d;
+  return dltensor_of(x, name, &d) ? view_of(d, name) : fm::TensorView{};
+}
+
 // A byte buffer (the workspace) on q's device: its base and size.
 void torch_workspace(nb::handle x, const fm::TensorView& q, fm::Context* ctx) {
   nb::dlpack::dltensor d;
@@ -151,6 +166,73 @@ void torch_workspace(nb::handle x, const fm::TensorView& q, fm::Context* ctx) {
   for (int i = 0; i < d.ndim; ++i) n *= static_cast<std::size_t>(d.shape[i]);
   ctx->workspace = static_cast<char*>(d.data) + d.byte_offset;
   ctx->workspace_bytes = n;
+}
+
+// ---- flash_attn_with_kvcache's eager route (kvcache_eager_torch) ----------------------------------
+
+// A tensor made by torch's allocator through the exchange table, freed with this object unless
+// released (to Python, or kept as a workspace).
+struct OwnedTensor {
+  ManagedTensor* t = nullptr;
+  OwnedTensor() = default;
+  OwnedTensor(const OwnedTensor&) = delete;
+  OwnedTensor& operator=(const OwnedTensor&) = delete;
+  ~OwnedTensor() { reset(); }
+  void reset(ManagedTensor* next = nullptr) {
+    if (t != nullptr && t->deleter != nullptr) t->deleter(t);
+    t = next;
+  }
+  void* data() const { return static_cast<char*>(t->dl_tensor.data) + t->dl_tensor.byte_offset; }
+};
+
+// A new compact tensor of `shape` and `dtype` on `device` (torch's allocator; on CUDA, on the
+// device's current stream, as torch.empty).
+void torch_alloc(const DLPackExchangeApi* api, nb::dlpack::dtype dtype, nb::dlpack::device device, int ndim,
+                 std::int64_t* shape, OwnedTensor* out) {
+  nb::dlpack::dltensor proto{};
+  proto.device = device;
+  proto.ndim = ndim;
+  proto.dtype = dtype;
+  proto.shape = shape;
+  std::string error;
+  auto set_error = [](void* ctx, const char* kind, const char* message) {
+    *static_cast<std::string*>(ctx) = std::string(kind) + ": " + message;
+  };
+  ManagedTensor* t = nullptr;
+  if (api->managed_tensor_allocator(&proto, &t, &error, set_error) != 0 || t == nullptr) {
+    if (PyErr_Occurred()) throw nb::python_error();
+    throw std::runtime_error("flashmonoid: torch's allocator failed: " + error);
+  }
+  out->reset(t);
+}
+
+// Python's torch.Tensor and torch.nn.Parameter (set_torch_types): the only types the eager route
+// takes; a subclass (FakeTensor, DTensor, ...) must go through torch's dispatcher.
+PyTypeObject* g_tensor_type = nullptr;
+PyTypeObject* g_parameter_type = nullptr;
+
+// Whether x (not None) may take the eager route: a plain tensor, not requiring grad under grad
+// mode, compact (whole) or with a contiguous last dimension (last_dim); its DLTensor in *d.
+bool eager_tensor(nb::handle x, bool grad_enabled, bool whole, nb::dlpack::dltensor* d) {
+  PyTypeObject* type = Py_TYPE(x.ptr());
+  if (type != g_tensor_type && type != g_parameter_type) return false;
+  if (grad_enabled) {
+    static PyObject* requires_grad = PyUnicode_InternFromString("requires_grad");
+    PyObject* r = PyObject_GetAttr(x.ptr(), requires_grad);
+    if (r == nullptr) throw nb::python_error();
+    const bool needs = r == Py_True;
+    Py_DECREF(r);
+    if (needs) return false;
+  }
+  if (!dltensor_of(x, "tensor", d)) return false;
+  if (d->strides == nullptr) return true;
+  std::int64_t compact = 1;
+  for (int i = d->ndim - 1; i >= 0; --i) {
+    if (d->shape[i] != 1 && d->strides[i] != compact) return false;
+    compact *= d->shape[i];
+    if (!whole) break;  // the last dimension only
+  }
+  return true;
 }
 
 fm::TensorView view(const OptArray& a, const char* name) { return a ? view(*a, name) : fm::TensorView{}; }
@@ -397,6 +479,145 @@ NB_MODULE(_C, m) {
         nb::arg("out"), nb::arg("lse"), nb::arg("options"), nb::arg("alibi_slopes").none(),
         nb::arg("workspace").none(), nb::arg("stream"), nb::arg("num_splits"), nb::arg("cpu_algorithm"),
         nb::arg("cpu_isa"));
+  // flash_attn_with_kvcache's eager route, for a decoding loop's host time (issue 10): the checks that
+  // let a call skip torch's dispatcher, out and lse from torch's allocator, torch's current stream,
+  // a workspace kept per (device, stream) and grown, and the call, in one step (the same work in
+  // Python layers took ~10 us of an 18.4 us call on the H200 VM). Returns (out, lse), or None when a
+  // tensor is not a plain torch tensor, requires grad under grad mode (grad_enabled), or is not
+  // compact (q, the caches, k_new, v_new, the block table) or last-dimension contiguous (the rest),
+  // or q is not 4-D with a batch and a head dim <= 256 and a multiple of 8: the caller then takes
+  // the dispatcher's route. cache_seqlens: an int tensor, an int (every sequence holds that many
+  // rows) or None (the full capacity). softmax_scale None: head_dim ** -0.5, as flash-attn. Errors
+  // as forward_kvcache's.
+  m.def("set_torch_types", [](nb::handle tensor, nb::handle parameter) {
+    g_tensor_type = reinterpret_cast<PyTypeObject*>(tensor.ptr());
+    g_parameter_type = reinterpret_cast<PyTypeObject*>(parameter.ptr());
+    Py_INCREF(tensor.ptr());
+    Py_INCREF(parameter.ptr());
+  });
+  m.def(
+      "kvcache_eager_torch",
+      [](nb::handle q, nb::handle k_cache, nb::handle v_cache, nb::handle k_new, nb::handle v_new, nb::handle cos,
+         nb::handle sin, nb::handle cache_seqlens, nb::handle batch_idx, nb::handle leftpad, nb::handle block_table,
+         nb::handle softmax_scale, bool causal, int window_left, int window_right, float softcap, bool interleaved,
+         int num_splits, bool grad_enabled, bool deterministic, fm::CpuAlgorithm cpu_algorithm,
+         fm::CpuIsa cpu_isa) -> nb::object {
+        if (g_tensor_type == nullptr) return nb::none();
+        nb::dlpack::dltensor dq, dkc, dvc, dkn, dvn, dcos, dsin, dsl, dbi, dlp, dbt;
+        const bool has_seqlens = !cache_seqlens.is_none() && !PyLong_Check(cache_seqlens.ptr());
+        struct Arg {
+          nb::handle x;
+          bool whole;
+          nb::dlpack::dltensor* d;
+        };
+        for (const Arg& a : {Arg{q, true, &dq}, Arg{k_cache, true, &dkc}, Arg{v_cache, true, &dvc},
+                             Arg{k_new, true, &dkn}, Arg{v_new, true, &dvn}, Arg{block_table, true, &dbt},
+                             Arg{cos, false, &dcos}, Arg{sin, false, &dsin},
+                             Arg{has_seqlens ? cache_seqlens : nb::handle(Py_None), false, &dsl}, Arg{batch_idx, false, &dbi},
+                             Arg{leftpad, false, &dlp}})
+          if (!a.x.is_none() && !eager_tensor(a.x, grad_enabled, a.whole, a.d)) return nb::none();
+        if (dq.ndim != 4 || dq.shape[0] <= 0 || dq.shape[3] > 256 || dq.shape[3] % 8 != 0) return nb::none();
+        const DLPackExchangeApi* api = exchange_api(q);
+        if (api->managed_tensor_allocator == nullptr || api->managed_tensor_to_py_object_no_sync == nullptr ||
+            api->current_work_stream == nullptr)
+          return nb::none();
+
+        auto opt = [](nb::handle x, const nb::dlpack::dltensor& d, const char* name) {
+          return x.is_none() ? fm::TensorView{} : view_of(d, name);
+        };
+        const fm::TensorView tq = view_of(dq, "q");
+        fm::KVCache c;
+        c.k = view_of(dkc, "k_cache");
+        c.v = view_of(dvc, "v_cache");
+        c.seqlens = has_seqlens ? view_of(dsl, "seqlens") : fm::TensorView{};
+        c.seqlen = cache_seqlens.is_none() || has_seqlens ? -1 : nb::cast<int>(cache_seqlens);
+        c.batch_idx = opt(batch_idx, dbi, "batch_idx");
+        c.leftpad = opt(leftpad, dlp, "leftpad");
+        c.block_table = opt(block_table, dbt, "block_table");
+        const fm::TensorView kn = opt(k_new, dkn, "k_new"), vn = opt(v_new, dvn, "v_new");
+        const fm::Rotary r{opt(cos, dcos, "rotary.cos"), opt(sin, dsin, "rotary.sin"), interleaved};
+        fm::Options o;
+        // Python's head_dim ** -0.5 (a double) rounded to float, as the dispatcher's route passes it.
+        o.softmax_scale = softmax_scale.is_none() ? static_cast<float>(std::pow(static_cast<double>(dq.shape[3]), -0.5))
+                                                  : nb::cast<float>(softmax_scale);
+        o.causal = causal;
+        o.window_left = window_left;
+        o.window_right = window_right;
+        o.softcap = softcap;
+        o.deterministic = deterministic;
+
+        // out like q (compact), lse (b, h, s_q) float32, on q's device.
+        OwnedTensor out, lse;
+        torch_alloc(api, dq.dtype, dq.device, 4, dq.shape, &out);
+        std::int64_t lse_shape[3] = {dq.shape[0], dq.shape[2], dq.shape[1]};
+        torch_alloc(api, nb::dlpack::dtype{static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float), 32, 1}, dq.device,
+                    3, lse_shape, &lse);
+        fm::TensorView to = tq, tl;
+        to.data = out.data();
+        std::int64_t compact = 1;
+        for (int i = 3; i >= 0; --i) {
+          to.stride[i] = compact;
+          compact *= dq.shape[i];
+        }
+        tl = fm::TensorView(lse.data(), fm::DType::f32, tq.device, {lse_shape[0], lse_shape[1], lse_shape[2]});
+
+        fm::Context cx;
+        cx.num_splits = num_splits;
+        cx.cpu_algorithm = cpu_algorithm;
+        cx.cpu_isa = cpu_isa;
+        OwnedTensor fresh;  // a captured call's workspace: the graph's pool keeps it
+        OwnedTensor* kept = nullptr;
+        const bool cuda = tq.device.kind == fm::DeviceKind::cuda;
+        if (cuda) {
+          void* stream = nullptr;
+          if (api->current_work_stream(dq.device.device_type, dq.device.device_id, &stream) != 0)
+            throw nb::python_error();
+          cx.stream = stream;
+          if (!fm::detail::stream_is_capturing(stream)) {
+            // Per (device, stream): work on one stream runs in order, so a call never overwrites what
+            // an earlier call on that stream still reads; a replaced buffer is freed in stream order.
+            static std::map<std::pair<int, void*>, OwnedTensor> workspaces;  // under the GIL; never freed
+            kept = &workspaces[{dq.device.device_id, stream}];
+            if (kept->t != nullptr) {
+              cx.workspace = kept->data();
+              cx.workspace_bytes = static_cast<std::size_t>(kept->t->dl_tensor.shape[0]);
+            }
+          }
+        }
+        for (int attempt = 0; attempt < 2; ++attempt) {
+          std::size_t need;
+          {
+            nb::gil_scoped_release release;
+            need = fm::detail::forward_kvcache(tq, c, kn, vn, r, to, tl, o, cx, fm::detail::PointerSource::dlpack,
+                                               true);
+          }
+          if (need == 0) break;
+          if (attempt == 1) throw std::runtime_error("flashmonoid: the workspace stayed short of the call's need");
+          std::int64_t bytes = static_cast<std::int64_t>(need);
+          OwnedTensor* into = kept != nullptr ? kept : &fresh;
+          torch_alloc(api, nb::dlpack::dtype{static_cast<std::uint8_t>(nb::dlpack::dtype_code::UInt), 8, 1}, dq.device,
+                      1, &bytes, into);
+          cx.workspace = into->data();
+          cx.workspace_bytes = need;
+        }
+        void* out_obj = nullptr;
+        void* lse_obj = nullptr;
+        ManagedTensor* o_t = out.t;
+        out.t = nullptr;
+        if (api->managed_tensor_to_py_object_no_sync(o_t, &out_obj) != 0) throw nb::python_error();
+        nb::object out_py = nb::steal(static_cast<PyObject*>(out_obj));
+        ManagedTensor* l_t = lse.t;
+        lse.t = nullptr;
+        if (api->managed_tensor_to_py_object_no_sync(l_t, &lse_obj) != 0) throw nb::python_error();
+        nb::object lse_py = nb::steal(static_cast<PyObject*>(lse_obj));
+        return nb::make_tuple(out_py, lse_py);
+      },
+      nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("k_new").none(), nb::arg("v_new").none(),
+      nb::arg("cos").none(), nb::arg("sin").none(), nb::arg("cache_seqlens").none(), nb::arg("batch_idx").none(),
+      nb::arg("leftpad").none(), nb::arg("block_table").none(), nb::arg("softmax_scale").none(), nb::arg("causal"),
+      nb::arg("window_left"), nb::arg("window_right"), nb::arg("softcap"), nb::arg("interleaved"),
+      nb::arg("num_splits"), nb::arg("grad_enabled"), nb::arg("deterministic"), nb::arg("cpu_algorithm"),
+      nb::arg("cpu_isa"));
   m.def("has_torch_exchange", [](nb::handle x) { return exchange_api(x) != nullptr; },
         "Whether forward_kvcache_torch can read arrays of x's type.");
 

@@ -37,6 +37,15 @@ std::size_t detail::forward_kvcache(const TensorView& q, const KVCache& cache, c
 #endif
 }
 
+bool detail::stream_is_capturing(void* stream) {
+#ifdef FLASHMONOID_WITH_CUDA
+  return cuda::stream_is_capturing(stream);
+#else
+  (void)stream;
+  return false;
+#endif
+}
+
 void forward_kvcache(const TensorView& q, const KVCache& cache, const TensorView& k_new, const TensorView& v_new,
                      const Rotary& rotary, const TensorView& out, const TensorView& lse, const Options& options,
                      const Context& ctx) {

@@ -28,4 +28,9 @@ std::size_t forward_kvcache(const TensorView& q, const KVCache& cache, const Ten
                             const TensorView& lse, const Options& options, const Context& ctx,
                             PointerSource source, bool report_short_workspace);
 
+// Whether `stream` (a cudaStream_t; nullptr = the legacy default stream) is being captured into a
+// CUDA graph; false in a build without CUDA, and where the runtime cannot say. For a caller that
+// keeps a workspace across calls (the Python bindings): a captured call needs a buffer the graph owns.
+bool stream_is_capturing(void* stream);
+
 }  // namespace flashmonoid::detail

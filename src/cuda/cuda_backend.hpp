@@ -46,6 +46,8 @@ void merge(const detail::MergeParams& p, const Context& ctx);
 // forward_kvcache (src/cuda/kvcache.cu): at most one append/rotary launch, then the forward.
 std::size_t forward_kvcache_workspace_size(const detail::KvCacheCall& c);
 void forward_kvcache(const detail::KvCacheCall& c, const Context& ctx, PointerSource source);
+// Whether stream is being captured (false where the runtime cannot say: a launch then reports it).
+bool stream_is_capturing(void* stream);
 #ifdef FLASHMONOID_TRACE
 // The buffer (common/trace.cuh: kTraceBytes) that forward_kvcache's kernels record their block
 // timelines into; nullptr stops them. Profiling builds only.

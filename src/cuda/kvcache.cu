@@ -166,13 +166,7 @@ __global__ void __launch_bounds__(kAppendWarps * 32) append_rotary_kernel(const 
 constexpr double kGraphKvBytes = 32.0 * (1 << 20);
 
 bool launch_as_graph(const detail::FwdParams& p, const Context& ctx, cudaStream_t stream) {
-  if (ctx.call_launch == CallLaunch::kernels) return false;
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
-    (void)cudaGetLastError();  // the launches themselves report what is wrong with the stream
-    return false;
-  }
-  if (status != cudaStreamCaptureStatusNone) return false;
+  if (ctx.call_launch == CallLaunch::kernels || stream_is_capturing(stream)) return false;
   if (ctx.call_launch == CallLaunch::graph) return true;
   const int rows = p.kv.seqlens == nullptr ? std::min(p.kv.capacity, p.kv.seqlen_fixed + p.kv.seqlen_new)
                                            : p.kv.capacity;
@@ -199,6 +193,15 @@ void* g_trace = nullptr;
 void set_trace_buffer(void* buffer) { g_trace = buffer; }
 void* trace_buffer() { return g_trace; }
 #endif
+
+bool stream_is_capturing(void* stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &status) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky; whatever is wrong with the stream, a launch reports it
+    return false;
+  }
+  return status != cudaStreamCaptureStatusNone;
+}
 
 std::size_t forward_kvcache_workspace_size(const detail::KvCacheCall& c) {
   return rotated_q_bytes(c) + forward_workspace_size(c.attn);

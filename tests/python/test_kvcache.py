@@ -383,6 +383,44 @@ def test_kvcache_library_errors_pass_through_the_fast_path():
                                    block_table=torch.tensor([[0, 7]], dtype=torch.int32))
 
 
+@pytest.mark.parametrize("device,dtype", CONFIGS)
+def test_kvcache_eager_route_equals_the_dispatcher_route(device, dtype, monkeypatch):
+    """flash_attn_with_kvcache's eager route (_C.kvcache_eager_torch: the checks, the outputs, torch's
+    stream and the kept workspace in one call) gives the dispatcher route's bits (out, lse, caches),
+    call after call on the kept workspace; it declines (None) a q that needs grad and a cache that
+    is not compact, which then take the dispatcher route."""
+    from flashmonoid import _C, _backend
+
+    if not _backend.kvcache_eager():
+        pytest.skip("torch before 2.10 has no DLPack exchange table")
+    real, results = _C.kvcache_eager_torch, []
+
+    def spy(*args):
+        results.append(real(*args))
+        return results[-1]
+
+    for page, rotary, splits in ((0, 16, 0), (16, 0, 3), (0, 32, 5)):
+        case = Case(device, dtype, page=page, rotary_dim=rotary, leftpad=page == 0, seed=7 + page + splits)
+        monkeypatch.setattr(_C, "kvcache_eager_torch", spy)
+        eager = case.run(causal=True, num_splits=splits)
+        assert results[-1] is not None
+        monkeypatch.setattr(_C, "kvcache_eager_torch", lambda *args: None)
+        dispatched = case.run(causal=True, num_splits=splits)
+        for a, b in zip(eager, dispatched):
+            assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
+        check_result(case, eager[0], eager[2], eager[3], causal=True)
+    monkeypatch.setattr(_C, "kvcache_eager_torch", spy)
+    case = Case(device, dtype)
+    q = case.q.clone().requires_grad_()
+    fa.flash_attn_with_kvcache(q, case.k_cache.clone(), case.v_cache.clone(), cache_seqlens=case.seqlens)
+    assert results[-1] is None
+    wide = torch.cat([case.k_cache, case.k_cache], dim=-1)[..., : case.k_cache.shape[-1]]
+    out = fa.flash_attn_with_kvcache(case.q, wide, case.v_cache.clone(), cache_seqlens=case.seqlens)
+    assert results[-1] is None
+    assert torch.equal(out, fa.flash_attn_with_kvcache(case.q, wide.contiguous(), case.v_cache.clone(),
+                                                       cache_seqlens=case.seqlens))
+
+
 def test_kvcache_torch_route_refuses_other_arrays():
     from flashmonoid import _C
 
