@@ -158,11 +158,12 @@ __global__ void __launch_bounds__(kAppendWarps * 32) append_rotary_kernel(const 
 
 // Context::call_launch: whether the call's kernels go out as one cached graph. automatic: where
 // the K/V the call may read (its capacity, or the known length with a host cache_seqlens) is at
-// most kGraphKvBytes: below it a call's device time (~14 us at 32 MB on the H200, 0.4-0.6 of copy
-// with the fixed costs) is under the host time of launching its kernels one by one (13 us from C++,
-// 26 from Python), so a loop of calls is bound by the host and the graph's 6 us count in full;
-// above it the device is the bound and launches one by one keep the first kernel's overlap with
-// the kernel before (~1 us). Never while the stream is being captured.
+// most kGraphKvBytes. Back-to-back calls with the graph (H200, gpu_bench --kv-eager, b = 1 with
+// append and rotary) take 10.5 us at 4 MB, 12.7 at 17 MB, 15.1 at 34 MB, 20.4 at 50 MB of device
+// time: up to ~34 MB under the host time of a Python call whose kernels go one by one (13-14 us
+// with the graph, plus the 5.5 us the graph saves), so the saving counts in full there; above it
+// the device is the bound and launches one by one keep the first kernel's overlap with the kernel
+// before (~1 us). Never while the stream is being captured.
 constexpr double kGraphKvBytes = 32.0 * (1 << 20);
 
 bool launch_as_graph(const detail::FwdParams& p, const Context& ctx, cudaStream_t stream) {
