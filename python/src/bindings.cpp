@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -565,26 +566,26 @@ NB_MODULE(_C, m) {
         cx.num_splits = num_splits;
         cx.cpu_algorithm = cpu_algorithm;
         cx.cpu_isa = cpu_isa;
-        OwnedTensor fresh;  // a captured call's workspace: the graph's pool keeps it
-        OwnedTensor* kept = nullptr;
-        const bool cuda = tq.device.kind == fm::DeviceKind::cuda;
-        if (cuda) {
-          void* stream = nullptr;
-          if (api->current_work_stream(dq.device.device_type, dq.device.device_id, &stream) != 0)
+        // The workspace: kept per (device, stream) and grown, or, while the stream is captured, a fresh
+        // one (the graph's memory pool keeps it as long as the graph lives). Held by this call as
+        // well, so another thread on the same stream that grows it cannot free it under this call.
+        using Workspace = std::shared_ptr<OwnedTensor>;
+        static std::map<std::pair<int, void*>, Workspace> kept;  // under the GIL; never freed
+        Workspace ws;
+        std::pair<int, void*> key{dq.device.device_id, nullptr};
+        bool keep = false;
+        if (tq.device.kind == fm::DeviceKind::cuda) {
+          if (api->current_work_stream(dq.device.device_type, dq.device.device_id, &key.second) != 0)
             throw nb::python_error();
-          cx.stream = stream;
-          if (!fm::detail::stream_is_capturing(stream)) {
-            // Per (device, stream): work on one stream runs in order, so a call never overwrites what
-            // an earlier call on that stream still reads; a replaced buffer is freed in stream order.
-            static std::map<std::pair<int, void*>, OwnedTensor> workspaces;  // under the GIL; never freed
-            kept = &workspaces[{dq.device.device_id, stream}];
-            if (kept->t != nullptr) {
-              cx.workspace = kept->data();
-              cx.workspace_bytes = static_cast<std::size_t>(kept->t->dl_tensor.shape[0]);
-            }
-          }
+          cx.stream = key.second;
+          // Work on one stream runs in order: a call never overwrites what an earlier call on that
+          // stream still reads, and a replaced buffer is freed in stream order.
+          keep = !fm::detail::stream_is_capturing(cx.stream);
+          if (keep) ws = kept[key];
         }
         for (int attempt = 0; attempt < 2; ++attempt) {
+          cx.workspace = ws ? ws->data() : nullptr;
+          cx.workspace_bytes = ws ? static_cast<std::size_t>(ws->t->dl_tensor.shape[0]) : 0;
           std::size_t need;
           {
             nb::gil_scoped_release release;
@@ -594,11 +595,10 @@ NB_MODULE(_C, m) {
           if (need == 0) break;
           if (attempt == 1) throw std::runtime_error("flashmonoid: the workspace stayed short of the call's need");
           std::int64_t bytes = static_cast<std::int64_t>(need);
-          OwnedTensor* into = kept != nullptr ? kept : &fresh;
+          ws = std::make_shared<OwnedTensor>();
           torch_alloc(api, nb::dlpack::dtype{static_cast<std::uint8_t>(nb::dlpack::dtype_code::UInt), 8, 1}, dq.device,
-                      1, &bytes, into);
-          cx.workspace = into->data();
-          cx.workspace_bytes = need;
+                      1, &bytes, ws.get());
+          if (keep) kept[key] = ws;
         }
         void* out_obj = nullptr;
         void* lse_obj = nullptr;
