@@ -69,6 +69,13 @@ cudaStream_t capture_stream(GraphCache& cache, int device) {
 // programmatic where asked) and instantiated; nodes mapped to the batch's order by function (the
 // key's functions are distinct: LaunchBatch::launch checks).
 CachedGraph build(GraphCache& cache, const GraphKey& key, const LaunchBatch::Kernel* kernels) {
+  // This thread's calls in relaxed capture mode meanwhile: instantiating a graph is "unsafe" while a
+  // capture in global mode (torch.cuda.graph's default) runs on any thread, and would fail or end it.
+  struct RelaxedCaptureMode {
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    RelaxedCaptureMode() { FM_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode)); }
+    ~RelaxedCaptureMode() { cudaThreadExchangeStreamCaptureMode(&mode); }
+  } relaxed;
   CachedGraph g;
   g.key = key;
   const cudaStream_t s = capture_stream(cache, key.device);

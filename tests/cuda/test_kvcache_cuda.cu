@@ -369,6 +369,28 @@ TEST(KvCacheCuda, LaunchModesAgree) {
   cuda_ok(cudaStreamDestroy(own));
 }
 
+// A call's first graph (built and instantiated on that call) while this thread captures another
+// stream in global mode, as torch.cuda.graph does: the build must neither fail nor end that capture.
+TEST(KvCacheCuda, GraphBuiltDuringAnotherCapture) {
+  SKIP_WITHOUT_GPU();
+  cudaStream_t captured, own;
+  cuda_ok(cudaStreamCreateWithFlags(&captured, cudaStreamNonBlocking));
+  cuda_ok(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking));
+  KvShape s = decode_shape(DType::bf16);
+  s.page_size = 16;
+  s.rotary_dim = 128;
+  KvProblem pb(s);
+  DeviceKv d(pb, 0);
+  cuda_ok(cudaStreamBeginCapture(captured, cudaStreamCaptureModeGlobal));
+  d.run(0, own, CallLaunch::graph);
+  cudaGraph_t graph = nullptr;
+  cuda_ok(cudaStreamEndCapture(captured, &graph));
+  cuda_ok(cudaGraphDestroy(graph));
+  check_results(pb, d);
+  cuda_ok(cudaStreamDestroy(captured));
+  cuda_ok(cudaStreamDestroy(own));
+}
+
 // Options::deterministic: a shape whose splits would share key tiles runs the fixed splits instead
 // (KvCacheCudaPlan.SharedKeyTilesRule), so repeated calls on one workspace give the same bits; the
 // first is checked against the reference.
