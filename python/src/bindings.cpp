@@ -175,6 +175,7 @@ void torch_workspace(nb::handle x, const fm::TensorView& q, fm::Context* ctx) {
 // released (to Python, or kept as a workspace).
 struct OwnedTensor {
   ManagedTensor* t = nullptr;
+  std::size_t bytes = 0;  // as asked of the allocator
   OwnedTensor() = default;
   OwnedTensor(const OwnedTensor&) = delete;
   OwnedTensor& operator=(const OwnedTensor&) = delete;
@@ -200,11 +201,14 @@ void torch_alloc(const DLPackExchangeApi* api, nb::dlpack::dtype dtype, nb::dlpa
     *static_cast<std::string*>(ctx) = std::string(kind) + ": " + message;
   };
   ManagedTensor* t = nullptr;
+  std::size_t bytes = dtype.bits / 8;
+  for (int i = 0; i < ndim; ++i) bytes *= static_cast<std::size_t>(shape[i]);
   if (api->managed_tensor_allocator(&proto, &t, &error, set_error) != 0 || t == nullptr) {
     if (PyErr_Occurred()) throw nb::python_error();
     throw std::runtime_error("flashmonoid: torch's allocator failed: " + error);
   }
   out->reset(t);
+  out->bytes = bytes;
 }
 
 // Python's torch.Tensor and torch.nn.Parameter (set_torch_types): the only types the eager route
@@ -585,7 +589,7 @@ NB_MODULE(_C, m) {
         }
         for (int attempt = 0; attempt < 2; ++attempt) {
           cx.workspace = ws ? ws->data() : nullptr;
-          cx.workspace_bytes = ws ? static_cast<std::size_t>(ws->t->dl_tensor.shape[0]) : 0;
+          cx.workspace_bytes = ws ? ws->bytes : 0;
           std::size_t need;
           {
             nb::gil_scoped_release release;
