@@ -187,6 +187,15 @@ struct OwnedTensor {
   void* data() const { return static_cast<char*>(t->dl_tensor.data) + t->dl_tensor.byte_offset; }
 };
 
+// The tensor as a Python object (torch's); ownership passes to it.
+nb::object to_python(const DLPackExchangeApi* api, OwnedTensor* x) {
+  ManagedTensor* t = x->t;
+  x->t = nullptr;
+  void* obj = nullptr;
+  if (api->managed_tensor_to_py_object_no_sync(t, &obj) != 0) throw nb::python_error();
+  return nb::steal(static_cast<PyObject*>(obj));
+}
+
 // A new compact tensor of `shape` and `dtype` on `device` (torch's allocator; on CUDA, on the
 // device's current stream, as torch.empty).
 void torch_alloc(const DLPackExchangeApi* api, nb::dlpack::dtype dtype, nb::dlpack::device device, int ndim,
@@ -518,8 +527,8 @@ NB_MODULE(_C, m) {
         for (const Arg& a : {Arg{q, true, &dq}, Arg{k_cache, true, &dkc}, Arg{v_cache, true, &dvc},
                              Arg{k_new, true, &dkn}, Arg{v_new, true, &dvn}, Arg{block_table, true, &dbt},
                              Arg{cos, false, &dcos}, Arg{sin, false, &dsin},
-                             Arg{has_seqlens ? cache_seqlens : nb::handle(Py_None), false, &dsl}, Arg{batch_idx, false, &dbi},
-                             Arg{leftpad, false, &dlp}})
+                             Arg{has_seqlens ? cache_seqlens : nb::handle(Py_None), false, &dsl},
+                             Arg{batch_idx, false, &dbi}, Arg{leftpad, false, &dlp}})
           if (!a.x.is_none() && !eager_tensor(a.x, grad_enabled, a.whole, a.d)) return nb::none();
         if (dq.ndim != 4 || dq.shape[0] <= 0 || dq.shape[3] > 256 || dq.shape[3] % 8 != 0) return nb::none();
         const DLPackExchangeApi* api = exchange_api(q);
@@ -557,14 +566,9 @@ NB_MODULE(_C, m) {
         std::int64_t lse_shape[3] = {dq.shape[0], dq.shape[2], dq.shape[1]};
         torch_alloc(api, nb::dlpack::dtype{static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float), 32, 1}, dq.device,
                     3, lse_shape, &lse);
-        fm::TensorView to = tq, tl;
-        to.data = out.data();
-        std::int64_t compact = 1;
-        for (int i = 3; i >= 0; --i) {
-          to.stride[i] = compact;
-          compact *= dq.shape[i];
-        }
-        tl = fm::TensorView(lse.data(), fm::DType::f32, tq.device, {lse_shape[0], lse_shape[1], lse_shape[2]});
+        const fm::TensorView to(out.data(), tq.dtype, tq.device,
+                                {dq.shape[0], dq.shape[1], dq.shape[2], dq.shape[3]});
+        const fm::TensorView tl(lse.data(), fm::DType::f32, tq.device, {lse_shape[0], lse_shape[1], lse_shape[2]});
 
         fm::Context cx;
         cx.num_splits = num_splits;
@@ -604,17 +608,8 @@ NB_MODULE(_C, m) {
                       1, &bytes, ws.get());
           if (keep) kept[key] = ws;
         }
-        void* out_obj = nullptr;
-        void* lse_obj = nullptr;
-        ManagedTensor* o_t = out.t;
-        out.t = nullptr;
-        if (api->managed_tensor_to_py_object_no_sync(o_t, &out_obj) != 0) throw nb::python_error();
-        nb::object out_py = nb::steal(static_cast<PyObject*>(out_obj));
-        ManagedTensor* l_t = lse.t;
-        lse.t = nullptr;
-        if (api->managed_tensor_to_py_object_no_sync(l_t, &lse_obj) != 0) throw nb::python_error();
-        nb::object lse_py = nb::steal(static_cast<PyObject*>(lse_obj));
-        return nb::make_tuple(out_py, lse_py);
+        nb::object out_py = to_python(api, &out);
+        return nb::make_tuple(out_py, to_python(api, &lse));
       },
       nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("k_new").none(), nb::arg("v_new").none(),
       nb::arg("cos").none(), nb::arg("sin").none(), nb::arg("cache_seqlens").none(), nb::arg("batch_idx").none(),

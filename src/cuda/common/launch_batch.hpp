@@ -40,8 +40,6 @@ class LaunchBatch {
     k.args = std::move(held);
   }
 
-  int size() const { return count_; }
-
   // Every kernel added, in order, into `stream` on the current device (`device`), then the batch is
   // empty. One kernel is launched as such; more go out as the cached graph.
   void launch(cudaStream_t stream, int device);
