@@ -40,11 +40,33 @@ struct GraphKey {
   }
 };
 
+// What a node of an instantiated graph was last given: a call whose kernel repeats it byte for
+// byte (a steady decoding loop: the same tensors, and torch hands back the same output blocks)
+// skips cudaGraphExecKernelNodeSetParams: the bindings' route took 3.9-4.0 us of host time per
+// three-kernel call with the skip, 5.2-6.5 without (H200).
+struct NodeState {
+  std::vector<unsigned char> bytes;
+  dim3 grid, block;
+  std::size_t smem = 0;
+  bool matches(const LaunchBatch::Kernel& k) const {
+    return k.smem == smem && k.grid.x == grid.x && k.grid.y == grid.y && k.grid.z == grid.z &&
+           k.block.x == block.x && k.block.y == block.y && k.block.z == block.z && k.num_bytes == bytes.size() &&
+           std::equal(bytes.begin(), bytes.end(), k.bytes);
+  }
+  void take(const LaunchBatch::Kernel& k) {
+    bytes.assign(k.bytes, k.bytes + k.num_bytes);
+    grid = k.grid;
+    block = k.block;
+    smem = k.smem;
+  }
+};
+
 struct CachedGraph {
   GraphKey key;
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
   cudaGraphNode_t nodes[LaunchBatch::kMaxKernels] = {};  // in the batch's order
+  NodeState state[LaunchBatch::kMaxKernels];
 };
 
 struct GraphCache {
@@ -109,6 +131,7 @@ CachedGraph build(GraphCache& cache, const GraphKey& key, const LaunchBatch::Ker
     cudaGraphDestroy(g.graph);
     FM_CUDA_CHECK(err);
   }
+  for (int i = 0; i < key.count; ++i) g.state[i].take(kernels[i]);  // as captured
   return g;
 }
 
@@ -158,6 +181,7 @@ void LaunchBatch::launch(cudaStream_t stream, int device) {
   }
   for (int i = 0; i < count; ++i) {
     const Kernel& k = kernels_[i];
+    if (it->state[i].matches(k)) continue;
     cudaKernelNodeParams p{};
     p.func = const_cast<void*>(k.func);
     p.gridDim = k.grid;
@@ -165,6 +189,7 @@ void LaunchBatch::launch(cudaStream_t stream, int device) {
     p.sharedMemBytes = static_cast<unsigned>(k.smem);
     p.kernelParams = k.params;
     FM_CUDA_CHECK(cudaGraphExecKernelNodeSetParams(it->exec, it->nodes[i], &p));
+    it->state[i].take(k);
   }
   FM_CUDA_CHECK(cudaGraphLaunch(it->exec, stream));
 }

@@ -369,6 +369,33 @@ TEST(KvCacheCuda, LaunchModesAgree) {
   cuda_ok(cudaStreamDestroy(own));
 }
 
+// Two problems of one shape, so one cached graph, called in turns on one stream: A, A, B, A, B, B.
+// A call whose arguments repeat the graph's last ones skips setting them (launch_batch.cu), so every
+// call here is checked, each with fresh values in the same buffers: a node left with the other
+// problem's pointers, grid or length would read or write the wrong tensors.
+TEST(KvCacheCuda, GraphNodesFollowEachCallsArguments) {
+  SKIP_WITHOUT_GPU();
+  cudaStream_t own;
+  cuda_ok(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking));
+  for (int splits : {0, 3}) {
+    KvShape s = decode_shape(DType::bf16);
+    s.page_size = 16;
+    s.rotary_dim = 128;
+    SCOPED_TRACE(s.str() + " splits " + std::to_string(splits));
+    KvProblem first_a(s), first_b(s);
+    DeviceKv a(first_a, splits), b(first_b, splits);
+    int call = 0;
+    for (DeviceKv* d : {&a, &a, &b, &a, &b, &b}) {
+      SCOPED_TRACE("call " + std::to_string(call++) + (d == &a ? " (A)" : " (B)"));
+      KvProblem next(s);
+      d->load(next);
+      d->run(splits, own, CallLaunch::graph);
+      check_results(next, *d);
+    }
+  }
+  cuda_ok(cudaStreamDestroy(own));
+}
+
 // A call's first graph (built and instantiated on that call) while this thread captures another
 // stream in global mode, as torch.cuda.graph does: the build must neither fail nor end that capture.
 TEST(KvCacheCuda, GraphBuiltDuringAnotherCapture) {

@@ -13,10 +13,12 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstring>
 #include <memory>
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace flashmonoid::cuda {
 
@@ -37,6 +39,8 @@ class LaunchBatch {
     k.smem = smem;
     k.programmatic = programmatic;
     k.params = held->params;
+    k.bytes = held->bytes.data();
+    k.num_bytes = held->bytes.size();
     k.args = std::move(held);
   }
 
@@ -48,6 +52,7 @@ class LaunchBatch {
   struct HeldBase {
     virtual ~HeldBase() = default;
     void** params = nullptr;
+    std::vector<unsigned char> bytes;  // every argument's object representation, in order
   };
   // The arguments as the kernel's parameter types, and a pointer to each (the runtime copies them
   // at the launch or at cudaGraphExecKernelNodeSetParams).
@@ -57,9 +62,12 @@ class LaunchBatch {
     void* pointers[sizeof...(P) > 0 ? sizeof...(P) : 1] = {};
     template <class... A>
     explicit Held(A&&... a) : values(std::forward<A>(a)...) {
+      bytes.resize((std::size_t{0} + ... + sizeof(P)));
       std::apply([this](auto&... v) {
         int i = 0;
+        std::size_t at = 0;
         ((pointers[i++] = static_cast<void*>(&v)), ...);
+        ((std::memcpy(bytes.data() + at, &v, sizeof(v)), at += sizeof(v)), ...);
       }, values);
       params = pointers;
     }
@@ -72,6 +80,8 @@ class LaunchBatch {
     std::size_t smem = 0;
     bool programmatic = false;
     void** params = nullptr;
+    const unsigned char* bytes = nullptr;  // the arguments' bytes, to tell a repeated call
+    std::size_t num_bytes = 0;
     std::unique_ptr<HeldBase> args;
   };
 
