@@ -102,6 +102,170 @@ __global__ void k_small(const __grid_constant__ Args a) {
   if (threadIdx.x == 0) a.sink[65 + blockIdx.x % 32] = static_cast<int>(a.n16);
 }
 
+// K/V as decoding reads them: caches (keys, heads, 128) of 2-byte elements, so a head's key row is
+// 256 bytes at a stride of heads · 256; grid (split, head), each block streams its split's 64-key
+// (K, V) tiles through a 3-stage ring (two pairs in flight while one is consumed), as the decode
+// tile does. `head_major` lays the caches out as (heads, keys, 128) instead (each block's bytes
+// contiguous). The block consumes one 16-byte word per thread per tile.
+struct KvArgs {
+  const char* k;
+  const char* v;
+  int keys, heads, splits;
+  bool head_major;
+  int* sink;
+  int pdl;
+  int spin;         // cycles each block spends per tile after its barrier (decoding's products)
+  bool descending;  // a split's tiles last to first, as the decode tile visits them
+  int page;           // > 0: caches of pages (num_pages, page, heads, 128) read through `table`
+  const int* table;   // a shuffled block table (keys / page entries), read a step ahead
+};
+constexpr int kRow = 256, kTileKeys = 64, kTileBytes = kRow * kTileKeys, kRing = 3;
+
+__device__ __forceinline__ const char* kv_row(const KvArgs& a, const char* base, int key, int head) {
+  const std::size_t row = a.head_major ? std::size_t(head) * a.keys + key : std::size_t(key) * a.heads + head;
+  return base + row * kRow;
+}
+
+__device__ __forceinline__ int consume(const unsigned char* tile) {
+  const int4 w = reinterpret_cast<const int4*>(tile)[threadIdx.x];
+  return w.x ^ w.y ^ w.z ^ w.w;
+}
+
+// cp.async (16 bytes per thread per copy, the decode tile's loads): 8 per thread per K or V tile.
+template <int kPage>  // 0: a.k and a.v as kv_row lays them out; 16 or 64: pages through a.table
+__global__ void __launch_bounds__(128) k_kv_cpasync(const __grid_constant__ KvArgs a) {
+  extern __shared__ __align__(128) unsigned char ring[];
+  if (a.pdl) {
+    asm volatile("griddepcontrol.launch_dependents;");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+  }
+  const int split = blockIdx.x, head = blockIdx.y, tiles = a.keys / kTileKeys;
+  const int t0 = split * tiles / a.splits, t1 = (split + 1) * tiles / a.splits;
+  auto tile_of = [&](int t) { return a.descending ? t0 + t1 - 1 - t : t; };
+  auto entries = [&](int t, int* e) {  // the block-table entries of step t's tile (64 / page of them)
+    if constexpr (kPage > 0) {
+      if (t >= t1) return;
+#pragma unroll
+      for (int j = 0; j < kTileKeys / kPage; ++j) e[j] = __ldg(a.table + tile_of(t) * kTileKeys / kPage + j);
+    }
+  };
+  auto issue = [&](int t, const int* e) {
+    if (t < t1) {
+      unsigned char* slot = ring + ((t - t0) % kRing) * 2 * kTileBytes;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int c = threadIdx.x + 128 * i, row = c / 16, col = c % 16;
+        const int key = tile_of(t) * kTileKeys + row;
+        const unsigned dk = static_cast<unsigned>(__cvta_generic_to_shared(slot + row * kRow + col * 16));
+        const unsigned dv = dk + kTileBytes;
+        const char *gk, *gv;
+        if constexpr (kPage > 0) {
+          // row = threadIdx.x / 16 + 8 i with threadIdx.x / 16 < 8: its page is (8 i) / kPage for kPage >= 16.
+          const std::size_t phys = std::size_t(e[(8 * i) / kPage]) * kPage + row % kPage;
+          gk = a.k + (phys * a.heads + head) * kRow;
+          gv = a.v + (phys * a.heads + head) * kRow;
+        } else {
+          gk = kv_row(a, a.k, key, head);
+          gv = kv_row(a, a.v, key, head);
+        }
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dk), "l"(gk + col * 16));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dv), "l"(gv + col * 16));
+      }
+    }
+    asm volatile("cp.async.commit_group;");
+  };
+  int e0[4] = {}, e1[4] = {}, e2[4] = {};
+  entries(t0, e0);
+  issue(t0, e0);
+  entries(t0 + 1, e1);
+  issue(t0 + 1, e1);
+  entries(t0 + 2, e2);
+  int acc = 0;
+  for (int t = t0; t < t1; ++t) {
+    asm volatile("cp.async.wait_group 1;" ::: "memory");
+    __syncthreads();
+    issue(t + 2, e2);
+    entries(t + 3, e2);
+    const unsigned char* slot = ring + ((t - t0) % kRing) * 2 * kTileBytes;
+    acc ^= consume(slot) ^ consume(slot + kTileBytes);
+    if (a.spin) {
+      const long long c0 = clock64();
+      while (clock64() - c0 < a.spin) {
+      }
+    }
+  }
+  if (acc == 0x7ee1) a.sink[2] = acc;
+}
+
+// The same ring filled by bulk copies of one 256-byte row each (warp 0: two K and two V rows per
+// lane per tile), completing on one mbarrier per stage.
+__global__ void __launch_bounds__(128) k_kv_bulk(const __grid_constant__ KvArgs a) {
+  extern __shared__ __align__(128) unsigned char ring[];
+  __shared__ __align__(8) std::uint64_t full[kRing];
+  if (a.pdl) {
+    asm volatile("griddepcontrol.launch_dependents;");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+  }
+  const int split = blockIdx.x, head = blockIdx.y, tiles = a.keys / kTileKeys;
+  const int t0 = split * tiles / a.splits, t1 = (split + 1) * tiles / a.splits;
+  const int lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kRing; ++s) {
+      const unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(&full[s]));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar));
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  auto issue = [&](int t) {  // warp 0
+    if (t >= t1) return;
+    const int s = (t - t0) % kRing;
+    unsigned char* slot = ring + s * 2 * kTileBytes;
+    const unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(&full[s]));
+    if (lane == 0)
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(2 * kTileBytes) : "memory");
+    __syncwarp();
+    for (int r = lane; r < kTileKeys; r += 32) {
+      const int key = t * kTileKeys + r;
+      const unsigned dk = static_cast<unsigned>(__cvta_generic_to_shared(slot + r * kRow));
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dk),
+                   "l"(kv_row(a, a.k, key, head)), "r"(kRow), "r"(bar)
+                   : "memory");
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                       dk + kTileBytes),
+                   "l"(kv_row(a, a.v, key, head)), "r"(kRow), "r"(bar)
+                   : "memory");
+    }
+  };
+  if (threadIdx.x < 32) {
+    issue(t0);
+    issue(t0 + 1);
+  }
+  int acc = 0;
+  for (int t = t0; t < t1; ++t) {
+    const int s = (t - t0) % kRing;
+    const unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(&full[s]));
+    const unsigned parity = ((t - t0) / kRing) & 1;
+    asm volatile(
+        "{\n.reg .pred P;\nW: mbarrier.try_wait.parity.shared::cta.b64 P, [%0], %1;\n@!P bra W;\n}" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+    __syncthreads();
+    if (threadIdx.x < 32) issue(t + 2);
+    const unsigned char* slot = ring + s * 2 * kTileBytes;
+    acc ^= consume(slot) ^ consume(slot + kTileBytes);
+  }
+  if (acc == 0x7ee1) a.sink[3] = acc;
+}
+
+__global__ void k_small_kv(const __grid_constant__ KvArgs a) {
+  if (a.pdl) {
+    asm volatile("griddepcontrol.launch_dependents;");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+  }
+  if (threadIdx.x == 0) a.sink[65 + blockIdx.x % 32] = a.keys;
+}
+
 __global__ void k_fill(int4* p, std::size_t n16, unsigned seed) {
   for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n16;
        i += std::size_t{gridDim.x} * blockDim.x) {
@@ -134,7 +298,7 @@ static void launch(KernelFn k, int grid, int block, std::size_t smem, bool pdl, 
   CK(cudaLaunchKernelEx(&c, k, a));
 }
 
-int main() {
+int main(int argc, char**) {  // any argument: decoding's layout table only
   const std::size_t pool_bytes = std::size_t{3} << 30;
   int4* pool = nullptr;
   int* sink = nullptr;
@@ -186,6 +350,7 @@ int main() {
   const int calls = 24;
   std::printf("\n%-28s %9s %9s %8s %8s\n", "variant", "MB", "us/call", "TB/s", "x copy");
   for (const Variant& v : variants) {
+    if (argc > 1) break;
     for (double mb : mbs) {
       // A multiple of every grid's chunk (264 * 32 KB pieces * 2) near the decoding size.
       const std::size_t unit = std::size_t{264} * 2 * 32768;
@@ -220,6 +385,101 @@ int main() {
       CK(cudaGraphDestroy(g));
     }
   }
+  // Decoding's layout: GQA 32/8, hdim 128, b = 1 (the 8 heads' rows interleaved), a (K, V) cache
+  // pair per call, rotated over the pool; 33 splits at 32k keys as the library's heuristic picks.
+  using KvKernel = void (*)(KvArgs);
+  struct KvVariant {
+    const char* name;
+    KvKernel k;
+    bool head_major;
+    int chain;
+    int spin = 0;
+    bool descending = false;
+    int page = 0;
+  };
+  for (KvKernel k : {k_kv_cpasync<0>, k_kv_cpasync<16>, k_kv_cpasync<64>})
+    CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kRing * 2 * kTileBytes));
+  CK(cudaFuncSetAttribute(k_kv_bulk, cudaFuncAttributeMaxDynamicSharedMemorySize, kRing * 2 * kTileBytes));
+  const KvVariant kv_variants[] = {
+      {"kv cp.async, chain", k_kv_cpasync<0>, false, 2},      {"kv cp.async, pdl alone", k_kv_cpasync<0>, false, 1},
+      {"kv cp.async head-major, chain", k_kv_cpasync<0>, true, 2}, {"kv bulk rows, chain", k_kv_bulk, false, 2},
+      {"kv bulk rows head-major, chain", k_kv_bulk, true, 2},
+      // The small kernels cannot share a multiprocessor with two stream blocks (as decoding's append,
+      // 66 registers x 128 threads, and combine, 108 x 256, cannot beside two 217 x 128 forward
+      // blocks): shared memory stands in for registers here.
+      {"kv cp.async, chain, small fat", k_kv_cpasync<0>, false, 3},
+      {"kv cp.async, chain, descending", k_kv_cpasync<0>, false, 2, 0, true},
+      {"kv cp.async, chain, page 16", k_kv_cpasync<16>, false, 2, 0, false, 16},
+      {"kv cp.async, chain, page 64", k_kv_cpasync<64>, false, 2, 0, false, 64},
+      {"kv cp.async, chain, page 16 desc", k_kv_cpasync<16>, false, 2, 0, true, 16},
+      {"kv cp.async, chain, spin 500", k_kv_cpasync<0>, false, 2, 500},
+      {"kv cp.async, chain, spin 1000", k_kv_cpasync<0>, false, 2, 1000},
+      {"kv cp.async, chain, spin 2000", k_kv_cpasync<0>, false, 2, 2000},
+      {"kv cp.async, chain, spin 3000", k_kv_cpasync<0>, false, 2, 3000},
+  };
+  const int kv_keys[][2] = {{4096, 8}, {32768, 33}, {131072, 132}};
+  auto launch_kv = [&](KvKernel k, dim3 grid, int block, std::size_t smem, bool pdl, KvArgs a) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t c{};
+    c.gridDim = grid;
+    c.blockDim = dim3(block);
+    c.dynamicSmemBytes = smem;
+    c.stream = s;
+    c.attrs = attr;
+    c.numAttrs = pdl ? 1 : 0;
+    a.pdl = pdl ? 1 : 0;
+    CK(cudaLaunchKernelEx(&c, k, a));
+  };
+  std::printf("\n%-32s %8s %6s %9s %8s %8s\n", "variant", "keys", "MB", "us/call", "TB/s", "x copy");
+  for (const KvVariant& v : kv_variants)
+    for (const auto& kk : kv_keys) {
+      const int heads = 8, keys = kk[0], splits = kk[1];
+      const std::size_t half = std::size_t(keys) * heads * kRow, bytes = 2 * half;
+      const int slices = static_cast<int>(std::min<std::size_t>(8, pool_bytes / bytes));
+      int* table = nullptr;  // a shuffled block table (the same for every slice)
+      if (v.page > 0) {
+        std::vector<int> h(keys / v.page);
+        for (std::size_t i = 0; i < h.size(); ++i) h[i] = static_cast<int>(i);
+        unsigned rng = 12345;
+        for (std::size_t i = h.size() - 1; i > 0; --i) {
+          rng = rng * 1664525u + 1013904223u;
+          std::swap(h[i], h[rng % (i + 1)]);
+        }
+        CK(cudaMalloc(&table, h.size() * sizeof(int)));
+        CK(cudaMemcpy(table, h.data(), h.size() * sizeof(int), cudaMemcpyHostToDevice));
+      }
+      cudaGraph_t g;
+      cudaGraphExec_t ge;
+      CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+      for (int c = 0; c < calls; ++c) {
+        const char* base = reinterpret_cast<const char*>(pool) + (c % slices) * bytes;
+        KvArgs a{base, base + half, keys, heads, splits, v.head_major, sink, 0, v.spin, v.descending, v.page, table};
+        const std::size_t small_smem = v.chain == 3 ? 30 * 1024 : 0;
+        if (v.chain >= 2) launch_kv(k_small_kv, dim3(8), 128, small_smem, true, a);
+        launch_kv(v.k, dim3(splits, heads), 128, kRing * 2 * kTileBytes, v.chain >= 1, a);
+        if (v.chain >= 2) launch_kv(k_small_kv, dim3(32), 256, small_smem, true, a);
+      }
+      CK(cudaStreamEndCapture(s, &g));
+      CK(cudaGraphInstantiate(&ge, g, 0));
+      std::vector<float> t;
+      for (int r = 0; r < 9; ++r) {
+        CK(cudaEventRecord(e0, s));
+        CK(cudaGraphLaunch(ge, s));
+        CK(cudaEventRecord(e1, s));
+        CK(cudaEventSynchronize(e1));
+        float ms = 0;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (r >= 2) t.push_back(ms);
+      }
+      const double us = median(t) * 1e3 / calls;
+      const double tbps = bytes / us / 1e6;
+      std::printf("%-32s %8d %6.1f %9.2f %8.3f %8.3f\n", v.name, keys, bytes / 1e6, us, tbps, tbps / copy_tbps);
+      CK(cudaGraphExecDestroy(ge));
+      CK(cudaGraphDestroy(g));
+      if (table) CK(cudaFree(table));
+    }
   CK(cudaDeviceSynchronize());
   return 0;
 }
