@@ -15,6 +15,7 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "device_tensor.hpp"
@@ -394,6 +395,38 @@ TEST(KvCacheCuda, GraphNodesFollowEachCallsArguments) {
     }
   }
   cuda_ok(cudaStreamDestroy(own));
+}
+
+// Two host threads calling on one stream, each on its own buffers, so both use one cached graph
+// (launch_batch.cu sets a node's arguments and launches under the cache's lock): every call's
+// results are its own problem's.
+TEST(KvCacheCuda, GraphCallsFromTwoThreadsOnOneStream) {
+  SKIP_WITHOUT_GPU();
+  cudaStream_t shared;
+  cuda_ok(cudaStreamCreateWithFlags(&shared, cudaStreamNonBlocking));
+  KvShape s = decode_shape(DType::bf16);
+  s.page_size = 16;
+  s.rotary_dim = 128;
+  constexpr int kCalls = 6;
+  std::vector<std::unique_ptr<KvProblem>> problems;  // drawn here: the tests' generator is not shared
+  for (int i = 0; i < 2 * (kCalls + 1); ++i) problems.push_back(std::make_unique<KvProblem>(s));
+  auto calls = [&](int thread) {
+    SCOPED_TRACE("thread " + std::to_string(thread));
+    auto mine = [&](int call) -> const KvProblem& { return *problems[thread * (kCalls + 1) + call]; };
+    DeviceKv d(mine(0), 3);
+    for (int call = 1; call <= kCalls; ++call) {
+      SCOPED_TRACE("call " + std::to_string(call));
+      d.load(mine(call));
+      cuda_ok(cudaStreamSynchronize(nullptr));  // the legacy stream's copies, before the other stream reads them
+      d.run(3, shared, CallLaunch::graph);
+      cuda_ok(cudaStreamSynchronize(shared));
+      check_results(mine(call), d);
+    }
+  };
+  std::thread other(calls, 1);
+  calls(0);
+  other.join();
+  cuda_ok(cudaStreamDestroy(shared));
 }
 
 // A call's first graph (built and instantiated on that call) while this thread captures another
