@@ -549,7 +549,8 @@ void kv_trace(int b, int sk, int page, int sq, bool append) {
           v.push_back((static_cast<double>(at(k, i, e, 0)) - static_cast<double>(t0)) / 1e3);
           stamps.push_back(at(k, i, e, 0));
         }
-      const std::string name = std::string(kernels[k]) + " (" + std::to_string(n) + ") " + events[e];
+      const char* event = k == 0 && e == 0 ? "after wait" : k == 0 && e == 1 ? "launched" : events[e];
+      const std::string name = std::string(kernels[k]) + " (" + std::to_string(n) + ") " + event;
       row(name.c_str(), v);
     }
   }

@@ -112,6 +112,7 @@ struct AppendArgs {
 // the block table before its own wait for this grid, and the kernel before may have written them.
 template <class T>
 __global__ void __launch_bounds__(kAppendWarps * 32) append_rotary_kernel(const __grid_constant__ AppendArgs a) {
+  trace_mark(a.c.attn, TraceKernel::append, 1);  // launched (before its wait)
   if (a.programmatic) pdl_wait();
   pdl_launch_dependents();  // the forward may launch now: it waits for this grid where it must
   const detail::FwdParams& p = a.c.attn;

@@ -18,7 +18,7 @@ inline constexpr std::size_t kTraceBytes = std::size_t{kTraceKernels} * kTraceBl
 
 // Forward events: 0 entry, 1 after the wait for the append (pdl.cuh), 2 mainloop done, 3 exit.
 // Combine: 0 entry, 1 after its wait, 2 its first warp's splits loaded and folded, 3 exit.
-// Append: 0 entry, 3 exit.
+// Append: 1 launched (before its wait), 0 after its wait (the call's first mark), 3 exit.
 __device__ __forceinline__ void trace_mark([[maybe_unused]] const detail::FwdParams& p,
                                            [[maybe_unused]] TraceKernel kernel, [[maybe_unused]] int event) {
 #ifdef FLASHMONOID_TRACE
