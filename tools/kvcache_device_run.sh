@@ -80,7 +80,7 @@ for r in cpp_host:
     print(f"C++ host ({r['impl']}, {r.get('call_launch', 'kernels')}, {r.get('launches')} launches): b {r['batch']} "
           f"page {r['page_size']} append {r.get('append')}: {r['host_us']} us/call")
 for r in host:
-    print(f"python host: b {r['batch']} page {r['page_size']}: {r['host_us']} us/call (runs {r['host_us_runs']}); "
+    print(f"python host: b {r['batch']} page {r['page_size']} lse {r.get('return_softmax_lse', True)}: {r['host_us']} us/call (runs {r['host_us_runs']}); "
           f"layers {r.get('breakdown', {}).get('layers_us')}")
 PY
 echo "status $status"

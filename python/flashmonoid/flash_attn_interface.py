@@ -402,7 +402,8 @@ def flash_attn_with_kvcache(
                     q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                     block_table, softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]), float(softcap),
                     bool(rotary_interleaved), int(num_splits), torch.is_grad_enabled(),
-                    torch.are_deterministic_algorithms_enabled(), _backend._cpu_algorithm, _backend._cpu_isa)
+                    torch.are_deterministic_algorithms_enabled(), bool(return_softmax_lse), _backend._cpu_algorithm,
+                    _backend._cpu_isa)
             elif _kvcache_fast(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                cache_leftpad, block_table):
                 # torch before 2.10 (no DLPack exchange table): the same checks and call in Python layers.

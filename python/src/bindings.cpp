@@ -514,7 +514,7 @@ NB_MODULE(_C, m) {
       [](nb::handle q, nb::handle k_cache, nb::handle v_cache, nb::handle k_new, nb::handle v_new, nb::handle cos,
          nb::handle sin, nb::handle cache_seqlens, nb::handle batch_idx, nb::handle leftpad, nb::handle block_table,
          nb::handle softmax_scale, bool causal, int window_left, int window_right, float softcap, bool interleaved,
-         int num_splits, bool grad_enabled, bool deterministic, fm::CpuAlgorithm cpu_algorithm,
+         int num_splits, bool grad_enabled, bool deterministic, bool return_lse, fm::CpuAlgorithm cpu_algorithm,
          fm::CpuIsa cpu_isa) -> nb::object {
         if (g_tensor_type == nullptr) return nb::none();
         nb::dlpack::dltensor dq, dkc, dvc, dkn, dvn, dcos, dsin, dsl, dbi, dlp, dbt;
@@ -560,15 +560,20 @@ NB_MODULE(_C, m) {
         o.softcap = softcap;
         o.deterministic = deterministic;
 
-        // out like q (compact), lse (b, h, s_q) float32, on q's device.
+        // out like q (compact), lse (b, h, s_q) float32, on q's device. An lse the caller does not
+        // want (flash-attn's default) goes into the kept workspace's last bytes instead of a torch
+        // tensor of its own: one allocation and one Python object less per call.
         OwnedTensor out, lse;
         torch_alloc(api, dq.dtype, dq.device, 4, dq.shape, &out);
         std::int64_t lse_shape[3] = {dq.shape[0], dq.shape[2], dq.shape[1]};
-        torch_alloc(api, nb::dlpack::dtype{static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float), 32, 1}, dq.device,
-                    3, lse_shape, &lse);
+        if (return_lse)
+          torch_alloc(api, nb::dlpack::dtype{static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float), 32, 1},
+                      dq.device, 3, lse_shape, &lse);
         const fm::TensorView to(out.data(), tq.dtype, tq.device,
                                 {dq.shape[0], dq.shape[1], dq.shape[2], dq.shape[3]});
-        const fm::TensorView tl(lse.data(), fm::DType::f32, tq.device, {lse_shape[0], lse_shape[1], lse_shape[2]});
+        const std::size_t lse_bytes = static_cast<std::size_t>(lse_shape[0] * lse_shape[1] * lse_shape[2]) * 4;
+        constexpr std::size_t kLseAlign = 256;
+        const std::size_t lse_room = return_lse ? 0 : lse_bytes + kLseAlign;  // what the workspace holds for it
 
         fm::Context cx;
         cx.num_splits = num_splits;
@@ -591,32 +596,42 @@ NB_MODULE(_C, m) {
           keep = !fm::detail::stream_is_capturing(cx.stream);
           if (keep) ws = kept[key];
         }
-        for (int attempt = 0; attempt < 2; ++attempt) {
-          cx.workspace = ws ? ws->data() : nullptr;
-          cx.workspace_bytes = ws ? ws->bytes : 0;
+        // Attempts: the kept workspace; one grown to what the library reports short (or, where the
+        // workspace has no room for an unwanted lse, to the size query's answer); once more where forced
+        // splits need more than the query's heuristic plan.
+        for (int attempt = 0; attempt < 3; ++attempt) {
+          const std::size_t avail = ws ? ws->bytes : 0;
           std::size_t need;
-          {
+          if (avail >= lse_room) {
+            // The unwanted lse at the workspace's last kLseAlign-aligned lse_bytes; the library gets the rest.
+            const std::size_t lse_at = return_lse ? avail : (avail - lse_bytes) / kLseAlign * kLseAlign;
+            cx.workspace = ws ? ws->data() : nullptr;
+            cx.workspace_bytes = lse_at;
+            void* lse_data = return_lse ? lse.data() : static_cast<char*>(ws->data()) + lse_at;
+            const fm::TensorView tl(lse_data, fm::DType::f32, tq.device, {lse_shape[0], lse_shape[1], lse_shape[2]});
             nb::gil_scoped_release release;
             need = fm::detail::forward_kvcache(tq, c, kn, vn, r, to, tl, o, cx, fm::detail::PointerSource::dlpack,
                                                true);
+            if (need == 0) break;
+          } else {
+            need = fm::forward_kvcache_workspace_size(tq, c, kn, r, o);
           }
-          if (need == 0) break;
-          if (attempt == 1) throw std::runtime_error("flashmonoid: the workspace stayed short of the call's need");
-          std::int64_t bytes = static_cast<std::int64_t>(need);
+          if (attempt == 2) throw std::runtime_error("flashmonoid: the workspace stayed short of the call's need");
+          std::int64_t bytes = static_cast<std::int64_t>(need + lse_room);
           ws = std::make_shared<OwnedTensor>();
           torch_alloc(api, nb::dlpack::dtype{static_cast<std::uint8_t>(nb::dlpack::dtype_code::UInt), 8, 1}, dq.device,
                       1, &bytes, ws.get());
           if (keep) kept[key] = ws;
         }
         nb::object out_py = to_python(api, &out);
-        return nb::make_tuple(out_py, to_python(api, &lse));
+        return nb::make_tuple(out_py, return_lse ? to_python(api, &lse) : nb::none());
       },
       nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("k_new").none(), nb::arg("v_new").none(),
       nb::arg("cos").none(), nb::arg("sin").none(), nb::arg("cache_seqlens").none(), nb::arg("batch_idx").none(),
       nb::arg("leftpad").none(), nb::arg("block_table").none(), nb::arg("softmax_scale").none(), nb::arg("causal"),
       nb::arg("window_left"), nb::arg("window_right"), nb::arg("softcap"), nb::arg("interleaved"),
-      nb::arg("num_splits"), nb::arg("grad_enabled"), nb::arg("deterministic"), nb::arg("cpu_algorithm"),
-      nb::arg("cpu_isa"));
+      nb::arg("num_splits"), nb::arg("grad_enabled"), nb::arg("deterministic"), nb::arg("return_lse"),
+      nb::arg("cpu_algorithm"), nb::arg("cpu_isa"));
   m.def("has_torch_exchange", [](nb::handle x) { return exchange_api(x) != nullptr; },
         "Whether forward_kvcache_torch can read arrays of x's type.");
 

@@ -409,6 +409,21 @@ def test_kvcache_eager_route_equals_the_dispatcher_route(device, dtype, monkeypa
         for a, b in zip(eager, dispatched):
             assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
         check_result(case, eager[0], eager[2], eager[3], causal=True)
+        # Without return_softmax_lse the route writes lse into its kept workspace's tail (no tensor of
+        # its own): the same out and caches, call after call, and a call with lse after it unchanged.
+        monkeypatch.setattr(_C, "kvcache_eager_torch", spy)
+        for _ in range(2):
+            kc, vc = case.k_cache.clone(), case.v_cache.clone()
+            out = fa.flash_attn_with_kvcache(
+                case.q, kc, vc, case.k, case.v, rotary_cos=case.cos, rotary_sin=case.sin, cache_seqlens=case.seqlens,
+                cache_batch_idx=case.batch_idx, cache_leftpad=case.leftpad, block_table=case.block_table,
+                rotary_interleaved=case.interleaved, causal=True, num_splits=splits)
+            assert results[-1] is not None and results[-1][1] is None
+            for a, b in zip((out, kc, vc), (eager[0], eager[2], eager[3])):
+                assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
+        again = case.run(causal=True, num_splits=splits)
+        for a, b in zip(again, eager):
+            assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
     monkeypatch.setattr(_C, "kvcache_eager_torch", spy)
     case = Case(device, dtype)
     q = case.q.clone().requires_grad_()
