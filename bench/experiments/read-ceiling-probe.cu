@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #define CK(x)                                                                           \
@@ -132,7 +133,9 @@ __device__ __forceinline__ int consume(const unsigned char* tile) {
 }
 
 // cp.async (16 bytes per thread per copy, the decode tile's loads): 8 per thread per K or V tile.
-template <int kPage>  // 0: a.k and a.v as kv_row lays them out; 16 or 64: pages through a.table
+// kPage 0: a.k and a.v as kv_row lays them out; 16 or 64: pages through a.table. kStages (K, V)
+// pairs in the ring, kStages - 1 in flight while one is consumed.
+template <int kPage, int kStages = kRing>
 __global__ void __launch_bounds__(128) k_kv_cpasync(const __grid_constant__ KvArgs a) {
   extern __shared__ __align__(128) unsigned char ring[];
   if (a.pdl) {
@@ -151,7 +154,7 @@ __global__ void __launch_bounds__(128) k_kv_cpasync(const __grid_constant__ KvAr
   };
   auto issue = [&](int t, const int* e) {
     if (t < t1) {
-      unsigned char* slot = ring + ((t - t0) % kRing) * 2 * kTileBytes;
+      unsigned char* slot = ring + ((t - t0) % kStages) * 2 * kTileBytes;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         const int c = threadIdx.x + 128 * i, row = c / 16, col = c % 16;
@@ -174,19 +177,20 @@ __global__ void __launch_bounds__(128) k_kv_cpasync(const __grid_constant__ KvAr
     }
     asm volatile("cp.async.commit_group;");
   };
-  int e0[4] = {}, e1[4] = {}, e2[4] = {};
-  entries(t0, e0);
-  issue(t0, e0);
-  entries(t0 + 1, e1);
-  issue(t0 + 1, e1);
-  entries(t0 + 2, e2);
+  int e[4] = {}, next[4] = {};
+#pragma unroll
+  for (int j = 0; j + 1 < kStages; ++j) {
+    entries(t0 + j, e);
+    issue(t0 + j, e);
+  }
+  entries(t0 + kStages - 1, next);
   int acc = 0;
   for (int t = t0; t < t1; ++t) {
-    asm volatile("cp.async.wait_group 1;" ::: "memory");
+    asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 2) : "memory");
     __syncthreads();
-    issue(t + 2, e2);
-    entries(t + 3, e2);
-    const unsigned char* slot = ring + ((t - t0) % kRing) * 2 * kTileBytes;
+    issue(t + kStages - 1, next);
+    entries(t + kStages, next);
+    const unsigned char* slot = ring + ((t - t0) % kStages) * 2 * kTileBytes;
     acc ^= consume(slot) ^ consume(slot + kTileBytes);
     if (a.spin) {
       const long long c0 = clock64();
@@ -298,7 +302,7 @@ static void launch(KernelFn k, int grid, int block, std::size_t smem, bool pdl, 
   CK(cudaLaunchKernelEx(&c, k, a));
 }
 
-int main(int argc, char**) {  // any argument: decoding's layout table only
+int main(int argc, char** argv) {  // any argument: decoding's layout table only ("ring": the ring-depth table)
   const std::size_t pool_bytes = std::size_t{3} << 30;
   int4* pool = nullptr;
   int* sink = nullptr;
@@ -396,9 +400,14 @@ int main(int argc, char**) {  // any argument: decoding's layout table only
     int spin = 0;
     bool descending = false;
     int page = 0;
+    int stages = kRing;
+    bool one_per_sm = false;  // half the splits: one block per multiprocessor
+    bool ring_table = false;  // the ring-depth table (argument "ring") rather than the first
   };
   for (KvKernel k : {k_kv_cpasync<0>, k_kv_cpasync<16>, k_kv_cpasync<64>})
     CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kRing * 2 * kTileBytes));
+  CK(cudaFuncSetAttribute(k_kv_cpasync<0, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, 4 * 2 * kTileBytes));
+  CK(cudaFuncSetAttribute(k_kv_cpasync<0, 6>, cudaFuncAttributeMaxDynamicSharedMemorySize, 6 * 2 * kTileBytes));
   CK(cudaFuncSetAttribute(k_kv_bulk, cudaFuncAttributeMaxDynamicSharedMemorySize, kRing * 2 * kTileBytes));
   const KvVariant kv_variants[] = {
       {"kv cp.async, chain", k_kv_cpasync<0>, false, 2},      {"kv cp.async, pdl alone", k_kv_cpasync<0>, false, 1},
@@ -416,7 +425,18 @@ int main(int argc, char**) {  // any argument: decoding's layout table only
       {"kv cp.async, chain, spin 1000", k_kv_cpasync<0>, false, 2, 1000},
       {"kv cp.async, chain, spin 2000", k_kv_cpasync<0>, false, 2, 2000},
       {"kv cp.async, chain, spin 3000", k_kv_cpasync<0>, false, 2, 3000},
+      // Ring depth against per-tile work: 2 blocks per SM of 3 stages (decoding's), or 1 block of 3,
+      // 4 or 6 stages (half the splits).
+      {"ring 3 x2/SM", k_kv_cpasync<0>, false, 2, 0, false, 0, 3, false, true},
+      {"ring 3 x2/SM, spin 1500", k_kv_cpasync<0>, false, 2, 1500, false, 0, 3, false, true},
+      {"ring 3 x1/SM", k_kv_cpasync<0>, false, 2, 0, false, 0, 3, true, true},
+      {"ring 3 x1/SM, spin 1500", k_kv_cpasync<0>, false, 2, 1500, false, 0, 3, true, true},
+      {"ring 4 x1/SM", k_kv_cpasync<0, 4>, false, 2, 0, false, 0, 4, true, true},
+      {"ring 4 x1/SM, spin 1500", k_kv_cpasync<0, 4>, false, 2, 1500, false, 0, 4, true, true},
+      {"ring 6 x1/SM", k_kv_cpasync<0, 6>, false, 2, 0, false, 0, 6, true, true},
+      {"ring 6 x1/SM, spin 1500", k_kv_cpasync<0, 6>, false, 2, 1500, false, 0, 6, true, true},
   };
+  const bool ring_table = argc > 1 && std::string(argv[1]) == "ring";
   const int kv_keys[][2] = {{4096, 8}, {32768, 33}, {131072, 132}};
   auto launch_kv = [&](KvKernel k, dim3 grid, int block, std::size_t smem, bool pdl, KvArgs a) {
     cudaLaunchAttribute attr[1];
@@ -435,7 +455,8 @@ int main(int argc, char**) {  // any argument: decoding's layout table only
   std::printf("\n%-32s %8s %6s %9s %8s %8s\n", "variant", "keys", "MB", "us/call", "TB/s", "x copy");
   for (const KvVariant& v : kv_variants)
     for (const auto& kk : kv_keys) {
-      const int heads = 8, keys = kk[0], splits = kk[1];
+      if (v.ring_table != ring_table) break;
+      const int heads = 8, keys = kk[0], splits = v.one_per_sm ? kk[1] / 2 : kk[1];
       const std::size_t half = std::size_t(keys) * heads * kRow, bytes = 2 * half;
       const int slices = static_cast<int>(std::min<std::size_t>(8, pool_bytes / bytes));
       int* table = nullptr;  // a shuffled block table (the same for every slice)
@@ -458,7 +479,7 @@ int main(int argc, char**) {  // any argument: decoding's layout table only
         KvArgs a{base, base + half, keys, heads, splits, v.head_major, sink, 0, v.spin, v.descending, v.page, table};
         const std::size_t small_smem = v.chain == 3 ? 30 * 1024 : 0;
         if (v.chain >= 2) launch_kv(k_small_kv, dim3(8), 128, small_smem, true, a);
-        launch_kv(v.k, dim3(splits, heads), 128, kRing * 2 * kTileBytes, v.chain >= 1, a);
+        launch_kv(v.k, dim3(splits, heads), 128, std::size_t(v.stages) * 2 * kTileBytes, v.chain >= 1, a);
         if (v.chain >= 2) launch_kv(k_small_kv, dim3(32), 256, small_smem, true, a);
       }
       CK(cudaStreamEndCapture(s, &g));
