@@ -287,12 +287,14 @@ struct Variant {
   int chain;  // 0: the reads alone, plain launches; 1: alone, programmatic; 2: small + reads + small
 };
 
-static void launch(KernelFn k, int grid, int block, std::size_t smem, bool pdl, Args a, cudaStream_t s) {
+// One launch of k (Args or KvArgs, whose pdl field follows the launch), programmatic or plain.
+template <class A>
+static void launch(void (*k)(A), dim3 grid, int block, std::size_t smem, bool pdl, A a, cudaStream_t s) {
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t c{};
-  c.gridDim = dim3(grid);
+  c.gridDim = grid;
   c.blockDim = dim3(block);
   c.dynamicSmemBytes = smem;
   c.stream = s;
@@ -319,6 +321,30 @@ int main(int argc, char** argv) {  // any argument: decoding's layout table only
   auto median = [](std::vector<float> v) {
     std::sort(v.begin(), v.end());
     return v[v.size() / 2];
+  };
+  const int calls = 24;
+  // us per call: `calls` calls (call(c, stream) launches call c) captured into one graph, replayed
+  // 9 times, the median of the last 7.
+  auto graph_us = [&](auto call) {
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    for (int c = 0; c < calls; ++c) call(c);
+    CK(cudaStreamEndCapture(s, &g));
+    CK(cudaGraphInstantiate(&ge, g, 0));
+    std::vector<float> t;
+    for (int r = 0; r < 9; ++r) {
+      CK(cudaEventRecord(e0, s));
+      CK(cudaGraphLaunch(ge, s));
+      CK(cudaEventRecord(e1, s));
+      CK(cudaEventSynchronize(e1));
+      float ms = 0;
+      CK(cudaEventElapsedTime(&ms, e0, e1));
+      if (r >= 2) t.push_back(ms);
+    }
+    CK(cudaGraphExecDestroy(ge));
+    CK(cudaGraphDestroy(g));
+    return median(t) * 1e3 / calls;
   };
   // The copy the bars divide by: 1 GiB device to device, bytes read + written.
   double copy_tbps = 0;
@@ -351,7 +377,6 @@ int main(int argc, char** argv) {  // any argument: decoding's layout table only
       {"bulk 3x32K, 132, chain", k_bulk<3, 32768>, 132, 128, 3 * 32768, 2},
   };
   const double mbs[] = {16.8, 33.6, 67.1, 134.2, 268.4, 536.9};
-  const int calls = 24;
   std::printf("\n%-28s %9s %9s %8s %8s\n", "variant", "MB", "us/call", "TB/s", "x copy");
   for (const Variant& v : variants) {
     if (argc > 1) break;
@@ -360,33 +385,15 @@ int main(int argc, char** argv) {  // any argument: decoding's layout table only
       const std::size_t unit = std::size_t{264} * 2 * 32768;
       const std::size_t bytes = std::max<std::size_t>(1, static_cast<std::size_t>(mb * 1e6 / unit + 0.5)) * unit;
       const int slices = static_cast<int>(std::min<std::size_t>(8, pool_bytes / bytes));
-      cudaGraph_t g;
-      cudaGraphExec_t ge;
-      CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-      for (int c = 0; c < calls; ++c) {
+      const double us = graph_us([&](int c) {
         Args a{reinterpret_cast<const int4*>(reinterpret_cast<const char*>(pool) + (c % slices) * bytes), bytes / 16,
                sink, 0};
-        if (v.chain == 2) launch(k_small, 8, 128, 0, true, a, s);
-        launch(v.k, v.grid, v.block, v.smem, v.chain >= 1, a, s);
-        if (v.chain == 2) launch(k_small, 32, 256, 0, true, a, s);
-      }
-      CK(cudaStreamEndCapture(s, &g));
-      CK(cudaGraphInstantiate(&ge, g, 0));
-      std::vector<float> t;
-      for (int r = 0; r < 9; ++r) {
-        CK(cudaEventRecord(e0, s));
-        CK(cudaGraphLaunch(ge, s));
-        CK(cudaEventRecord(e1, s));
-        CK(cudaEventSynchronize(e1));
-        float ms = 0;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        if (r >= 2) t.push_back(ms);
-      }
-      const double us = median(t) * 1e3 / calls;
+        if (v.chain == 2) launch(k_small, dim3(8), 128, 0, true, a, s);
+        launch(v.k, dim3(v.grid), v.block, v.smem, v.chain >= 1, a, s);
+        if (v.chain == 2) launch(k_small, dim3(32), 256, 0, true, a, s);
+      });
       const double tbps = bytes / us / 1e6;
       std::printf("%-28s %9.1f %9.2f %8.3f %8.3f\n", v.name, bytes / 1e6, us, tbps, tbps / copy_tbps);
-      CK(cudaGraphExecDestroy(ge));
-      CK(cudaGraphDestroy(g));
     }
   }
   // Decoding's layout: GQA 32/8, hdim 128, b = 1 (the 8 heads' rows interleaved), a (K, V) cache
@@ -438,20 +445,6 @@ int main(int argc, char** argv) {  // any argument: decoding's layout table only
   };
   const bool ring_table = argc > 1 && std::string(argv[1]) == "ring";
   const int kv_keys[][2] = {{4096, 8}, {32768, 33}, {131072, 132}};
-  auto launch_kv = [&](KvKernel k, dim3 grid, int block, std::size_t smem, bool pdl, KvArgs a) {
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t c{};
-    c.gridDim = grid;
-    c.blockDim = dim3(block);
-    c.dynamicSmemBytes = smem;
-    c.stream = s;
-    c.attrs = attr;
-    c.numAttrs = pdl ? 1 : 0;
-    a.pdl = pdl ? 1 : 0;
-    CK(cudaLaunchKernelEx(&c, k, a));
-  };
   std::printf("\n%-32s %8s %6s %9s %8s %8s\n", "variant", "keys", "MB", "us/call", "TB/s", "x copy");
   for (const KvVariant& v : kv_variants)
     for (const auto& kk : kv_keys) {
@@ -471,34 +464,16 @@ int main(int argc, char** argv) {  // any argument: decoding's layout table only
         CK(cudaMalloc(&table, h.size() * sizeof(int)));
         CK(cudaMemcpy(table, h.data(), h.size() * sizeof(int), cudaMemcpyHostToDevice));
       }
-      cudaGraph_t g;
-      cudaGraphExec_t ge;
-      CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-      for (int c = 0; c < calls; ++c) {
+      const double us = graph_us([&](int c) {
         const char* base = reinterpret_cast<const char*>(pool) + (c % slices) * bytes;
         KvArgs a{base, base + half, keys, heads, splits, v.head_major, sink, 0, v.spin, v.descending, v.page, table};
         const std::size_t small_smem = v.chain == 3 ? 30 * 1024 : 0;
-        if (v.chain >= 2) launch_kv(k_small_kv, dim3(8), 128, small_smem, true, a);
-        launch_kv(v.k, dim3(splits, heads), 128, std::size_t(v.stages) * 2 * kTileBytes, v.chain >= 1, a);
-        if (v.chain >= 2) launch_kv(k_small_kv, dim3(32), 256, small_smem, true, a);
-      }
-      CK(cudaStreamEndCapture(s, &g));
-      CK(cudaGraphInstantiate(&ge, g, 0));
-      std::vector<float> t;
-      for (int r = 0; r < 9; ++r) {
-        CK(cudaEventRecord(e0, s));
-        CK(cudaGraphLaunch(ge, s));
-        CK(cudaEventRecord(e1, s));
-        CK(cudaEventSynchronize(e1));
-        float ms = 0;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        if (r >= 2) t.push_back(ms);
-      }
-      const double us = median(t) * 1e3 / calls;
+        if (v.chain >= 2) launch(k_small_kv, dim3(8), 128, small_smem, true, a, s);
+        launch(v.k, dim3(splits, heads), 128, std::size_t(v.stages) * 2 * kTileBytes, v.chain >= 1, a, s);
+        if (v.chain >= 2) launch(k_small_kv, dim3(32), 256, small_smem, true, a, s);
+      });
       const double tbps = bytes / us / 1e6;
       std::printf("%-32s %8d %6.1f %9.2f %8.3f %8.3f\n", v.name, keys, bytes / 1e6, us, tbps, tbps / copy_tbps);
-      CK(cudaGraphExecDestroy(ge));
-      CK(cudaGraphDestroy(g));
       if (table) CK(cudaFree(table));
     }
   CK(cudaDeviceSynchronize());

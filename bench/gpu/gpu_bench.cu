@@ -538,7 +538,9 @@ void kv_trace(int b, int sk, int page, int sq, bool append) {
   std::printf("  %-34s %9s %9s %9s %9s %9s\n", "(us after the call's first block)", "min", "10%", "median", "90%",
               "max");
   const char* kernels[] = {"append", "forward", "combine"};
-  const char* events[] = {"entry", "after wait", "mainloop done", "exit"};
+  const char* events[fc::kTraceKernels][fc::kTraceEvents] = {{"after wait", "launched", "-", "exit"},
+                                                             {"entry", "after wait", "mainloop done", "exit"},
+                                                             {"entry", "after wait", "folded", "exit"}};
   std::vector<unsigned long long> stamps;
   for (int k = 0; k < fc::kTraceKernels; ++k) {
     const int n = blocks[k];
@@ -549,22 +551,19 @@ void kv_trace(int b, int sk, int page, int sq, bool append) {
           v.push_back((static_cast<double>(at(k, i, e, 0)) - static_cast<double>(t0)) / 1e3);
           stamps.push_back(at(k, i, e, 0));
         }
-      const char* event = k == 0 && e == 0 ? "after wait" : k == 0 && e == 1 ? "launched" : events[e];
-      const std::string name = std::string(kernels[k]) + " (" + std::to_string(n) + ") " + event;
+      const std::string name = std::string(kernels[k]) + " (" + std::to_string(n) + ") " + events[k][e];
       row(name.c_str(), v);
     }
   }
   // clock64 durations within a forward block (entry -> after wait -> mainloop done -> exit) and a
   // combine block (entry -> after wait -> splits folded -> exit).
-  const char* combine_events[] = {"entry", "after wait", "folded", "exit"};
   for (int k = 1; k < fc::kTraceKernels; ++k)
     for (int e = 1; e < fc::kTraceEvents; ++e) {
       std::vector<double> v;
       for (int i = 0; i < blocks[k]; ++i)
         if (at(k, i, e, 0) != 0 && at(k, i, e - 1, 0) != 0)
           v.push_back(static_cast<double>(at(k, i, e, 1) - at(k, i, e - 1, 1)));
-      const char** names = k == 1 ? events : combine_events;
-      const std::string name = std::string(kernels[k]) + " cycles " + names[e - 1] + " -> " + names[e];
+      const std::string name = std::string(kernels[k]) + " cycles " + events[k][e - 1] + " -> " + events[k][e];
       row(name.c_str(), v);
     }
   std::sort(stamps.begin(), stamps.end());

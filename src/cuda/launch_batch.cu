@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstring>
 #include <deque>
 #include <mutex>
 #include <string>
@@ -45,16 +46,27 @@ struct GraphKey {
 // skips cudaGraphExecKernelNodeSetParams: the bindings' route took 3.9-4.0 us of host time per
 // three-kernel call with the skip, 5.2-6.5 without (H200).
 struct NodeState {
-  std::vector<unsigned char> bytes;
+  std::vector<unsigned char> bytes;  // every argument's object representation, in order
   dim3 grid, block;
   std::size_t smem = 0;
   bool matches(const LaunchBatch::Kernel& k) const {
-    return k.smem == smem && k.grid.x == grid.x && k.grid.y == grid.y && k.grid.z == grid.z &&
-           k.block.x == block.x && k.block.y == block.y && k.block.z == block.z && k.num_bytes == bytes.size() &&
-           std::equal(bytes.begin(), bytes.end(), k.bytes);
+    if (k.smem != smem || k.grid.x != grid.x || k.grid.y != grid.y || k.grid.z != grid.z || k.block.x != block.x ||
+        k.block.y != block.y || k.block.z != block.z)
+      return false;
+    std::size_t at = 0;
+    for (int i = 0; i < k.args->count; ++i) {
+      const std::size_t n = k.args->sizes[i];
+      if (at + n > bytes.size() || std::memcmp(bytes.data() + at, k.args->params[i], n) != 0) return false;
+      at += n;
+    }
+    return at == bytes.size();
   }
   void take(const LaunchBatch::Kernel& k) {
-    bytes.assign(k.bytes, k.bytes + k.num_bytes);
+    bytes.clear();
+    for (int i = 0; i < k.args->count; ++i) {
+      const auto* v = static_cast<const unsigned char*>(k.args->params[i]);
+      bytes.insert(bytes.end(), v, v + k.args->sizes[i]);
+    }
     grid = k.grid;
     block = k.block;
     smem = k.smem;
@@ -146,7 +158,7 @@ void launch_now(const LaunchBatch::Kernel& k, cudaStream_t stream) {
   cudaLaunchAttribute attr[1];
   cudaLaunchConfig_t config = programmatic_config(k.grid, k.block, k.smem, stream, attr);
   if (!k.programmatic) config.numAttrs = 0;
-  FM_CUDA_CHECK(cudaLaunchKernelExC(&config, k.func, k.params));
+  FM_CUDA_CHECK(cudaLaunchKernelExC(&config, k.func, k.args->params));
 }
 
 void LaunchBatch::launch(cudaStream_t stream, int device) {
@@ -187,7 +199,7 @@ void LaunchBatch::launch(cudaStream_t stream, int device) {
     p.gridDim = k.grid;
     p.blockDim = k.block;
     p.sharedMemBytes = static_cast<unsigned>(k.smem);
-    p.kernelParams = k.params;
+    p.kernelParams = k.args->params;
     FM_CUDA_CHECK(cudaGraphExecKernelNodeSetParams(it->exec, it->nodes[i], &p));
     it->state[i].take(k);
   }

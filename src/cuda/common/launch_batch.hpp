@@ -13,12 +13,10 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
-#include <cstring>
 #include <memory>
 #include <tuple>
 #include <type_traits>
 #include <utility>
-#include <vector>
 
 namespace flashmonoid::cuda {
 
@@ -38,9 +36,6 @@ class LaunchBatch {
     k.block = block;
     k.smem = smem;
     k.programmatic = programmatic;
-    k.params = held->params;
-    k.bytes = held->bytes.data();
-    k.num_bytes = held->bytes.size();
     k.args = std::move(held);
   }
 
@@ -51,25 +46,26 @@ class LaunchBatch {
  private:
   struct HeldBase {
     virtual ~HeldBase() = default;
-    void** params = nullptr;
-    std::vector<unsigned char> bytes;  // every argument's object representation, in order
+    void** params = nullptr;              // a pointer to each argument, in order
+    const std::size_t* sizes = nullptr;   // and its size
+    int count = 0;
   };
   // The arguments as the kernel's parameter types, and a pointer to each (the runtime copies them
   // at the launch or at cudaGraphExecKernelNodeSetParams).
   template <class... P>
   struct Held final : HeldBase {
+    static constexpr std::size_t kSizes[sizeof...(P) + 1] = {sizeof(P)..., 0};
     std::tuple<P...> values;
     void* pointers[sizeof...(P) > 0 ? sizeof...(P) : 1] = {};
     template <class... A>
     explicit Held(A&&... a) : values(std::forward<A>(a)...) {
-      bytes.resize((std::size_t{0} + ... + sizeof(P)));
       std::apply([this](auto&... v) {
         int i = 0;
-        std::size_t at = 0;
         ((pointers[i++] = static_cast<void*>(&v)), ...);
-        ((std::memcpy(bytes.data() + at, &v, sizeof(v)), at += sizeof(v)), ...);
       }, values);
       params = pointers;
+      sizes = kSizes;
+      count = sizeof...(P);
     }
   };
 
@@ -79,9 +75,6 @@ class LaunchBatch {
     dim3 grid, block;
     std::size_t smem = 0;
     bool programmatic = false;
-    void** params = nullptr;
-    const unsigned char* bytes = nullptr;  // the arguments' bytes, to tell a repeated call
-    std::size_t num_bytes = 0;
     std::unique_ptr<HeldBase> args;
   };
 
