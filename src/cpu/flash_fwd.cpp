@@ -67,6 +67,13 @@ struct Tasks {
 constexpr std::int64_t kTargetTasks = 64;
 constexpr int kMaxSplits = 8;
 
+// Splits of each item's key blocks so that there are about kTargetTasks tasks.
+int key_splits(std::int64_t items, std::int64_t max_key_blocks) {
+  if (items == 0) return 1;
+  const std::int64_t want = (kTargetTasks + items - 1) / items;
+  return static_cast<int>(std::clamp<std::int64_t>(std::min(want, max_key_blocks), 1, kMaxSplits));
+}
+
 Tasks make_tasks(const FwdParams& p) {
   Tasks t;
   t.first.assign(p.batch + 1, 0);
@@ -78,10 +85,7 @@ Tasks make_tasks(const FwdParams& p) {
     t.first[b + 1] = t.first[b] + static_cast<std::int64_t>(t.blocks[b]) * p.h;
     max_key_blocks = std::max<std::int64_t>(max_key_blocks, (si.len_k + kBlockN - 1) / kBlockN);
   }
-  if (t.items() > 0) {
-    const std::int64_t want = (kTargetTasks + t.items() - 1) / t.items();
-    t.splits = static_cast<int>(std::clamp<std::int64_t>(std::min(want, max_key_blocks), 1, kMaxSplits));
-  }
+  t.splits = key_splits(t.items(), max_key_blocks);
   return t;
 }
 
@@ -261,10 +265,10 @@ void pack_tile(const FwdParams& p, PackedKV& kv, std::int64_t t, Workspace& ws) 
 }
 
 // Score transforms in the order detail/mask.hpp defines them, in natural units (tiles::kLog2e
-// says why), on row i (in the sequence) of the tile, keys j0 .. j0 + n; columns [n, kBlockN)
+// says why), on row i (in the sequence) of the tile, keys j0 .. j0 + n; columns [n, cols)
 // become -inf.
 void transform_row(const FwdParams& p, const detail::Band& band, float slope, bool needs_mask, std::int64_t i,
-                   std::int64_t j0, int n, float* s) {
+                   std::int64_t j0, int n, int cols, float* s) {
   if (p.softcap > 0.0f) {
     const float inv = 1.0f / p.softcap;
     for (int c = 0; c < n; ++c) s[c] = p.softcap * std::tanh(s[c] * inv);
@@ -274,7 +278,7 @@ void transform_row(const FwdParams& p, const detail::Band& band, float slope, bo
   if (needs_mask)
     for (int c = 0; c < n; ++c)
       if (!band.visible(i, j0 + c)) s[c] = -INFINITY;
-  for (int c = n; c < kBlockN; ++c) s[c] = -INFINITY;
+  for (int c = n; c < cols; ++c) s[c] = -INFINITY;
 }
 
 // Kept probabilities times 1/(1-p), dropped ones 0 (key columns j0 .. j0 + n of dropout row row_id).
@@ -384,7 +388,7 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
       float* s = ws.s.data() + r * kBlockN;
       v_next.slice(r);
       if (scale_rows) kn.scale_row(s, kBlockN, p.scale);
-      transform_row(p, band, slope, needs_mask, i0 + r, j0, n, s);
+      transform_row(p, band, slope, needs_mask, i0 + r, j0, n, kBlockN, s);
       ws.m_run[r] = ws.state[r].m;
     }
     // The tile's partial states are expressed against m_run >= the running states' m, so that
@@ -417,77 +421,240 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
   return m;
 }
 
-// out, lse of the item's m rows from finished states: out = o / l, lse = ln 2·(m + log2 l).
-void store_rows(const FwdParams& p, Item it, int m, const float* o, int dp, const RowState* state) {
-  const SeqInfo si = seq_info(p, it.b);
-  const auto row_offset = [&](int r) {
-    return detail::offset_of(p.o_stride, it.b, si.q_row0 + static_cast<std::int64_t>(it.qb) * kBlockM + r, it.hq);
-  };
+// out, lse of query rows i0 .. i0 + m of (entry b, head hq) from finished states: out = o / l,
+// lse = ln 2·(m + log2 l).
+void store_rows(const FwdParams& p, int b, int hq, std::int64_t i0, int m, const float* o, int dp,
+                const RowState* state) {
+  const SeqInfo si = seq_info(p, b);
+  const auto row_offset = [&](int r) { return detail::offset_of(p.o_stride, b, si.q_row0 + i0 + r, hq); };
   for (int r = 0; r < m; ++r) {
-    const std::int64_t i = static_cast<std::int64_t>(it.qb) * kBlockM + r;
+    const std::int64_t i = i0 + r;
     const float inv_l = detail::finish_inv_l(state[r]);
     if (!tiles::store_row_stream(p.out, p.dtype, row_offset(r), p.d, o + r * dp, inv_l)) {
       if (r + tiles::kRowsAhead < m) tiles::prefetch_row(p.out, p.dtype, row_offset(r + tiles::kRowsAhead), p.d, true);
       tiles::store_row(p.out, p.dtype, row_offset(r), p.d, o + r * dp, inv_l);
     }
-    p.lse[detail::lse_index(p, it.b, it.hq, si, i)] = detail::finish_lse(state[r]);
+    p.lse[detail::lse_index(p, b, hq, si, i)] = detail::finish_lse(state[r]);
   }
   _mm_sfence();  // the streamed rows ordered before the call returns
 }
 
-// Partial states of the split tasks: (split, item) slots of kBlockM rows, uninitialised (a slot
-// is read only where its task wrote it), and per item the number of its splits done.
+// Partial states of the split tasks: (split, item) slots of `rows` rows, uninitialised (a slot is
+// read only where its task wrote it), and per item the number of its splits done. In `owned`, or
+// in memory the caller keeps.
 struct Partials {
-  int dp = 0;
-  std::unique_ptr<float[]> o;          // (splits · items, kBlockM, dp)
-  std::unique_ptr<RowState[]> state;   // (splits · items, kBlockM)
-  std::unique_ptr<std::atomic<int>[]> done;  // (items)
-  float* o_slot(std::int64_t slot) const { return o.get() + slot * kBlockM * dp; }
-  RowState* state_slot(std::int64_t slot) const { return state.get() + slot * kBlockM; }
+  int rows = 0, dp = 0;
+  float* o = nullptr;                // (splits · items, rows, dp)
+  RowState* state = nullptr;         // (splits · items, rows)
+  std::atomic<int>* done = nullptr;  // (items)
+  std::unique_ptr<std::byte[]> owned;
+
+  static std::size_t bytes(std::int64_t slots, std::int64_t items, int rows, int dp) {
+    return static_cast<std::size_t>(slots * rows) * (dp * sizeof(float) + sizeof(RowState)) +
+           static_cast<std::size_t>(items) * sizeof(std::atomic<int>) + 128;
+  }
+  // Lays the slots out in mem (Partials::bytes of it, 64-byte aligned), or in owned memory.
+  void place(std::int64_t slots, std::int64_t items, int rows_, int dp_, std::byte* mem = nullptr) {
+    rows = rows_;
+    dp = dp_;
+    if (mem == nullptr) {
+      owned = std::make_unique_for_overwrite<std::byte[]>(bytes(slots, items, rows, dp) + 64);
+      mem = align64(owned.get());
+    }
+    o = reinterpret_cast<float*>(mem);
+    state = reinterpret_cast<RowState*>(o + slots * rows * dp);
+    done = reinterpret_cast<std::atomic<int>*>(align64(reinterpret_cast<std::byte*>(state + slots * rows)));
+    for (std::int64_t t = 0; t < items; ++t) new (done + t) std::atomic<int>(0);
+  }
+  float* o_slot(std::int64_t slot) const { return o + slot * rows * dp; }
+  RowState* state_slot(std::int64_t slot) const { return state + slot * rows; }
 };
 
-// Item t's rows: the monoid fold of its splits' partial states, in split order, then stored.
-void merge_splits(const FwdParams& p, const Tasks& tasks, const Partials& parts, std::int64_t t,
-                  Workspace& ws) {
-  const Item it = item_at(tasks, t);
-  const SeqInfo si = seq_info(p, it.b);
-  const std::int64_t i0 = static_cast<std::int64_t>(it.qb) * kBlockM;
-  const int m = static_cast<int>(std::min<std::int64_t>(kBlockM, si.len_q - i0));
-  const int dp = ws.dp;
+// o, state (m rows) <- the monoid fold of item t's splits' partial states, in split order.
+void merge_splits(const Partials& parts, int splits, std::int64_t items, std::int64_t t, int m, float* o,
+                  RowState* state) {
+  const int dp = parts.dp;
   for (int r = 0; r < m; ++r) {
     RowState acc{};
-    float* o = ws.o.data() + r * dp;
-    std::fill(o, o + dp, 0.0f);
-    for (int c = 0; c < tasks.splits; ++c) {
-      const std::int64_t slot = c * tasks.items() + t;
+    float* orow = o + r * dp;
+    std::fill(orow, orow + dp, 0.0f);
+    for (int c = 0; c < splits; ++c) {
+      const std::int64_t slot = c * items + t;
       const RowState part = parts.state_slot(slot)[r];
       if (part.m == -INFINITY) continue;  // the identity: no visible key in this split
       float fa, fb;
       acc = detail::merge(acc, part, &fa, &fb);
       const float* po = parts.o_slot(slot) + r * dp;
-      for (int x = 0; x < dp; ++x) o[x] = fa * o[x] + fb * po[x];
+      for (int x = 0; x < dp; ++x) orow[x] = fa * orow[x] + fb * po[x];
     }
-    ws.state[r] = acc;
+    state[r] = acc;
   }
-  store_rows(p, it, m, ws.o.data(), dp, ws.state.data());
+}
+
+// A finished task's m rows: stored at once without splits; else kept in its slot, and the item's
+// last task to finish folds the slots into o, state (merge_splits) and calls store(o, state). The
+// fold's order is the split order whichever task runs it, so the bits do not depend on the schedule.
+template <class Store>
+void finish_task(const Partials& parts, int splits, std::int64_t items, std::int64_t task, int m, float* o,
+                 RowState* state, Store&& store) {
+  if (splits == 1) {
+    store(o, state);
+    return;
+  }
+  const std::int64_t t = task % items;
+  const int dp = parts.dp;
+  std::copy(o, o + static_cast<std::ptrdiff_t>(m) * dp, parts.o_slot(task));
+  std::copy(state, state + m, parts.state_slot(task));
+  // acq_rel: the last task sees every other split's partial.
+  if (parts.done[t].fetch_add(1, std::memory_order_acq_rel) == splits - 1) {
+    merge_splits(parts, splits, items, t, m, o, state);
+    store(o, state);
+  }
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Decoding: few query rows per KV head (s_q·group <= kDecodeRows, as forward_kvcache's steps). The
+// tiled path above packs every K/V tile of the cache first: per decoding step a copy of the whole
+// cache (b = 8, s_k = 4k, h = 32, h_k = 8, d = 128, fp32: 183-202 ms and 65k page faults per call,
+// torch's SDPA 69 ms). Here a task (batch entry, KV head, key split) reads its K and V rows where
+// they are (detail::kv_offset: contiguous, batch index or pages) in chunks of kDecodeKeys, and all
+// s_q·group query rows of the KV head share every row loaded. fp32 products for every dtype (bf16
+// and fp16 rows converted per chunk), Q scaled as in the tiled path's fp32 products. Extra memory:
+// a fixed workspace per thread and the split partials, never the cache's size.
+constexpr int kDecodeRows = 16;
+constexpr int kDecodeKeys = 64;
+
+// Rows r of a task are (query head hk·group + r / len_q, query row r % len_q).
+struct DecodeWorkspace {
+  int dp = 0;
+  AlignedFloats q;   // (kDecodeRows, dp)  scale · Q
+  AlignedFloats s;   // (kDecodeRows, cols)  scores, then probabilities; cols: the chunk's keys rounded up to 8
+  AlignedFloats o;   // (kDecodeRows, dp)  unnormalised output
+  AlignedFloats kc, vc;  // (kDecodeKeys, dp)  fp32 copies of the chunk's rows that cannot be read in place
+  AlignedFloats zero;    // (dp)  the K row behind score columns past the chunk's keys
+  std::int64_t k_off[kDecodeKeys], v_off[kDecodeKeys];
+  const float* k_rows[kDecodeKeys];
+  const float* v_rows[kDecodeKeys];
+  RowState state[kDecodeRows];
+  float slope[kDecodeRows], m_run[kDecodeRows], sums[kDecodeRows];
+};
+
+// The calling thread's workspace, allocated once at the largest head dim (170 KiB): allocated per
+// call it was page faults per call.
+DecodeWorkspace& decode_workspace(int d) {
+  constexpr int max_dp = tiles::round_up(detail::kMaxHeadDim, kLanes);
+  thread_local DecodeWorkspace ws = [] {
+    DecodeWorkspace w;
+    w.q.assign(kDecodeRows * max_dp, 0.0f);
+    w.s.assign(kDecodeRows * kDecodeKeys, 0.0f);
+    w.o.assign(kDecodeRows * max_dp, 0.0f);
+    w.kc.assign(kDecodeKeys * max_dp, 0.0f);
+    w.vc.assign(kDecodeKeys * max_dp, 0.0f);
+    w.zero.assign(max_dp, 0.0f);
+    return w;
+  }();
+  ws.dp = tiles::round_up(d, kLanes);
+  return ws;
+}
+
+// Element offsets of rows row0 .. row0 + n of entry b's K or V (head hk, strides st): one
+// kv_offset per page, or per chunk without pages; the rows of a page are st.row apart.
+void kv_rows(const FwdParams& p, const detail::Strides& st, int b, std::int64_t row0, int n, int hk, std::int64_t* off) {
+  for (int c = 0; c < n;) {
+    const std::int64_t base = detail::kv_offset(p, st, b, row0 + c, hk);
+    const int run = p.kv.block_table != nullptr
+                        ? static_cast<int>(std::min<std::int64_t>(n - c, p.kv.page_size - (row0 + c) % p.kv.page_size))
+                        : n - c;
+    for (int u = 0; u < run; ++u) off[c + u] = base + u * st.row;
+    c += run;
+  }
+}
+
+// ws.k_rows, ws.v_rows <- the chunk's n keys from row row0 of entry b, head hk, as rows of dp fp32:
+// fp32 rows with d a multiple of 8 in place, the others converted into ws.kc, ws.vc (zero past d);
+// K rows [n, cols) read ws.zero.
+void load_chunk(const FwdParams& p, int b, int hk, std::int64_t row0, int n, int cols, DecodeWorkspace& ws) {
+  kv_rows(p, p.k_stride, b, row0, n, hk, ws.k_off);
+  kv_rows(p, p.v_stride, b, row0, n, hk, ws.v_off);
+  const int dp = ws.dp;
+  if (p.dtype == DType::f32 && p.d == dp) {
+    for (int c = 0; c < n; ++c) {
+      ws.k_rows[c] = static_cast<const float*>(p.k) + ws.k_off[c];
+      ws.v_rows[c] = static_cast<const float*>(p.v) + ws.v_off[c];
+    }
+  } else {
+    for (int c = 0; c < n; ++c) {
+      float* k = ws.kc.data() + static_cast<std::ptrdiff_t>(c) * dp;
+      float* v = ws.vc.data() + static_cast<std::ptrdiff_t>(c) * dp;
+      tiles::load_row(p.k, p.dtype, ws.k_off[c], p.d, 1.0f, k);
+      tiles::load_row(p.v, p.dtype, ws.v_off[c], p.d, 1.0f, v);
+      std::fill(k + p.d, k + dp, 0.0f);
+      std::fill(v + p.d, v + dp, 0.0f);
+      ws.k_rows[c] = k;
+      ws.v_rows[c] = v;
+    }
+  }
+  for (int c = n; c < cols; ++c) ws.k_rows[c] = ws.zero.data();
+}
+
+// ws.o, ws.state <- the fold of key chunks [c_lo, c_hi) (on the kDecodeKeys grid of entry b) into
+// the rows of (entry b, KV head hk), unnormalised; returns the number of rows, len_q · group. The
+// stages of fold_keys, on gathered rows: scores, transform_row, Kernels::softmax_rows, the
+// monoid's merge, dropout, the rescale of O, O += P·V.
+int decode_fold(const FwdParams& p, const Kernels& kn, int b, int hk, std::int64_t c_lo, std::int64_t c_hi,
+                DecodeWorkspace& ws) {
+  const SeqInfo si = seq_info(p, b);
+  const detail::Band band = band_of(p, si);
+  const int g = p.group(), dp = ws.dp, m = si.len_q * g;
+  if (m == 0) return 0;
+  for (int r = 0; r < m; ++r) {
+    const int hq = hk * g + r / si.len_q;
+    float* q = ws.q.data() + static_cast<std::ptrdiff_t>(r) * dp;
+    tiles::load_row(p.q, p.dtype, detail::offset_of(p.q_stride, b, si.q_row0 + r % si.len_q, hq), p.d, p.scale, q);
+    std::fill(q + p.d, q + dp, 0.0f);
+    ws.slope[r] = detail::alibi_slope(p, b, hq);
+    ws.state[r] = RowState{};
+  }
+  // Key chunks that hold a visible key for some row.
+  const std::int64_t k_begin = std::max(band.key_begin(0, si.len_k) / kDecodeKeys * kDecodeKeys, c_lo * kDecodeKeys);
+  const std::int64_t k_end = std::min<std::int64_t>({band.key_end(si.len_q, si.len_k), si.len_k, c_hi * kDecodeKeys});
+  for (std::int64_t j0 = k_begin; j0 < k_end; j0 += kDecodeKeys) {
+    const int n = static_cast<int>(std::min<std::int64_t>(kDecodeKeys, k_end - j0));
+    const int cols = tiles::round_up(n, kLanes);
+    load_chunk(p, b, hk, si.k_row0 + j0, n, cols, ws);
+    kn.dot_rows(m, cols, dp, ws.q.data(), dp, ws.k_rows, ws.s.data(), cols);
+
+    const bool needs_mask = band.tile_needs_mask(0, si.len_q, j0, j0 + n, si.len_k);
+    for (int r = 0; r < m; ++r) {
+      transform_row(p, band, ws.slope[r], needs_mask, r % si.len_q, j0, n, cols, ws.s.data() + r * cols);
+      ws.m_run[r] = ws.state[r].m;
+    }
+    kn.softmax_rows(ws.s.data(), m, cols, tiles::kLog2e, kLazyRescale, ws.m_run, ws.sums);
+    const bool first = j0 == k_begin;
+    for (int r = 0; r < m; ++r) {
+      float fa, fb;
+      ws.state[r] = detail::merge(ws.state[r], RowState{ws.m_run[r], ws.sums[r]}, &fa, &fb);
+      if (p.dropout_p > 0.0f)
+        apply_dropout(p, detail::dropout_row_id(p, hk * g + r / si.len_q, si, r % si.len_q), j0, n, ws.s.data() + r * cols);
+      if (!first && fa != 1.0f) kn.scale_row(ws.o.data() + r * dp, dp, fa);
+    }
+    (first ? kn.gemm_gathered : kn.gemm_gathered_acc)(m, dp, n, ws.s.data(), cols, ws.v_rows, ws.o.data(), dp);
+  }
+  if (k_begin >= k_end) std::fill(ws.o.begin(), ws.o.begin() + static_cast<std::ptrdiff_t>(m) * dp, 0.0f);
+  return m;
 }
 
 }  // namespace
 
-void flash_forward(const FwdParams& p, int num_threads, const Kernels& kn) {
+void flash_forward_tiled(const FwdParams& p, int num_threads, const Kernels& kn) {
   const Tasks tasks = make_tasks(p);
   const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
   PackedKV kv;
   size_packed(p, kn, kv);
   const std::int64_t n_tiles = kv.first.back() * p.h_k;
   Partials parts;
-  if (tasks.splits > 1) {
-    const std::size_t slots = static_cast<std::size_t>(tasks.splits) * tasks.items();
-    parts.dp = tiles::round_up(p.d, kLanes);
-    parts.o = std::make_unique_for_overwrite<float[]>(slots * kBlockM * parts.dp);
-    parts.state = std::make_unique<RowState[]>(slots * kBlockM);
-    parts.done = std::make_unique<std::atomic<int>[]>(static_cast<std::size_t>(tasks.items()));
-  }
+  if (tasks.splits > 1) parts.place(tasks.splits * tasks.items(), tasks.items(), kBlockM, tiles::round_up(p.d, kLanes));
   // One parallel region, one barrier (after packing): on a loaded 2-core machine every fork/join or
   // barrier cost ~10 ms (a descheduled worker holds up the others), 3x the whole compute at s = 256.
   // A barrier before merging the splits cost as much (b = 1, h = 8, s = 1k, d = 64, 2 threads:
@@ -512,21 +679,66 @@ void flash_forward(const FwdParams& p, int num_threads, const Kernels& kn) {
       lap.charge(profile::merge);  // the loop's scheduling since the last task
       const int m = fold_keys(p, kn, kv, it, kblocks * c / tasks.splits, kblocks * (c + 1) / tasks.splits, ws);
       lap = profile::Lap();
-      if (tasks.splits == 1) {
-        store_rows(p, it, m, ws.o.data(), ws.dp, ws.state.data());
-        lap.charge(profile::store);
-        continue;
-      }
-      std::copy(ws.o.begin(), ws.o.begin() + static_cast<std::ptrdiff_t>(m) * ws.dp, parts.o_slot(task));
-      std::copy(ws.state.begin(), ws.state.begin() + m, parts.state_slot(task));
-      // acq_rel: the last task sees every other split's partial. The fold's order is the split
-      // order whichever task runs it, so the bits do not depend on the schedule.
-      if (parts.done[t].fetch_add(1, std::memory_order_acq_rel) == tasks.splits - 1)
-        merge_splits(p, tasks, parts, t, ws);
-      lap.charge(profile::merge);
+      finish_task(parts, tasks.splits, tasks.items(), task, m, ws.o.data(), ws.state.data(),
+                  [&](const float* o, const RowState* state) {
+                    store_rows(p, it.b, it.hq, static_cast<std::int64_t>(it.qb) * kBlockM, m, o, ws.dp, state);
+                  });
+      lap.charge(tasks.splits == 1 ? profile::store : profile::merge);
     }
     profile::flush();
   }
+}
+
+// Decoding, the second mainloop (decode_fold above): one parallel region without a barrier, tasks
+// (batch entry, KV head, key split), splits by the shape as the tiled path's.
+void flash_forward_decode(const FwdParams& p, int num_threads, const Kernels& kn) {
+  const std::int64_t items = static_cast<std::int64_t>(p.batch) * p.h_k;
+  int rows = 0;
+  std::int64_t max_chunks = 0;
+  for (int b = 0; b < p.batch; ++b) {
+    const SeqInfo si = seq_info(p, b);
+    rows = std::max(rows, si.len_q * p.group());
+    max_chunks = std::max<std::int64_t>(max_chunks, (si.len_k + kDecodeKeys - 1) / kDecodeKeys);
+  }
+  const int splits = key_splits(items, max_chunks);
+  const std::int64_t tasks = splits * items;
+  const int dp = tiles::round_up(p.d, kLanes);
+  // The partials in the calling thread's kept scratch (at most 64 + items < 128 slots of 16 rows,
+  // 2 MiB at d = 256): fresh memory per call would be page faults per call.
+  Partials parts;
+  if (splits > 1) parts.place(tasks, items, rows, dp, kept_scratch(Partials::bytes(tasks, items, rows, dp), parts.owned));
+  const int threads = static_cast<int>(std::min<std::int64_t>(num_threads > 0 ? num_threads : omp_get_max_threads(), tasks));
+#pragma omp parallel num_threads(std::max(threads, 1))
+  {
+    DecodeWorkspace& ws = decode_workspace(p.d);
+#pragma omp for schedule(dynamic, 1) nowait
+    for (std::int64_t task = 0; task < tasks; ++task) {
+      const std::int64_t t = task % items;
+      const int c = static_cast<int>(task / items);
+      const int b = static_cast<int>(t / p.h_k), hk = static_cast<int>(t % p.h_k);
+      const SeqInfo si = seq_info(p, b);
+      const std::int64_t chunks = (si.len_k + kDecodeKeys - 1) / kDecodeKeys;
+      const int m = decode_fold(p, kn, b, hk, chunks * c / splits, chunks * (c + 1) / splits, ws);
+      finish_task(parts, splits, items, task, m, ws.o.data(), ws.state, [&](const float* o, const RowState* state) {
+        for (int g = 0; g < p.group(); ++g)
+          store_rows(p, b, hk * p.group() + g, 0, si.len_q, o + static_cast<std::ptrdiff_t>(g) * si.len_q * dp, dp,
+                     state + g * si.len_q);
+      });
+    }
+  }
+}
+
+bool decode_path(const FwdParams& p) {
+  for (int b = 0; b < p.batch; ++b)
+    if (static_cast<std::int64_t>(seq_info(p, b).len_q) * p.group() > kDecodeRows) return false;
+  return true;
+}
+
+void flash_forward(const FwdParams& p, int num_threads, const Kernels& kn) {
+  if (decode_path(p))
+    flash_forward_decode(p, num_threads, kn);
+  else
+    flash_forward_tiled(p, num_threads, kn);
 }
 
 #ifdef FLASHMONOID_CPU_PROFILE
