@@ -3,7 +3,7 @@
 // process so that a shared machine slows them alike. Per shape: the median time per call over the
 // repeats and the minor page faults per call, of each path.
 //
-//   decode-cpu-bench [--threads 2] [--repeats 9] [b,s_k,h,h_k,d,dtype,s_q ...]
+//   decode-cpu-bench [--threads 2] [--repeats 9] [--decode-only] [b,s_k,h,h_k,d,dtype,s_q ...]
 //
 // Default shapes: those of CPU_DECODE_NOTES.md. A shape's K/V (b, s_k, h_k, d) is filled with
 // fresh random values; q (b, s_q, h, d); not causal (as torch's SDPA at these shapes).
@@ -51,7 +51,7 @@ void fill(std::vector<std::uint8_t>& buf, DType t, std::mt19937& rng) {
   for (std::size_t i = 0; i < count; ++i) cpu::store(buf.data(), t, static_cast<std::int64_t>(i), n(rng));
 }
 
-void run(const Case& c, int threads, int repeats, std::mt19937& rng) {
+void run(const Case& c, int threads, int repeats, bool decode_only, std::mt19937& rng) {
   const std::size_t es = flashmonoid::dtype_size(c.dtype);
   std::vector<std::uint8_t> q(static_cast<std::size_t>(c.b) * c.s_q * c.h * c.d * es),
       k(static_cast<std::size_t>(c.b) * c.s_k * c.h_k * c.d * es), v(k.size()), o(q.size());
@@ -75,7 +75,7 @@ void run(const Case& c, int threads, int repeats, std::mt19937& rng) {
   for (Fn f : paths) f(p, threads, kn);  // warm-up
   for (int r = 0; r < repeats; ++r)
     for (int i = 0; i < 2; ++i) {
-      const int which = (r + i) % 2;  // alternate which path runs first
+      const int which = decode_only ? 1 : (r + i) % 2;  // alternate which path runs first
       const long f0 = minor_faults();
       const auto t0 = std::chrono::steady_clock::now();
       for (int n = 0; n < calls; ++n) paths[which](p, threads, kn);
@@ -83,8 +83,9 @@ void run(const Case& c, int threads, int repeats, std::mt19937& rng) {
       faults[which] += static_cast<double>(minor_faults() - f0) / calls;
       us[which].push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / calls);
     }
+  if (decode_only) us[0] = {0.0};
   std::printf("b=%d s_k=%d h=%d h_k=%d d=%d %s s_q=%d | tiled %.1f us (%.0f faults) | decode %.1f us (%.1f faults) | x%.2f\n",
-              c.b, c.s_k, c.h, c.h_k, c.d, flashmonoid::to_string(c.dtype), c.s_q, median(us[0]), faults[0] / repeats,
+              c.b, c.s_k, c.h, c.h_k, c.d, flashmonoid::to_string(c.dtype).c_str(), c.s_q, median(us[0]), faults[0] / repeats,
               median(us[1]), faults[1] / repeats, median(us[0]) / median(us[1]));
   std::fflush(stdout);
 }
@@ -93,11 +94,14 @@ void run(const Case& c, int threads, int repeats, std::mt19937& rng) {
 
 int main(int argc, char** argv) {
   int threads = 2, repeats = 9;
+  bool decode_only = false;
   std::vector<Case> cases;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--threads" && i + 1 < argc) {
       threads = std::atoi(argv[++i]);
+    } else if (a == "--decode-only") {
+      decode_only = true;
     } else if (a == "--repeats" && i + 1 < argc) {
       repeats = std::atoi(argv[++i]);
     } else {
@@ -111,15 +115,17 @@ int main(int argc, char** argv) {
       cases.push_back(c);
     }
   }
-  if (cases.empty())
+  const bool defaults = cases.empty();
+  if (defaults) {
     for (DType t : {DType::f32, DType::bf16})
       for (int s_q : {1, 4}) {
         for (auto [b, s_k] : {std::pair{1, 512}, {1, 4096}, {1, 32768}, {8, 4096}}) cases.push_back({b, s_k, 32, 8, 128, t, s_q});
         cases.push_back({1, 4096, 32, 32, 128, t, s_q});
         cases.push_back({1, 4096, 32, 8, 64, t, s_q});
       }
-  if (cases.empty() || argc == 1) cases.push_back({1, 5, 4, 1, 64, DType::f32, 1});
+    cases.push_back({1, 5, 4, 1, 64, DType::f32, 1});  // the tiny call
+  }
   std::printf("threads %d, repeats %d, isa %s\n", threads, repeats, cpu::to_string(cpu::default_isa()));
   std::mt19937 rng(1234);
-  for (const Case& c : cases) run(c, threads, repeats, rng);
+  for (const Case& c : cases) run(c, threads, repeats, decode_only, rng);
 }

@@ -517,44 +517,54 @@ void finish_task(const Partials& parts, int splits, std::int64_t items, std::int
 // Decoding: few query rows per KV head (s_q·group <= kDecodeRows, as forward_kvcache's steps). The
 // tiled path above packs every K/V tile of the cache first: per decoding step a copy of the whole
 // cache (b = 8, s_k = 4k, h = 32, h_k = 8, d = 128, fp32: 183-202 ms and 65k page faults per call,
-// torch's SDPA 69 ms). Here a task (batch entry, KV head, key split) reads its K and V rows where
-// they are (detail::kv_offset: contiguous, batch index or pages) in chunks of kDecodeKeys, and all
-// s_q·group query rows of the KV head share every row loaded. fp32 products for every dtype (bf16
-// and fp16 rows converted per chunk), Q scaled as in the tiled path's fp32 products. Extra memory:
-// a fixed workspace per thread and the split partials, never the cache's size.
+// torch's SDPA 69 ms). Here a task (batch entry, key split) reads K and V rows where they are
+// (detail::kv_offset: contiguous, batch index or pages), a chunk of keys at a time, every KV head
+// of the chunk in turn; the s_q·group query rows of a KV head share every row loaded. fp32
+// products for every dtype, Q scaled as in the tiled path's fp32 products. Extra memory: a
+// workspace per thread of O(h·s_q·d) plus the staged chunk (decode_chunk_keys), and the split
+// partials; never the cache's size.
 constexpr int kDecodeRows = 16;
-constexpr int kDecodeKeys = 64;
+constexpr int kDecodeMaxKeys = 64;
 
-// Rows r of a task are (query head hk·group + r / len_q, query row r % len_q).
+// Keys per chunk: a multiple of 8 up to 64, the chunk's K and V for every KV head (staged as fp32,
+// stage_chunk) within kDecodeStageBytes, so that they stay in L2 while the heads fold them.
+constexpr std::int64_t kDecodeStageBytes = 256 << 10;
+int decode_chunk_keys(const FwdParams& p) {
+  const std::int64_t per_key = 2 * std::int64_t{p.h_k} * tiles::round_up(p.d, kLanes) * 4;
+  return static_cast<int>(std::clamp<std::int64_t>(kDecodeStageBytes / per_key / 8 * 8, 8, kDecodeMaxKeys));
+}
+
+// A task's rows: row hq·len_q + i is query head hq, query row i; KV head hk's rows are the
+// contiguous run [hk·m, (hk + 1)·m), m = len_q·group.
 struct DecodeWorkspace {
   int dp = 0;
-  AlignedFloats q;   // (kDecodeRows, dp)  scale · Q
-  AlignedFloats s;   // (kDecodeRows, cols)  scores, then probabilities; cols: the chunk's keys rounded up to 8
-  AlignedFloats o;   // (kDecodeRows, dp)  unnormalised output
-  AlignedFloats kc, vc;  // (kDecodeKeys, dp)  fp32 copies of the chunk's rows that cannot be read in place
-  AlignedFloats zero;    // (dp)  the K row behind score columns past the chunk's keys
-  std::int64_t k_off[kDecodeKeys], v_off[kDecodeKeys];
-  const float* k_rows[kDecodeKeys];
-  const float* v_rows[kDecodeKeys];
-  RowState state[kDecodeRows];
-  float slope[kDecodeRows], m_run[kDecodeRows], sums[kDecodeRows];
+  AlignedFloats q;   // (rows, dp)  scale · Q
+  AlignedFloats o;   // (rows, dp)  unnormalised output
+  std::vector<RowState> state;  // (rows)
+  std::vector<float> slope;     // (rows)
+  AlignedFloats kc, vc;  // (h_k, keys, dp)  the chunk's K and V rows in fp32, zero past d (and K past the keys to 8)
+  std::vector<std::int64_t> k_off, v_off;  // (h_k, keys)  element offsets of the chunk's rows
+  AlignedFloats s;   // (kDecodeRows, cols)  one KV head's scores, then probabilities; cols: the chunk's keys rounded up to 8
+  float m_run[kDecodeRows], sums[kDecodeRows];
 };
 
-// The calling thread's workspace, allocated once at the largest head dim (170 KiB): allocated per
-// call it was page faults per call.
-DecodeWorkspace& decode_workspace(int d) {
-  constexpr int max_dp = tiles::round_up(detail::kMaxHeadDim, kLanes);
-  thread_local DecodeWorkspace ws = [] {
-    DecodeWorkspace w;
-    w.q.assign(kDecodeRows * max_dp, 0.0f);
-    w.s.assign(kDecodeRows * kDecodeKeys, 0.0f);
-    w.o.assign(kDecodeRows * max_dp, 0.0f);
-    w.kc.assign(kDecodeKeys * max_dp, 0.0f);
-    w.vc.assign(kDecodeKeys * max_dp, 0.0f);
-    w.zero.assign(max_dp, 0.0f);
-    return w;
-  }();
-  ws.dp = tiles::round_up(d, kLanes);
+// The calling thread's workspace, kept across calls (allocated per call it was page faults per
+// call), grown to this call's sizes.
+DecodeWorkspace& decode_workspace(int rows, int keys, const FwdParams& p) {
+  thread_local DecodeWorkspace ws;
+  const auto grow = [](auto& v, std::size_t n) {
+    if (v.size() < n) v.resize(n);
+  };
+  ws.dp = tiles::round_up(p.d, kLanes);
+  grow(ws.q, static_cast<std::size_t>(rows) * ws.dp);
+  grow(ws.o, static_cast<std::size_t>(rows) * ws.dp);
+  grow(ws.state, rows);
+  grow(ws.slope, rows);
+  grow(ws.kc, static_cast<std::size_t>(p.h_k) * keys * ws.dp);
+  grow(ws.vc, static_cast<std::size_t>(p.h_k) * keys * ws.dp);
+  grow(ws.k_off, static_cast<std::size_t>(p.h_k) * keys);
+  grow(ws.v_off, static_cast<std::size_t>(p.h_k) * keys);
+  grow(ws.s, kDecodeRows * kDecodeMaxKeys);
   return ws;
 }
 
@@ -571,78 +581,88 @@ void kv_rows(const FwdParams& p, const detail::Strides& st, int b, std::int64_t 
   }
 }
 
-// ws.k_rows, ws.v_rows <- the chunk's n keys from row row0 of entry b, head hk, as rows of dp fp32:
-// fp32 rows with d a multiple of 8 in place, the others converted into ws.kc, ws.vc (zero past d);
-// K rows [n, cols) read ws.zero.
-void load_chunk(const FwdParams& p, int b, int hk, std::int64_t row0, int n, int cols, DecodeWorkspace& ws) {
-  kv_rows(p, p.k_stride, b, row0, n, hk, ws.k_off);
-  kv_rows(p, p.v_stride, b, row0, n, hk, ws.v_off);
+// ws.kc, ws.vc <- the n keys from row row0 of entry b, every KV head, as fp32 rows of dp, copied key
+// by key and head by head: in a cache's (rows, h_k, d) layout, and in a page, the order of memory,
+// which the hardware prefetchers follow. Read in place head by head instead, a task's reads were
+// 512-byte runs 4 KiB apart, each page visited once per head: b = 1, s_k = 32k, h_k = 8, d = 128
+// took 37-41 ms in fp32 and 28-31 in bf16, against 24-26 and 15-17 staged (2 threads, AMD EPYC;
+// a sequential read of the same bytes runs at 24 GB/s). A software prefetch of the next chunk
+// during this one's heads measured no better than the hardware prefetchers (22-26 ms).
+void stage_chunk(const FwdParams& p, int b, std::int64_t row0, int n, int keys, DecodeWorkspace& ws) {
   const int dp = ws.dp;
-  if (p.dtype == DType::f32 && p.d == dp) {
-    for (int c = 0; c < n; ++c) {
-      ws.k_rows[c] = static_cast<const float*>(p.k) + ws.k_off[c];
-      ws.v_rows[c] = static_cast<const float*>(p.v) + ws.v_off[c];
-    }
-  } else {
-    for (int c = 0; c < n; ++c) {
-      float* k = ws.kc.data() + static_cast<std::ptrdiff_t>(c) * dp;
-      float* v = ws.vc.data() + static_cast<std::ptrdiff_t>(c) * dp;
-      tiles::load_row(p.k, p.dtype, ws.k_off[c], p.d, 1.0f, k);
-      tiles::load_row(p.v, p.dtype, ws.v_off[c], p.d, 1.0f, v);
+  for (int hk = 0; hk < p.h_k; ++hk) {
+    kv_rows(p, p.k_stride, b, row0, n, hk, ws.k_off.data() + hk * keys);
+    kv_rows(p, p.v_stride, b, row0, n, hk, ws.v_off.data() + hk * keys);
+  }
+  for (int c = 0; c < n; ++c)
+    for (int hk = 0; hk < p.h_k; ++hk) {
+      const std::ptrdiff_t at = static_cast<std::ptrdiff_t>(hk) * keys + c;
+      float* k = ws.kc.data() + at * dp;
+      float* v = ws.vc.data() + at * dp;
+      tiles::load_row(p.k, p.dtype, ws.k_off[at], p.d, 1.0f, k);
+      tiles::load_row(p.v, p.dtype, ws.v_off[at], p.d, 1.0f, v);
       std::fill(k + p.d, k + dp, 0.0f);
       std::fill(v + p.d, v + dp, 0.0f);
-      ws.k_rows[c] = k;
-      ws.v_rows[c] = v;
     }
-  }
-  for (int c = n; c < cols; ++c) ws.k_rows[c] = ws.zero.data();
+  for (int hk = 0; hk < p.h_k; ++hk)  // score columns past the keys read zero rows
+    std::fill(ws.kc.data() + (static_cast<std::ptrdiff_t>(hk) * keys + n) * dp,
+              ws.kc.data() + (static_cast<std::ptrdiff_t>(hk) * keys + tiles::round_up(n, kLanes)) * dp, 0.0f);
 }
 
-// ws.o, ws.state <- the fold of key chunks [c_lo, c_hi) (on the kDecodeKeys grid of entry b) into
-// the rows of (entry b, KV head hk), unnormalised; returns the number of rows, len_q · group. The
-// stages of fold_keys, on gathered rows: scores, transform_row, Kernels::softmax_rows, the
-// monoid's merge, dropout, the rescale of O, O += P·V.
-int decode_fold(const FwdParams& p, const Kernels& kn, int b, int hk, std::int64_t c_lo, std::int64_t c_hi,
+// KV head hk's m rows (from row r0 = hk·m of the task's, state and o there) folded over the staged
+// chunk: keys j0 .. j0 + n. The stages of fold_keys: scores, transform_row, Kernels::softmax_rows,
+// the monoid's merge, dropout, the rescale of O, O += P·V.
+void fold_chunk(const FwdParams& p, const Kernels& kn, const SeqInfo& si, const detail::Band& band, int hk, int m,
+                std::int64_t j0, int n, int keys, bool first, DecodeWorkspace& ws) {
+  const int dp = ws.dp, cols = tiles::round_up(n, kLanes), r0 = hk * m;
+  float* o = ws.o.data() + static_cast<std::ptrdiff_t>(r0) * dp;
+  RowState* state = ws.state.data() + r0;
+  const float* k = ws.kc.data() + static_cast<std::ptrdiff_t>(hk) * keys * dp;  // (cols, dp)
+  const float* v = ws.vc.data() + static_cast<std::ptrdiff_t>(hk) * keys * dp;  // (n, dp)
+  kn.dot_rows(m, cols, dp, ws.q.data() + static_cast<std::ptrdiff_t>(r0) * dp, dp, k, dp, ws.s.data(), cols);
+  const bool needs_mask = band.tile_needs_mask(0, si.len_q, j0, j0 + n, si.len_k);
+  for (int r = 0; r < m; ++r) {
+    transform_row(p, band, ws.slope[r0 + r], needs_mask, (r0 + r) % si.len_q, j0, n, cols, ws.s.data() + r * cols);
+    ws.m_run[r] = state[r].m;
+  }
+  kn.softmax_rows(ws.s.data(), m, cols, tiles::kLog2e, kLazyRescale, ws.m_run, ws.sums);
+  for (int r = 0; r < m; ++r) {
+    float fa, fb;
+    state[r] = detail::merge(state[r], RowState{ws.m_run[r], ws.sums[r]}, &fa, &fb);
+    if (p.dropout_p > 0.0f)
+      apply_dropout(p, detail::dropout_row_id(p, (r0 + r) / si.len_q, si, (r0 + r) % si.len_q), j0, n,
+                    ws.s.data() + r * cols);
+    if (!first && fa != 1.0f) kn.scale_row(o + r * dp, dp, fa);
+  }
+  (first ? kn.gemm : kn.gemm_acc)(m, dp, n, ws.s.data(), cols, v, dp, o, dp);
+}
+
+// ws.o, ws.state <- the fold of key chunks [c_lo, c_hi) (chunks of `keys` keys of entry b) into
+// every query row of entry b, unnormalised; returns the number of rows, h·len_q.
+int decode_fold(const FwdParams& p, const Kernels& kn, int b, int keys, std::int64_t c_lo, std::int64_t c_hi,
                 DecodeWorkspace& ws) {
   const SeqInfo si = seq_info(p, b);
   const detail::Band band = band_of(p, si);
-  const int g = p.group(), dp = ws.dp, m = si.len_q * g;
-  if (m == 0) return 0;
-  for (int r = 0; r < m; ++r) {
-    const int hq = hk * g + r / si.len_q;
+  const int dp = ws.dp, rows = p.h * si.len_q, m = si.len_q * p.group();
+  if (rows == 0) return 0;
+  for (int r = 0; r < rows; ++r) {
+    const int hq = r / si.len_q;
     float* q = ws.q.data() + static_cast<std::ptrdiff_t>(r) * dp;
     tiles::load_row(p.q, p.dtype, detail::offset_of(p.q_stride, b, si.q_row0 + r % si.len_q, hq), p.d, p.scale, q);
     std::fill(q + p.d, q + dp, 0.0f);
     ws.slope[r] = detail::alibi_slope(p, b, hq);
     ws.state[r] = RowState{};
   }
-  // Key chunks that hold a visible key for some row.
-  const std::int64_t k_begin = std::max(band.key_begin(0, si.len_k) / kDecodeKeys * kDecodeKeys, c_lo * kDecodeKeys);
-  const std::int64_t k_end = std::min<std::int64_t>({band.key_end(si.len_q, si.len_k), si.len_k, c_hi * kDecodeKeys});
-  for (std::int64_t j0 = k_begin; j0 < k_end; j0 += kDecodeKeys) {
-    const int n = static_cast<int>(std::min<std::int64_t>(kDecodeKeys, k_end - j0));
-    const int cols = tiles::round_up(n, kLanes);
-    load_chunk(p, b, hk, si.k_row0 + j0, n, cols, ws);
-    kn.dot_rows(m, cols, dp, ws.q.data(), dp, ws.k_rows, ws.s.data(), cols);
-
-    const bool needs_mask = band.tile_needs_mask(0, si.len_q, j0, j0 + n, si.len_k);
-    for (int r = 0; r < m; ++r) {
-      transform_row(p, band, ws.slope[r], needs_mask, r % si.len_q, j0, n, cols, ws.s.data() + r * cols);
-      ws.m_run[r] = ws.state[r].m;
-    }
-    kn.softmax_rows(ws.s.data(), m, cols, tiles::kLog2e, kLazyRescale, ws.m_run, ws.sums);
-    const bool first = j0 == k_begin;
-    for (int r = 0; r < m; ++r) {
-      float fa, fb;
-      ws.state[r] = detail::merge(ws.state[r], RowState{ws.m_run[r], ws.sums[r]}, &fa, &fb);
-      if (p.dropout_p > 0.0f)
-        apply_dropout(p, detail::dropout_row_id(p, hk * g + r / si.len_q, si, r % si.len_q), j0, n, ws.s.data() + r * cols);
-      if (!first && fa != 1.0f) kn.scale_row(ws.o.data() + r * dp, dp, fa);
-    }
-    (first ? kn.gemm_gathered : kn.gemm_gathered_acc)(m, dp, n, ws.s.data(), cols, ws.v_rows, ws.o.data(), dp);
+  // Chunks that hold a visible key for some row.
+  const std::int64_t k_begin = std::max(band.key_begin(0, si.len_k) / keys * keys, c_lo * keys);
+  const std::int64_t k_end = std::min<std::int64_t>({band.key_end(si.len_q, si.len_k), si.len_k, c_hi * keys});
+  for (std::int64_t j0 = k_begin; j0 < k_end; j0 += keys) {
+    const int n = static_cast<int>(std::min<std::int64_t>(keys, k_end - j0));
+    stage_chunk(p, b, si.k_row0 + j0, n, keys, ws);
+    for (int hk = 0; hk < p.h_k; ++hk) fold_chunk(p, kn, si, band, hk, m, j0, n, keys, j0 == k_begin, ws);
   }
-  if (k_begin >= k_end) std::fill(ws.o.begin(), ws.o.begin() + static_cast<std::ptrdiff_t>(m) * dp, 0.0f);
-  return m;
+  if (k_begin >= k_end) std::fill(ws.o.begin(), ws.o.begin() + static_cast<std::ptrdiff_t>(rows) * dp, 0.0f);
+  return rows;
 }
 
 }  // namespace
@@ -690,39 +710,37 @@ void flash_forward_tiled(const FwdParams& p, int num_threads, const Kernels& kn)
 }
 
 // Decoding, the second mainloop (decode_fold above): one parallel region without a barrier, tasks
-// (batch entry, KV head, key split), splits by the shape as the tiled path's.
+// (batch entry, key split), splits by the shape as the tiled path's.
 void flash_forward_decode(const FwdParams& p, int num_threads, const Kernels& kn) {
-  const std::int64_t items = static_cast<std::int64_t>(p.batch) * p.h_k;
+  const std::int64_t items = p.batch;
+  const int keys = decode_chunk_keys(p);
   int rows = 0;
   std::int64_t max_chunks = 0;
   for (int b = 0; b < p.batch; ++b) {
     const SeqInfo si = seq_info(p, b);
-    rows = std::max(rows, si.len_q * p.group());
-    max_chunks = std::max<std::int64_t>(max_chunks, (si.len_k + kDecodeKeys - 1) / kDecodeKeys);
+    rows = std::max(rows, si.len_q * p.h);
+    max_chunks = std::max<std::int64_t>(max_chunks, (si.len_k + keys - 1) / keys);
   }
   const int splits = key_splits(items, max_chunks);
   const std::int64_t tasks = splits * items;
   const int dp = tiles::round_up(p.d, kLanes);
-  // The partials in the calling thread's kept scratch (at most 64 + items < 128 slots of 16 rows,
-  // 2 MiB at d = 256): fresh memory per call would be page faults per call.
+  // The partials in the calling thread's kept scratch (fresh memory per call would be page faults
+  // per call): fewer than 2·kTargetTasks slots of h·s_q rows.
   Partials parts;
   if (splits > 1) parts.place(tasks, items, rows, dp, kept_scratch(Partials::bytes(tasks, items, rows, dp), parts.owned));
   const int threads = static_cast<int>(std::min<std::int64_t>(num_threads > 0 ? num_threads : omp_get_max_threads(), tasks));
 #pragma omp parallel num_threads(std::max(threads, 1))
   {
-    DecodeWorkspace& ws = decode_workspace(p.d);
+    DecodeWorkspace& ws = decode_workspace(rows, keys, p);
 #pragma omp for schedule(dynamic, 1) nowait
     for (std::int64_t task = 0; task < tasks; ++task) {
-      const std::int64_t t = task % items;
-      const int c = static_cast<int>(task / items);
-      const int b = static_cast<int>(t / p.h_k), hk = static_cast<int>(t % p.h_k);
+      const int b = static_cast<int>(task % items), c = static_cast<int>(task / items);
       const SeqInfo si = seq_info(p, b);
-      const std::int64_t chunks = (si.len_k + kDecodeKeys - 1) / kDecodeKeys;
-      const int m = decode_fold(p, kn, b, hk, chunks * c / splits, chunks * (c + 1) / splits, ws);
-      finish_task(parts, splits, items, task, m, ws.o.data(), ws.state, [&](const float* o, const RowState* state) {
-        for (int g = 0; g < p.group(); ++g)
-          store_rows(p, b, hk * p.group() + g, 0, si.len_q, o + static_cast<std::ptrdiff_t>(g) * si.len_q * dp, dp,
-                     state + g * si.len_q);
+      const std::int64_t chunks = (si.len_k + keys - 1) / keys;
+      const int m = decode_fold(p, kn, b, keys, chunks * c / splits, chunks * (c + 1) / splits, ws);
+      finish_task(parts, splits, items, task, m, ws.o.data(), ws.state.data(), [&](const float* o, const RowState* state) {
+        for (int hq = 0; hq < p.h; ++hq)
+          store_rows(p, b, hq, 0, si.len_q, o + static_cast<std::ptrdiff_t>(hq) * si.len_q * dp, dp, state + hq * si.len_q);
       });
     }
   }

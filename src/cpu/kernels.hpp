@@ -57,13 +57,10 @@ struct Kernels {
   // faster without it (s = 2k and 8k, d = 64 and 128, 1 and 2 threads): the hardware prefetchers
   // keep up and the prefetches stalled on fill buffers.
   bool prefetch_kv;
-  // The decoding path's products (flash_fwd.cpp), reading K and V rows where they are (rows[c], dp
-  // floats each, dp a multiple of 8):
-  //   dot_rows:      S (m, n) = A (m, dp) · Bᵀ with B's row c at rows[c]; n a multiple of 4.
-  //   gemm_gathered: C (M, N) = A (M, K) · B with B's row k at rows[k] (as gemm; _acc adds into C).
-  void (*dot_rows)(int m, int n, int dp, const float* A, int lda, const float* const* rows, float* S, int lds);
-  void (*gemm_gathered)(int M, int N, int K, const float* A, int lda, const float* const* rows, float* C, int ldc);
-  void (*gemm_gathered_acc)(int M, int N, int K, const float* A, int lda, const float* const* rows, float* C, int ldc);
+  // S (m, n) = A (m, dp) · Bᵀ, B (n, dp) row-major (ldb, lda, lds in elements): the decoding path's
+  // scores (flash_fwd.cpp), one query row against K's rows without transposing K; n a multiple
+  // of 4, dp of 8.
+  void (*dot_rows)(int m, int n, int dp, const float* A, int lda, const float* B, int ldb, float* S, int lds);
   // Only where the ISA has a bf16 dot product (VDPBF16PS), else nullptr: the products from bf16
   // pairs, and pairs[j] <- (bf16(x[2j]), bf16(x[2j + 1])) for 2j < n (n a multiple of 16; round to
   // nearest even, denormals to zero), which turns the forward's probabilities into an A operand.

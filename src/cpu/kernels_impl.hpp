@@ -61,28 +61,11 @@ struct Bf16Pairs {
   }
 };
 
-// Where row k of a product's B operand is: B + k·ldb (Strided), or rows[k] (Gathered: the rows of a
-// KV cache read where they are, by the decoding path, flash_fwd.cpp); at(j) moves to column j.
-template <class E>
-struct Strided {
-  const E* b;
-  int ld;
-  const E* row(int k) const { return b + static_cast<std::int64_t>(k) * ld; }
-  Strided at(int j) const { return {b + j, ld}; }
-};
-template <class E>
-struct Gathered {
-  const E* const* rows;
-  int col;
-  const E* row(int k) const { return rows[k] + col; }
-  Gathered at(int j) const { return {rows, col + j}; }
-};
-
 // GCC 12 keeps c[][] on the stack, storing every accumulator each k step (65 instead of 105
 // GFLOP/s at 96×64×128, AVX2), unless the constant loops are unrolled before scalar replacement:
 // hence the pragmas.
-template <class Op, class V, int MR, int NV, bool Acc, bool TransA, class B, class E = typename Op::Elem>
-inline void micro_kernel(int K, const E* A, int lda, B b_rows, float* C, int ldc) {
+template <class Op, class V, int MR, int NV, bool Acc, bool TransA, class E = typename Op::Elem>
+inline void micro_kernel(int K, const E* A, int lda, const E* B, int ldb, float* C, int ldc) {
   constexpr int L = simd::lanes<V>;
   V c[MR][NV];
 #pragma GCC unroll 16
@@ -90,10 +73,9 @@ inline void micro_kernel(int K, const E* A, int lda, B b_rows, float* C, int ldc
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) c[r][v] = Acc ? simd::loadu<V>(C + r * ldc + v * L) : V{};
   for (int k = 0; k < K; ++k) {
-    decltype(Op::template load_b<V>(b_rows.row(k))) b[NV];
-    const E* row = b_rows.row(k);
+    decltype(Op::template load_b<V>(B)) b[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) b[v] = Op::template load_b<V>(row + v * L);
+    for (int v = 0; v < NV; ++v) b[v] = Op::template load_b<V>(B + static_cast<std::int64_t>(k) * ldb + v * L);
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
       const E a = TransA ? A[static_cast<std::int64_t>(k) * lda + r] : A[r * lda + k];
@@ -108,53 +90,42 @@ inline void micro_kernel(int K, const E* A, int lda, B b_rows, float* C, int ldc
 }
 
 // The last rows of a panel, fewer than a full block: one micro-kernel of exactly that height.
-template <class Op, class V, int NV, bool Acc, bool TransA, int MR = Tile<V>::MR - 1, class B, class E = typename Op::Elem>
-inline void rest_rows(int rows, int K, const E* A, int lda, B b_rows, float* C, int ldc) {
+template <class Op, class V, int NV, bool Acc, bool TransA, int MR = Tile<V>::MR - 1, class E = typename Op::Elem>
+inline void rest_rows(int rows, int K, const E* A, int lda, const E* B, int ldb, float* C, int ldc) {
   if constexpr (MR > 0) {
     if (rows == MR)
-      micro_kernel<Op, V, MR, NV, Acc, TransA>(K, A, lda, b_rows, C, ldc);
+      micro_kernel<Op, V, MR, NV, Acc, TransA>(K, A, lda, B, ldb, C, ldc);
     else
-      rest_rows<Op, V, NV, Acc, TransA, MR - 1>(rows, K, A, lda, b_rows, C, ldc);
+      rest_rows<Op, V, NV, Acc, TransA, MR - 1>(rows, K, A, lda, B, ldb, C, ldc);
   }
 }
 
-template <class Op, class V, int NV, bool Acc, bool TransA, class B, class E = typename Op::Elem>
-inline void gemm_panel(int M, int K, const E* A, int lda, B b_rows, float* C, int ldc) {
+template <class Op, class V, int NV, bool Acc, bool TransA, class E = typename Op::Elem>
+inline void gemm_panel(int M, int K, const E* A, int lda, const E* B, int ldb, float* C, int ldc) {
   constexpr int MR = Tile<V>::MR;
   const auto a_rows = [&](int i) { return TransA ? A + i : A + i * lda; };
   int i = 0;
-  for (; i + MR <= M; i += MR) micro_kernel<Op, V, MR, NV, Acc, TransA>(K, a_rows(i), lda, b_rows, C + i * ldc, ldc);
-  rest_rows<Op, V, NV, Acc, TransA>(M - i, K, a_rows(i), lda, b_rows, C + i * ldc, ldc);
+  for (; i + MR <= M; i += MR) micro_kernel<Op, V, MR, NV, Acc, TransA>(K, a_rows(i), lda, B, ldb, C + i * ldc, ldc);
+  rest_rows<Op, V, NV, Acc, TransA>(M - i, K, a_rows(i), lda, B, ldb, C + i * ldc, ldc);
 }
 
 // Column panels outermost: one K×(NV·L) panel of B (8 KiB at K = 64, AVX-512) stays in L1 while
 // the row blocks of A stream past it. Columns left over: one vector of V, then one of 8 lanes.
-template <class Op, class V, bool Acc, bool TransA, class B, class E = typename Op::Elem>
-void gemm_rows_of(int M, int N, int K, const E* A, int lda, B b_rows, float* C, int ldc) {
-  constexpr int L = simd::lanes<V>, NV = Tile<V>::NV;
-  int j = 0;
-  for (; j + NV * L <= N; j += NV * L) gemm_panel<Op, V, NV, Acc, TransA>(M, K, A, lda, b_rows.at(j), C + j, ldc);
-  if constexpr (NV > 1)
-    for (; j + L <= N; j += L) gemm_panel<Op, V, 1, Acc, TransA>(M, K, A, lda, b_rows.at(j), C + j, ldc);
-  if constexpr (L > 8)
-    if (j < N) gemm_panel<Op, f32x8, 1, Acc, TransA>(M, K, A, lda, b_rows.at(j), C + j, ldc);
-}
-
 template <class Op, class V, bool Acc, bool TransA, class E = typename Op::Elem>
 void gemm(int M, int N, int K, const E* A, int lda, const E* B, int ldb, float* C, int ldc) {
-  gemm_rows_of<Op, V, Acc, TransA>(M, N, K, A, lda, Strided<E>{B, ldb}, C, ldc);
-}
-
-// Kernels::gemm_gathered: B's rows where they are.
-template <class V, bool Acc>
-void gemm_gathered(int M, int N, int K, const float* A, int lda, const float* const* rows, float* C, int ldc) {
-  gemm_rows_of<F32, V, Acc, false>(M, N, K, A, lda, Gathered<float>{rows, 0}, C, ldc);
+  constexpr int L = simd::lanes<V>, NV = Tile<V>::NV;
+  int j = 0;
+  for (; j + NV * L <= N; j += NV * L) gemm_panel<Op, V, NV, Acc, TransA>(M, K, A, lda, B + j, ldb, C + j, ldc);
+  if constexpr (NV > 1)
+    for (; j + L <= N; j += L) gemm_panel<Op, V, 1, Acc, TransA>(M, K, A, lda, B + j, ldb, C + j, ldc);
+  if constexpr (L > 8)
+    if (j < N) gemm_panel<Op, f32x8, 1, Acc, TransA>(M, K, A, lda, B + j, ldb, C + j, ldc);
 }
 
 // Kernels::dot_rows. Register block: RB rows of A × 4 rows of B, each pair's partial sums in one
 // vector (RB = 2 at 8 lanes: 8 accumulators + 4 B + 1 A of 16 ymm; 4 at 16 lanes, 21 of 32 zmm),
-// then the 4 sums of a row of A reduced together (three hadd, one add of the halves: 4 scores for
-// the cost of about one reduction tree).
+// then a row of A's 4 sums reduced together (three hadd and one add of the halves: 4 scores for
+// about the cost of one reduction tree).
 template <class V>
 constexpr int kDotRows = simd::lanes<V> == 16 ? 4 : 2;
 
@@ -162,7 +133,7 @@ inline f32x8 to8(f32x8 v) { return v; }
 inline f32x8 to8(simd::f32x16 v) { return simd::half<0>(v) + simd::half<1>(v); }
 
 template <class V, int RB>
-inline void dot_block(int dp, const float* A, int lda, const float* const* rows, float* S, int lds) {
+inline void dot_block(int dp, const float* A, int lda, const float* B, int ldb, float* S, int lds) {
   constexpr int L = simd::lanes<V>;
   const int full = dp / L * L;
   V acc[RB][4];
@@ -173,7 +144,7 @@ inline void dot_block(int dp, const float* A, int lda, const float* const* rows,
   for (int x = 0; x < full; x += L) {
     V b[4];
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) b[c] = simd::loadu<V>(rows[c] + x);
+    for (int c = 0; c < 4; ++c) b[c] = simd::loadu<V>(B + c * ldb + x);
 #pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
       const V a = simd::loadu<V>(A + r * lda + x);
@@ -187,20 +158,22 @@ inline void dot_block(int dp, const float* A, int lda, const float* const* rows,
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
       s[c] = to8(acc[r][c]);
-      if (full < dp) s[c] += simd::loadu<f32x8>(A + r * lda + full) * simd::loadu<f32x8>(rows[c] + full);
+      if (full < dp) s[c] += simd::loadu<f32x8>(A + r * lda + full) * simd::loadu<f32x8>(B + c * ldb + full);
     }
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
     _mm_storeu_ps(S + r * lds, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
   }
 }
 
+// Keys (B's rows) outermost: 4 rows of B stay in L1 while every row block of A passes.
 template <class V>
-void dot_rows(int m, int n, int dp, const float* A, int lda, const float* const* rows, float* S, int lds) {
+void dot_rows(int m, int n, int dp, const float* A, int lda, const float* B, int ldb, float* S, int lds) {
   constexpr int RB = kDotRows<V>;
   for (int c = 0; c < n; c += 4) {
+    const float* b = B + static_cast<std::int64_t>(c) * ldb;
     int r = 0;
-    for (; r + RB <= m; r += RB) dot_block<V, RB>(dp, A + r * lda, lda, rows + c, S + r * lds + c, lds);
-    for (; r < m; ++r) dot_block<V, 1>(dp, A + r * lda, lda, rows + c, S + r * lds + c, lds);
+    for (; r + RB <= m; r += RB) dot_block<V, RB>(dp, A + r * lda, lda, b, ldb, S + r * lds + c, lds);
+    for (; r < m; ++r) dot_block<V, 1>(dp, A + r * lda, lda, b, ldb, S + r * lds + c, lds);
   }
 }
 
@@ -310,8 +283,7 @@ template <class V, bool Bf16 = false>
 constexpr Kernels make_kernels(Isa isa) {
   Kernels k{isa,        gemm<F32, V, false, false>, gemm<F32, V, true, false>, gemm<F32, V, false, true>,
             gemm<F32, V, true, true>, softmax_rows<V>, scale_row<V>, softmax_grad<V>,
-            Tile<V>::NV * simd::lanes<V>, simd::lanes<V> == 8, dot_rows<V>, gemm_gathered<V, false>,
-            gemm_gathered<V, true>};
+            Tile<V>::NV * simd::lanes<V>, simd::lanes<V> == 8, dot_rows<V>};
   if constexpr (Bf16) {
     k.gemm_bf16 = gemm<Bf16Pairs, V, false, false>;
     k.gemm_bf16_acc = gemm<Bf16Pairs, V, true, false>;
