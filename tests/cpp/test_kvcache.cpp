@@ -207,6 +207,19 @@ TEST(KvCacheDecode, HeadDimsGroupsAndDtypes) {
     }
 }
 
+TEST(KvCacheDecode, ManyHeadsStageChunksOfEightKeys) {
+  KvShape s = base(256, DType::bf16);  // 40 KV heads of 256: 8-key chunks (decode_chunk_keys), 8 splits
+  s.b = 1;
+  s.h = 40;
+  s.h_k = 40;
+  s.capacity = 100;
+  s.s_q = 1;
+  s.page_size = 3;
+  s.window_left = 50;
+  s.window_right = 0;
+  run_case(s);
+}
+
 TEST(KvCacheDecode, SplitsOnAndOff) {
   KvShape on = base(64, DType::f32);  // b·h_k = 2 items: 8 splits of the up to 16 chunks
   on.b = 1;
