@@ -20,7 +20,7 @@ void reference_backward(const detail::BwdParams& p, Precision prec = Precision::
 
 // Tiled online-softmax forward/backward (src/cpu/flash_fwd.cpp, flash_bwd.cpp).
 // num_threads <= 0 uses the OpenMP default; kn: the kernels of the ISA to run (kernels_for()).
-// flash_forward runs flash_forward_decode where decode_path(p) (every sequence's s_q·group <= 16:
+// flash_forward runs flash_forward_decode where decode_path(p) (every sequence's s_q·group <= 32:
 // K/V rows read where they are, no packing), else flash_forward_tiled; tests and benchmarks call
 // either directly.
 void flash_forward(const detail::FwdParams& p, int num_threads, const Kernels& kn);

@@ -243,7 +243,7 @@ TEST(FlashBackward, OneKeyRowsUnderDropoutMeetTheRule) {
 }
 
 // The decoding mainloop (flash_forward_decode: K/V rows read in place) called directly, on both
-// kernel widths, over few query rows per KV head: s_q 1..4, keys around the 64-key chunks (1, 63,
+// kernel widths, over few query rows per KV head: s_q 1..8, keys around the 64-key chunks (1, 63,
 // 64, 65, 700), MHA/GQA/MQA, every score option and dropout, odd head dims, and varlen with empty
 // sequences; then the same problems through flash_forward_tiled, which must agree with the
 // reference as well (the dispatch boundary: decode_path switches between the two).
@@ -254,7 +254,7 @@ std::vector<Shape> decode_grid() {
   std::vector<Shape> out;
   int n = 0;
   for (int sk : seqlens_k)
-    for (int sq : {1, 2, 4}) {
+    for (int sq : {1, 2, 4, 8}) {
       Shape s;
       s.b = 2;
       s.s_q = sq;
@@ -262,7 +262,7 @@ std::vector<Shape> decode_grid() {
       s.d = head_dims[n % 6];
       s.h = heads[n % 4][0];
       s.h_k = heads[n % 4][1];
-      if (sq * s.h / s.h_k > 16) s.h = 2 * s.h_k;
+      if (sq * s.h / s.h_k > 32) s.h = 2 * s.h_k;
       s.dtype = n % 3 == 2 ? DType::f16 : n % 3 == 1 ? DType::bf16 : DType::f32;
       switch (n % 6) {
         case 0: break;
@@ -328,8 +328,8 @@ TEST(FlashDecode, BitIdenticalForAnyThreadCount) {
   }
 }
 
-// decode_path: every sequence's s_q · group at most 16.
-TEST(FlashDecode, DispatchSwitchesAboveSixteenRowsPerKvHead) {
+// decode_path: every sequence's s_q · group at most 32.
+TEST(FlashDecode, DispatchSwitchesAboveThirtyTwoRowsPerKvHead) {
   const auto decode_path = [](const Shape& s) {
     Problem pb(s);
     HostTensor o = pb.new_out(), l = pb.new_lse();
@@ -341,19 +341,19 @@ TEST(FlashDecode, DispatchSwitchesAboveSixteenRowsPerKvHead) {
   s.s_k = 3;
   s.h_k = 1;
   s.d = 8;
-  for (int group : {1, 2, 4, 8, 16})
-    for (int sq = 1; sq <= 17; ++sq) {
+  for (int group : {1, 2, 4, 8, 16, 32})
+    for (int sq = 1; sq <= 33; ++sq) {
       s.s_q = sq;
       s.h = group;
-      EXPECT_EQ(decode_path(s), sq * group <= 16) << "s_q " << sq << " group " << group;
+      EXPECT_EQ(decode_path(s), sq * group <= 32) << "s_q " << sq << " group " << group;
     }
   s.varlen = true;  // the longest sequence decides
   s.b = 3;
-  s.lens_q = {1, 5, 0};
+  s.lens_q = {1, 9, 0};
   s.lens_k = {4, 4, 4};
   s.h = 4;
   EXPECT_FALSE(decode_path(s));
-  s.lens_q = {1, 4, 0};
+  s.lens_q = {1, 8, 0};
   EXPECT_TRUE(decode_path(s));
 }
 

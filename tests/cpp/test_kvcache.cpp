@@ -148,7 +148,8 @@ TEST(KvCache, HeadDimsAndGroups) {
 }
 
 // The decoding path (few query rows per KV head: flash_forward_decode reads the cache in place)
-// and the boundary where flash_forward switches to the tiled path (s_q · group > 16).
+// and the boundary where flash_forward switches to the tiled path (s_q · group > 32: s_q 16 to 17
+// at group 2, 8 to 9 at group 4).
 TEST(KvCacheDecode, PagesBatchIndexAndLeftpad) {
   for (int page : {0, 1, 3, 16, 64})
     for (DType t : {DType::f32, DType::bf16}) {
@@ -169,7 +170,7 @@ TEST(KvCacheDecode, PagesBatchIndexAndLeftpad) {
 
 TEST(KvCacheDecode, QueryRowsAcrossTheSwitchWithMasksAndScoreMods) {
   for (int sq = 1; sq <= 17; ++sq)
-    for (int group : {1, 4}) {
+    for (int group : {1, 2, 4}) {
       KvShape s = base(64, sq % 2 ? DType::f32 : DType::bf16);
       s.s_q = sq;
       s.s_new = sq % 3;
