@@ -155,7 +155,7 @@ TEST(KvCacheDecode, PagesBatchIndexAndLeftpad) {
     for (DType t : {DType::f32, DType::bf16}) {
       KvShape s = base(128, t);
       s.page_size = page;
-      s.capacity = 300;  // up to 5 chunks of 64 keys, split across tasks (b·h_k = 6 items)
+      s.capacity = 300;  // up to 5 chunks of 64 keys, a split each (3 items: batch entries)
       s.b = 3;
       s.h = 8;
       s.h_k = 2;
@@ -222,7 +222,7 @@ TEST(KvCacheDecode, ManyHeadsStageChunksOfEightKeys) {
 }
 
 TEST(KvCacheDecode, SplitsOnAndOff) {
-  KvShape on = base(64, DType::f32);  // b·h_k = 2 items: 8 splits of the up to 16 chunks
+  KvShape on = base(64, DType::f32);  // 1 item (batch entry): 8 splits of the 15 chunks of 64 keys
   on.b = 1;
   on.h = 8;
   on.h_k = 2;
@@ -231,8 +231,8 @@ TEST(KvCacheDecode, SplitsOnAndOff) {
   on.page_size = 64;
   on.causal = true;
   run_case(on);
-  KvShape off = on;  // 16 · 4 = 64 items: no splits
-  off.b = 16;
+  KvShape off = on;  // 64 items: no splits, up to 4 chunks each
+  off.b = 64;
   off.h_k = 4;
   off.held = -1;
   off.capacity = 200;
