@@ -3,8 +3,10 @@
 // process so that a shared machine slows them alike. Per shape: the median time per call over the
 // repeats and the minor page faults per call, of each path.
 //
-//   decode-cpu-bench [--threads 2] [--repeats 9] [--decode-only] [b,s_k,h,h_k,d,dtype,s_q ...]
+//   decode-cpu-bench [--threads 2] [--repeats 9] [--decode-only] [--pages P] [b,s_k,h,h_k,d,dtype,s_q ...]
 //
+// --pages P: instead, forward_kvcache (public API, no new rows) over a contiguous cache against the
+// same rows in pages of P rows behind a shuffled block table, alternated.
 // Default shapes: those of CPU_DECODE_NOTES.md. A shape's K/V (b, s_k, h_k, d) is filled with
 // fresh random values; q (b, s_q, h, d); not causal (as torch's SDPA at these shapes).
 #include <omp.h>
@@ -19,6 +21,7 @@
 #include <vector>
 
 #include "api/validate.hpp"
+#include "flashmonoid/kvcache.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "cpu/numeric.hpp"
 
@@ -90,16 +93,76 @@ void run(const Case& c, int threads, int repeats, bool decode_only, std::mt19937
   std::fflush(stdout);
 }
 
+// forward_kvcache over a contiguous cache (b, s_k, h_k, d) against pages of `page` rows.
+void run_pages(const Case& c, int page, int threads, int repeats, std::mt19937& rng) {
+  const std::size_t es = flashmonoid::dtype_size(c.dtype);
+  const int pages_per_seq = (c.s_k + page - 1) / page, num_pages = c.b * pages_per_seq;
+  const std::size_t row = static_cast<std::size_t>(c.h_k) * c.d * es;
+  std::vector<std::uint8_t> q(static_cast<std::size_t>(c.b) * c.s_q * c.h * c.d * es), o(q.size()),
+      k(static_cast<std::size_t>(c.b) * c.s_k * row), v(k.size()),
+      kp(static_cast<std::size_t>(num_pages) * page * row), vp(kp.size());
+  std::vector<float> lse(static_cast<std::size_t>(c.b) * c.h * c.s_q);
+  fill(q, c.dtype, rng);
+  fill(k, c.dtype, rng);
+  fill(v, c.dtype, rng);
+  std::vector<int> table(num_pages);
+  for (int i = 0; i < num_pages; ++i) table[i] = i;
+  std::shuffle(table.begin(), table.end(), rng);
+  for (int b = 0; b < c.b; ++b)
+    for (int r = 0; r < c.s_k; ++r) {
+      const std::size_t from = (static_cast<std::size_t>(b) * c.s_k + r) * row;
+      const std::size_t to = (static_cast<std::size_t>(table[b * pages_per_seq + r / page]) * page + r % page) * row;
+      std::copy_n(k.data() + from, row, kp.data() + to);
+      std::copy_n(v.data() + from, row, vp.data() + to);
+    }
+  const flashmonoid::Device dev{};
+  const TensorView qv(q.data(), c.dtype, dev, {c.b, c.s_q, c.h, c.d}), ov(o.data(), c.dtype, dev, {c.b, c.s_q, c.h, c.d}),
+      lv(lse.data(), DType::f32, dev, {c.b, c.h, c.s_q});
+  flashmonoid::KVCache contiguous, paged;
+  contiguous.k = TensorView(k.data(), c.dtype, dev, {c.b, c.s_k, c.h_k, c.d});
+  contiguous.v = TensorView(v.data(), c.dtype, dev, {c.b, c.s_k, c.h_k, c.d});
+  contiguous.seqlen = c.s_k;
+  paged.k = TensorView(kp.data(), c.dtype, dev, {num_pages, page, c.h_k, c.d});
+  paged.v = TensorView(vp.data(), c.dtype, dev, {num_pages, page, c.h_k, c.d});
+  paged.block_table = TensorView(table.data(), DType::i32, dev, {c.b, pages_per_seq});
+  paged.seqlen = c.s_k;
+  flashmonoid::Context ctx;
+  ctx.num_threads = threads;
+  const double work = static_cast<double>(c.b) * c.s_k * row * 2;
+  const int calls = std::clamp(static_cast<int>(2e8 / std::max(work, 1.0)), 1, 2000);
+  const flashmonoid::KVCache* caches[2] = {&contiguous, &paged};
+  std::vector<double> us[2];
+  double faults[2] = {0, 0};
+  for (const auto* cache : caches) flashmonoid::forward_kvcache(qv, *cache, {}, {}, {}, ov, lv, {}, ctx);
+  for (int r = 0; r < repeats; ++r)
+    for (int i = 0; i < 2; ++i) {
+      const int which = (r + i) % 2;
+      const long f0 = minor_faults();
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int n = 0; n < calls; ++n) flashmonoid::forward_kvcache(qv, *caches[which], {}, {}, {}, ov, lv, {}, ctx);
+      const auto t1 = std::chrono::steady_clock::now();
+      faults[which] += static_cast<double>(minor_faults() - f0) / calls;
+      us[which].push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / calls);
+    }
+  std::printf("kvcache b=%d s_k=%d h=%d h_k=%d d=%d %s s_q=%d | contiguous %.1f us (%.1f faults) | pages of %d %.1f us (%.1f faults)\n",
+              c.b, c.s_k, c.h, c.h_k, c.d, flashmonoid::to_string(c.dtype).c_str(), c.s_q, median(us[0]),
+              faults[0] / repeats, page, median(us[1]), faults[1] / repeats);
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int threads = 2, repeats = 9;
   bool decode_only = false;
+  int pages = 0;
   std::vector<Case> cases;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--threads" && i + 1 < argc) {
       threads = std::atoi(argv[++i]);
+    } else if (a == "--pages" && i + 1 < argc) {
+      pages = std::atoi(argv[++i]);
     } else if (a == "--decode-only") {
       decode_only = true;
     } else if (a == "--repeats" && i + 1 < argc) {
@@ -127,5 +190,10 @@ int main(int argc, char** argv) {
   }
   std::printf("threads %d, repeats %d, isa %s\n", threads, repeats, cpu::to_string(cpu::default_isa()));
   std::mt19937 rng(1234);
-  for (const Case& c : cases) run(c, threads, repeats, decode_only, rng);
+  for (const Case& c : cases) {
+    if (pages > 0)
+      run_pages(c, pages, threads, repeats, rng);
+    else
+      run(c, threads, repeats, decode_only, rng);
+  }
 }
