@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstddef>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "cpu/cpu_backend.hpp"
@@ -23,6 +24,7 @@
 #include "cpu/kernels.hpp"
 #include "cpu/profile.hpp"
 #include "flashmonoid/detail/monoid.hpp"
+#include "flashmonoid/error.hpp"
 #include "flashmonoid/detail/philox.hpp"
 
 namespace flashmonoid::cpu {
@@ -512,7 +514,6 @@ void finish_task(const Partials& parts, int splits, std::int64_t items, std::int
   }
 }
 
-
 // ---------------------------------------------------------------------------------------------
 // Decoding: few query rows per KV head (s_q·group <= kDecodeRows, as forward_kvcache's steps). The
 // tiled path above packs every K/V tile of the cache first: per decoding step a copy of the whole
@@ -528,6 +529,7 @@ void finish_task(const Partials& parts, int splits, std::int64_t items, std::int
 // (s_q = 16) 1.16x, 128 rows 0.95x; MHA at 64 rows 0.85x with s_k = 512.
 constexpr int kDecodeRows = 32;
 constexpr int kDecodeMaxKeys = 64;
+static_assert(kDecodeMaxKeys % 8 == 0, "chunks start on a Philox column group and fill whole 8-lane vectors");
 
 // Keys per chunk: a multiple of 8 up to 64, the chunk's K and V for every KV head (staged as fp32,
 // stage_chunk) within kDecodeStageBytes, so that they stay near the core while the heads fold them.
@@ -715,9 +717,18 @@ void flash_forward_tiled(const FwdParams& p, int num_threads, const Kernels& kn)
   }
 }
 
+bool decode_path(const FwdParams& p) {
+  for (int b = 0; b < p.batch; ++b)
+    if (static_cast<std::int64_t>(seq_info(p, b).len_q) * p.group() > kDecodeRows) return false;
+  return true;
+}
+
 // Decoding, the second mainloop (decode_fold above): one parallel region without a barrier, tasks
 // (batch entry, key split), splits by the shape as the tiled path's.
 void flash_forward_decode(const FwdParams& p, int num_threads, const Kernels& kn) {
+  if (!decode_path(p))  // the workspace's score rows (kDecodeRows)
+    throw Error("q", "flash_forward_decode takes at most " + std::to_string(kDecodeRows) +
+                         " query rows per KV head (s_q·group); use flash_forward");
   const std::int64_t items = p.batch;
   const int keys = decode_chunk_keys(p);
   int rows = 0;
@@ -750,12 +761,6 @@ void flash_forward_decode(const FwdParams& p, int num_threads, const Kernels& kn
       });
     }
   }
-}
-
-bool decode_path(const FwdParams& p) {
-  for (int b = 0; b < p.batch; ++b)
-    if (static_cast<std::int64_t>(seq_info(p, b).len_q) * p.group() > kDecodeRows) return false;
-  return true;
 }
 
 void flash_forward(const FwdParams& p, int num_threads, const Kernels& kn) {

@@ -355,6 +355,13 @@ TEST(FlashDecode, DispatchSwitchesAboveThirtyTwoRowsPerKvHead) {
   EXPECT_FALSE(decode_path(s));
   s.lens_q = {1, 8, 0};
   EXPECT_TRUE(decode_path(s));
+  Shape rows33;  // called directly past the boundary, the decoding mainloop refuses
+  rows33.s_q = 33;
+  rows33.s_k = 3;
+  rows33.d = 8;
+  Problem pb(rows33);
+  expect_error([&] { pb.flash(flashmonoid::cpu::kernels_avx2(), 0, flashmonoid::cpu::flash_forward_decode); }, "q",
+               "at most 32 query rows per KV head");
 }
 
 // Both passes' sums run in an order fixed by the shape (the forward's key splits and the
