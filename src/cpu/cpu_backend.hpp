@@ -20,7 +20,13 @@ void reference_backward(const detail::BwdParams& p, Precision prec = Precision::
 
 // Tiled online-softmax forward/backward (src/cpu/flash_fwd.cpp, flash_bwd.cpp).
 // num_threads <= 0 uses the OpenMP default; kn: the kernels of the ISA to run (kernels_for()).
+// flash_forward runs flash_forward_decode where decode_path(p) (every sequence's s_q·group <= 32:
+// the cache read a chunk of keys at a time, never packed whole), else flash_forward_tiled; tests
+// and benchmarks call either directly (flash_forward_decode throws past decode_path).
 void flash_forward(const detail::FwdParams& p, int num_threads, const Kernels& kn);
+void flash_forward_tiled(const detail::FwdParams& p, int num_threads, const Kernels& kn);
+void flash_forward_decode(const detail::FwdParams& p, int num_threads, const Kernels& kn);
+bool decode_path(const detail::FwdParams& p);
 void flash_backward(const detail::BwdParams& p, int num_threads, const Kernels& kn);
 
 void merge(const detail::MergeParams& p);

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstddef>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "cpu/cpu_backend.hpp"
@@ -23,6 +24,7 @@
 #include "cpu/kernels.hpp"
 #include "cpu/profile.hpp"
 #include "flashmonoid/detail/monoid.hpp"
+#include "flashmonoid/error.hpp"
 #include "flashmonoid/detail/philox.hpp"
 
 namespace flashmonoid::cpu {
@@ -67,6 +69,13 @@ struct Tasks {
 constexpr std::int64_t kTargetTasks = 64;
 constexpr int kMaxSplits = 8;
 
+// Splits of each item's key blocks so that there are about kTargetTasks tasks.
+int key_splits(std::int64_t items, std::int64_t max_key_blocks) {
+  if (items == 0) return 1;
+  const std::int64_t want = (kTargetTasks + items - 1) / items;
+  return static_cast<int>(std::clamp<std::int64_t>(std::min(want, max_key_blocks), 1, kMaxSplits));
+}
+
 Tasks make_tasks(const FwdParams& p) {
   Tasks t;
   t.first.assign(p.batch + 1, 0);
@@ -78,10 +87,7 @@ Tasks make_tasks(const FwdParams& p) {
     t.first[b + 1] = t.first[b] + static_cast<std::int64_t>(t.blocks[b]) * p.h;
     max_key_blocks = std::max<std::int64_t>(max_key_blocks, (si.len_k + kBlockN - 1) / kBlockN);
   }
-  if (t.items() > 0) {
-    const std::int64_t want = (kTargetTasks + t.items() - 1) / t.items();
-    t.splits = static_cast<int>(std::clamp<std::int64_t>(std::min(want, max_key_blocks), 1, kMaxSplits));
-  }
+  t.splits = key_splits(t.items(), max_key_blocks);
   return t;
 }
 
@@ -261,10 +267,10 @@ void pack_tile(const FwdParams& p, PackedKV& kv, std::int64_t t, Workspace& ws) 
 }
 
 // Score transforms in the order detail/mask.hpp defines them, in natural units (tiles::kLog2e
-// says why), on row i (in the sequence) of the tile, keys j0 .. j0 + n; columns [n, kBlockN)
+// says why), on row i (in the sequence) of the tile, keys j0 .. j0 + n; columns [n, cols)
 // become -inf.
 void transform_row(const FwdParams& p, const detail::Band& band, float slope, bool needs_mask, std::int64_t i,
-                   std::int64_t j0, int n, float* s) {
+                   std::int64_t j0, int n, int cols, float* s) {
   if (p.softcap > 0.0f) {
     const float inv = 1.0f / p.softcap;
     for (int c = 0; c < n; ++c) s[c] = p.softcap * std::tanh(s[c] * inv);
@@ -274,7 +280,7 @@ void transform_row(const FwdParams& p, const detail::Band& band, float slope, bo
   if (needs_mask)
     for (int c = 0; c < n; ++c)
       if (!band.visible(i, j0 + c)) s[c] = -INFINITY;
-  for (int c = n; c < kBlockN; ++c) s[c] = -INFINITY;
+  for (int c = n; c < cols; ++c) s[c] = -INFINITY;
 }
 
 // Kept probabilities times 1/(1-p), dropped ones 0 (key columns j0 .. j0 + n of dropout row row_id).
@@ -384,7 +390,7 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
       float* s = ws.s.data() + r * kBlockN;
       v_next.slice(r);
       if (scale_rows) kn.scale_row(s, kBlockN, p.scale);
-      transform_row(p, band, slope, needs_mask, i0 + r, j0, n, s);
+      transform_row(p, band, slope, needs_mask, i0 + r, j0, n, kBlockN, s);
       ws.m_run[r] = ws.state[r].m;
     }
     // The tile's partial states are expressed against m_run >= the running states' m, so that
@@ -417,77 +423,266 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
   return m;
 }
 
-// out, lse of the item's m rows from finished states: out = o / l, lse = ln 2·(m + log2 l).
-void store_rows(const FwdParams& p, Item it, int m, const float* o, int dp, const RowState* state) {
-  const SeqInfo si = seq_info(p, it.b);
-  const auto row_offset = [&](int r) {
-    return detail::offset_of(p.o_stride, it.b, si.q_row0 + static_cast<std::int64_t>(it.qb) * kBlockM + r, it.hq);
-  };
+// out, lse of query rows i0 .. i0 + m of (entry b, head hq) from finished states: out = o / l,
+// lse = ln 2·(m + log2 l).
+void store_rows(const FwdParams& p, int b, int hq, std::int64_t i0, int m, const float* o, int dp,
+                const RowState* state) {
+  const SeqInfo si = seq_info(p, b);
+  const auto row_offset = [&](int r) { return detail::offset_of(p.o_stride, b, si.q_row0 + i0 + r, hq); };
   for (int r = 0; r < m; ++r) {
-    const std::int64_t i = static_cast<std::int64_t>(it.qb) * kBlockM + r;
+    const std::int64_t i = i0 + r;
     const float inv_l = detail::finish_inv_l(state[r]);
     if (!tiles::store_row_stream(p.out, p.dtype, row_offset(r), p.d, o + r * dp, inv_l)) {
       if (r + tiles::kRowsAhead < m) tiles::prefetch_row(p.out, p.dtype, row_offset(r + tiles::kRowsAhead), p.d, true);
       tiles::store_row(p.out, p.dtype, row_offset(r), p.d, o + r * dp, inv_l);
     }
-    p.lse[detail::lse_index(p, it.b, it.hq, si, i)] = detail::finish_lse(state[r]);
+    p.lse[detail::lse_index(p, b, hq, si, i)] = detail::finish_lse(state[r]);
   }
   _mm_sfence();  // the streamed rows ordered before the call returns
 }
 
-// Partial states of the split tasks: (split, item) slots of kBlockM rows, uninitialised (a slot
-// is read only where its task wrote it), and per item the number of its splits done.
+// Partial states of the split tasks: (split, item) slots of `rows` rows, uninitialised (a slot is
+// read only where its task wrote it), and per item the number of its splits done. In `owned`, or
+// in memory the caller keeps.
 struct Partials {
-  int dp = 0;
-  std::unique_ptr<float[]> o;          // (splits · items, kBlockM, dp)
-  std::unique_ptr<RowState[]> state;   // (splits · items, kBlockM)
-  std::unique_ptr<std::atomic<int>[]> done;  // (items)
-  float* o_slot(std::int64_t slot) const { return o.get() + slot * kBlockM * dp; }
-  RowState* state_slot(std::int64_t slot) const { return state.get() + slot * kBlockM; }
+  int rows = 0, dp = 0;
+  float* o = nullptr;                // (splits · items, rows, dp)
+  RowState* state = nullptr;         // (splits · items, rows)
+  std::atomic<int>* done = nullptr;  // (items)
+  std::unique_ptr<std::byte[]> owned;
+
+  static std::size_t bytes(std::int64_t slots, std::int64_t items, int rows, int dp) {
+    return static_cast<std::size_t>(slots * rows) * (dp * sizeof(float) + sizeof(RowState)) +
+           static_cast<std::size_t>(items) * sizeof(std::atomic<int>) + 128;
+  }
+  // Lays the slots out in mem (Partials::bytes of it, 64-byte aligned), or in owned memory.
+  void place(std::int64_t slots, std::int64_t items, int rows_, int dp_, std::byte* mem = nullptr) {
+    rows = rows_;
+    dp = dp_;
+    if (mem == nullptr) {
+      owned = std::make_unique_for_overwrite<std::byte[]>(bytes(slots, items, rows, dp) + 64);
+      mem = align64(owned.get());
+    }
+    o = reinterpret_cast<float*>(mem);
+    state = reinterpret_cast<RowState*>(o + slots * rows * dp);
+    done = reinterpret_cast<std::atomic<int>*>(align64(reinterpret_cast<std::byte*>(state + slots * rows)));
+    for (std::int64_t t = 0; t < items; ++t) new (done + t) std::atomic<int>(0);
+  }
+  float* o_slot(std::int64_t slot) const { return o + slot * rows * dp; }
+  RowState* state_slot(std::int64_t slot) const { return state + slot * rows; }
 };
 
-// Item t's rows: the monoid fold of its splits' partial states, in split order, then stored.
-void merge_splits(const FwdParams& p, const Tasks& tasks, const Partials& parts, std::int64_t t,
-                  Workspace& ws) {
-  const Item it = item_at(tasks, t);
-  const SeqInfo si = seq_info(p, it.b);
-  const std::int64_t i0 = static_cast<std::int64_t>(it.qb) * kBlockM;
-  const int m = static_cast<int>(std::min<std::int64_t>(kBlockM, si.len_q - i0));
-  const int dp = ws.dp;
+// o, state (m rows) <- the monoid fold of item t's splits' partial states, in split order.
+void merge_splits(const Partials& parts, int splits, std::int64_t items, std::int64_t t, int m, float* o,
+                  RowState* state) {
+  const int dp = parts.dp;
   for (int r = 0; r < m; ++r) {
     RowState acc{};
-    float* o = ws.o.data() + r * dp;
-    std::fill(o, o + dp, 0.0f);
-    for (int c = 0; c < tasks.splits; ++c) {
-      const std::int64_t slot = c * tasks.items() + t;
+    float* orow = o + r * dp;
+    std::fill(orow, orow + dp, 0.0f);
+    for (int c = 0; c < splits; ++c) {
+      const std::int64_t slot = c * items + t;
       const RowState part = parts.state_slot(slot)[r];
       if (part.m == -INFINITY) continue;  // the identity: no visible key in this split
       float fa, fb;
       acc = detail::merge(acc, part, &fa, &fb);
       const float* po = parts.o_slot(slot) + r * dp;
-      for (int x = 0; x < dp; ++x) o[x] = fa * o[x] + fb * po[x];
+      for (int x = 0; x < dp; ++x) orow[x] = fa * orow[x] + fb * po[x];
     }
-    ws.state[r] = acc;
+    state[r] = acc;
   }
-  store_rows(p, it, m, ws.o.data(), dp, ws.state.data());
+}
+
+// A finished task's m rows: stored at once without splits; else kept in its slot, and the item's
+// last task to finish folds the slots into o, state (merge_splits) and calls store(o, state). The
+// fold's order is the split order whichever task runs it, so the bits do not depend on the schedule.
+template <class Store>
+void finish_task(const Partials& parts, int splits, std::int64_t items, std::int64_t task, int m, float* o,
+                 RowState* state, Store&& store) {
+  if (splits == 1) {
+    store(o, state);
+    return;
+  }
+  const std::int64_t t = task % items;
+  const int dp = parts.dp;
+  std::copy(o, o + static_cast<std::ptrdiff_t>(m) * dp, parts.o_slot(task));
+  std::copy(state, state + m, parts.state_slot(task));
+  // acq_rel: the last task sees every other split's partial.
+  if (parts.done[t].fetch_add(1, std::memory_order_acq_rel) == splits - 1) {
+    merge_splits(parts, splits, items, t, m, o, state);
+    store(o, state);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decoding: few query rows per KV head (s_q·group <= kDecodeRows, as forward_kvcache's steps). The
+// tiled path above packs every K/V tile of the cache first: per decoding step a copy of the whole
+// cache (b = 8, s_k = 4k, h = 32, h_k = 8, d = 128, fp32: 183-202 ms and 65k page faults per call,
+// torch's SDPA 69 ms; now 21.5 ms, no faults). Here a task (batch entry, key split) walks its keys
+// a chunk at a time: the chunk's K and V rows of every KV head are read where they are
+// (detail::kv_offset: contiguous, batch index or pages) into a small fp32 stage (stage_chunk),
+// then each KV head folds them, its s_q·group query rows sharing every row. fp32 products for
+// every dtype, Q scaled as in the tiled path's fp32 products. Extra memory: a workspace per thread
+// of O(h·s_q·d) plus the stage (decode_chunk_keys), and the split partials; never the cache's size.
+// Up to 32 rows per KV head, by measurement against the tiled path (2 threads, AMD EPYC, s_k = 4k,
+// h = 32, d = 128, fp32): 16 rows (h_k = 8, s_q = 4) 2.2x faster, 32 rows (s_q = 8) 1.6x, 64 rows
+// (s_q = 16) 1.16x, 128 rows 0.95x; MHA at 64 rows 0.85x with s_k = 512.
+constexpr int kDecodeRows = 32;
+constexpr int kDecodeMaxKeys = 64;
+static_assert(kDecodeMaxKeys % 8 == 0, "chunks start on a Philox column group and fill whole 8-lane vectors");
+
+// Keys per chunk: a multiple of 8 up to 64, the chunk's K and V for every KV head (staged as fp32,
+// stage_chunk) within kDecodeStageBytes, so that they stay near the core while the heads fold them.
+// 512 KiB (this AMD EPYC's L2) against 256: MHA (h_k = 32, d = 128, s_k = 4k) at 16 keys instead
+// of 8, bf16 s_q = 4: 7.9-8.3 ms against 9.9-10.9; GQA shapes (64 keys either way at h_k = 8,
+// d = 64, and 32 against 64 at d = 128) equal within this machine's noise; 1 MiB no better.
+constexpr std::int64_t kDecodeStageBytes = 512 << 10;
+int decode_chunk_keys(const FwdParams& p) {
+  const std::int64_t per_key = 2 * std::int64_t{p.h_k} * tiles::round_up(p.d, kLanes) * 4;
+  return static_cast<int>(std::clamp<std::int64_t>(kDecodeStageBytes / per_key / 8 * 8, 8, kDecodeMaxKeys));
+}
+
+// A task's rows: row hq·len_q + i is query head hq, query row i; KV head hk's rows are the
+// contiguous run [hk·m, (hk + 1)·m), m = len_q·group.
+struct DecodeWorkspace {
+  int dp = 0;
+  AlignedFloats q;   // (rows, dp)  scale · Q
+  AlignedFloats o;   // (rows, dp)  unnormalised output
+  std::vector<RowState> state;  // (rows)
+  std::vector<float> slope;     // (rows)
+  AlignedFloats kc, vc;  // (h_k, keys, dp)  the chunk's K and V rows in fp32, zero past d (and K past the keys to 8)
+  std::vector<std::int64_t> k_off, v_off;  // (h_k, keys)  element offsets of the chunk's rows
+  AlignedFloats s;   // (kDecodeRows, cols)  one KV head's scores, then probabilities; cols: the chunk's keys rounded up to 8
+  float m_run[kDecodeRows], sums[kDecodeRows];
+};
+
+// The calling thread's workspace, kept across calls (allocated per call it was page faults per
+// call), grown to this call's sizes.
+DecodeWorkspace& decode_workspace(int rows, int keys, const FwdParams& p) {
+  thread_local DecodeWorkspace ws;
+  const auto grow = [](auto& v, std::size_t n) {
+    if (v.size() < n) v.resize(n);
+  };
+  ws.dp = tiles::round_up(p.d, kLanes);
+  grow(ws.q, static_cast<std::size_t>(rows) * ws.dp);
+  grow(ws.o, static_cast<std::size_t>(rows) * ws.dp);
+  grow(ws.state, rows);
+  grow(ws.slope, rows);
+  grow(ws.kc, static_cast<std::size_t>(p.h_k) * keys * ws.dp);
+  grow(ws.vc, static_cast<std::size_t>(p.h_k) * keys * ws.dp);
+  grow(ws.k_off, static_cast<std::size_t>(p.h_k) * keys);
+  grow(ws.v_off, static_cast<std::size_t>(p.h_k) * keys);
+  grow(ws.s, kDecodeRows * kDecodeMaxKeys);
+  return ws;
+}
+
+// Element offsets of rows row0 .. row0 + n of entry b's K or V (head hk, strides st): one
+// kv_offset per page, or per chunk without pages; the rows of a page are st.row apart.
+void kv_rows(const FwdParams& p, const detail::Strides& st, int b, std::int64_t row0, int n, int hk, std::int64_t* off) {
+  for (int c = 0; c < n;) {
+    const std::int64_t base = detail::kv_offset(p, st, b, row0 + c, hk);
+    const int run = p.kv.block_table != nullptr
+                        ? static_cast<int>(std::min<std::int64_t>(n - c, p.kv.page_size - (row0 + c) % p.kv.page_size))
+                        : n - c;
+    for (int u = 0; u < run; ++u) off[c + u] = base + u * st.row;
+    c += run;
+  }
+}
+
+// ws.kc, ws.vc <- the n keys from row row0 of entry b, every KV head, as fp32 rows of dp, copied key
+// by key and head by head: in a cache's (rows, h_k, d) layout, and in a page, the order of memory,
+// which the hardware prefetchers follow. Read in place head by head instead, a task's reads were
+// 512-byte runs 4 KiB apart, each page visited once per head: b = 1, s_k = 32k, h_k = 8, d = 128
+// took 37-41 ms in fp32 and 28-31 in bf16, against 24-26 and 15-17 staged (2 threads, AMD EPYC;
+// a sequential read of the same bytes runs at 24 GB/s). A software prefetch of the next chunk
+// during this one's heads measured no better than the hardware prefetchers (22-26 ms).
+void stage_chunk(const FwdParams& p, int b, std::int64_t row0, int n, int keys, DecodeWorkspace& ws) {
+  const int dp = ws.dp;
+  for (int hk = 0; hk < p.h_k; ++hk) {
+    kv_rows(p, p.k_stride, b, row0, n, hk, ws.k_off.data() + hk * keys);
+    kv_rows(p, p.v_stride, b, row0, n, hk, ws.v_off.data() + hk * keys);
+  }
+  for (int c = 0; c < n; ++c)
+    for (int hk = 0; hk < p.h_k; ++hk) {
+      const std::ptrdiff_t at = static_cast<std::ptrdiff_t>(hk) * keys + c;
+      float* k = ws.kc.data() + at * dp;
+      float* v = ws.vc.data() + at * dp;
+      tiles::load_row(p.k, p.dtype, ws.k_off[at], p.d, 1.0f, k);
+      tiles::load_row(p.v, p.dtype, ws.v_off[at], p.d, 1.0f, v);
+      std::fill(k + p.d, k + dp, 0.0f);
+      std::fill(v + p.d, v + dp, 0.0f);
+    }
+  for (int hk = 0; hk < p.h_k; ++hk)  // score columns past the keys read zero rows
+    std::fill(ws.kc.data() + (static_cast<std::ptrdiff_t>(hk) * keys + n) * dp,
+              ws.kc.data() + (static_cast<std::ptrdiff_t>(hk) * keys + tiles::round_up(n, kLanes)) * dp, 0.0f);
+}
+
+// KV head hk's m rows (from row r0 = hk·m of the task's, state and o there) folded over the staged
+// chunk: keys j0 .. j0 + n. The stages of fold_keys: scores, transform_row, Kernels::softmax_rows,
+// the monoid's merge, dropout, the rescale of O, O += P·V.
+void fold_chunk(const FwdParams& p, const Kernels& kn, const SeqInfo& si, const detail::Band& band, int hk, int m,
+                std::int64_t j0, int n, int keys, bool first, DecodeWorkspace& ws) {
+  const int dp = ws.dp, cols = tiles::round_up(n, kLanes), r0 = hk * m;
+  float* o = ws.o.data() + static_cast<std::ptrdiff_t>(r0) * dp;
+  RowState* state = ws.state.data() + r0;
+  const float* k = ws.kc.data() + static_cast<std::ptrdiff_t>(hk) * keys * dp;  // (cols, dp)
+  const float* v = ws.vc.data() + static_cast<std::ptrdiff_t>(hk) * keys * dp;  // (n, dp)
+  kn.dot_rows(m, cols, dp, ws.q.data() + static_cast<std::ptrdiff_t>(r0) * dp, dp, k, dp, ws.s.data(), cols);
+  const bool needs_mask = band.tile_needs_mask(0, si.len_q, j0, j0 + n, si.len_k);
+  for (int r = 0; r < m; ++r) {
+    transform_row(p, band, ws.slope[r0 + r], needs_mask, (r0 + r) % si.len_q, j0, n, cols, ws.s.data() + r * cols);
+    ws.m_run[r] = state[r].m;
+  }
+  kn.softmax_rows(ws.s.data(), m, cols, tiles::kLog2e, kLazyRescale, ws.m_run, ws.sums);
+  for (int r = 0; r < m; ++r) {
+    float fa, fb;
+    state[r] = detail::merge(state[r], RowState{ws.m_run[r], ws.sums[r]}, &fa, &fb);
+    if (p.dropout_p > 0.0f)
+      apply_dropout(p, detail::dropout_row_id(p, (r0 + r) / si.len_q, si, (r0 + r) % si.len_q), j0, n,
+                    ws.s.data() + r * cols);
+    if (!first && fa != 1.0f) kn.scale_row(o + r * dp, dp, fa);
+  }
+  (first ? kn.gemm : kn.gemm_acc)(m, dp, n, ws.s.data(), cols, v, dp, o, dp);
+}
+
+// ws.o, ws.state <- the fold of key chunks [c_lo, c_hi) (chunks of `keys` keys of entry b) into
+// every query row of entry b, unnormalised; returns the number of rows, h·len_q.
+int decode_fold(const FwdParams& p, const Kernels& kn, int b, int keys, std::int64_t c_lo, std::int64_t c_hi,
+                DecodeWorkspace& ws) {
+  const SeqInfo si = seq_info(p, b);
+  const detail::Band band = band_of(p, si);
+  const int dp = ws.dp, rows = p.h * si.len_q, m = si.len_q * p.group();
+  if (rows == 0) return 0;
+  for (int r = 0; r < rows; ++r) {
+    const int hq = r / si.len_q;
+    float* q = ws.q.data() + static_cast<std::ptrdiff_t>(r) * dp;
+    tiles::load_row(p.q, p.dtype, detail::offset_of(p.q_stride, b, si.q_row0 + r % si.len_q, hq), p.d, p.scale, q);
+    std::fill(q + p.d, q + dp, 0.0f);
+    ws.slope[r] = detail::alibi_slope(p, b, hq);
+    ws.state[r] = RowState{};
+  }
+  // Chunks that hold a visible key for some row.
+  const std::int64_t k_begin = std::max(band.key_begin(0, si.len_k) / keys * keys, c_lo * keys);
+  const std::int64_t k_end = std::min<std::int64_t>({band.key_end(si.len_q, si.len_k), si.len_k, c_hi * keys});
+  for (std::int64_t j0 = k_begin; j0 < k_end; j0 += keys) {
+    const int n = static_cast<int>(std::min<std::int64_t>(keys, k_end - j0));
+    stage_chunk(p, b, si.k_row0 + j0, n, keys, ws);
+    for (int hk = 0; hk < p.h_k; ++hk) fold_chunk(p, kn, si, band, hk, m, j0, n, keys, j0 == k_begin, ws);
+  }
+  if (k_begin >= k_end) std::fill(ws.o.begin(), ws.o.begin() + static_cast<std::ptrdiff_t>(rows) * dp, 0.0f);
+  return rows;
 }
 
 }  // namespace
 
-void flash_forward(const FwdParams& p, int num_threads, const Kernels& kn) {
+void flash_forward_tiled(const FwdParams& p, int num_threads, const Kernels& kn) {
   const Tasks tasks = make_tasks(p);
   const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
   PackedKV kv;
   size_packed(p, kn, kv);
   const std::int64_t n_tiles = kv.first.back() * p.h_k;
   Partials parts;
-  if (tasks.splits > 1) {
-    const std::size_t slots = static_cast<std::size_t>(tasks.splits) * tasks.items();
-    parts.dp = tiles::round_up(p.d, kLanes);
-    parts.o = std::make_unique_for_overwrite<float[]>(slots * kBlockM * parts.dp);
-    parts.state = std::make_unique<RowState[]>(slots * kBlockM);
-    parts.done = std::make_unique<std::atomic<int>[]>(static_cast<std::size_t>(tasks.items()));
-  }
+  if (tasks.splits > 1) parts.place(tasks.splits * tasks.items(), tasks.items(), kBlockM, tiles::round_up(p.d, kLanes));
   // One parallel region, one barrier (after packing): on a loaded 2-core machine every fork/join or
   // barrier cost ~10 ms (a descheduled worker holds up the others), 3x the whole compute at s = 256.
   // A barrier before merging the splits cost as much (b = 1, h = 8, s = 1k, d = 64, 2 threads:
@@ -512,21 +707,67 @@ void flash_forward(const FwdParams& p, int num_threads, const Kernels& kn) {
       lap.charge(profile::merge);  // the loop's scheduling since the last task
       const int m = fold_keys(p, kn, kv, it, kblocks * c / tasks.splits, kblocks * (c + 1) / tasks.splits, ws);
       lap = profile::Lap();
-      if (tasks.splits == 1) {
-        store_rows(p, it, m, ws.o.data(), ws.dp, ws.state.data());
-        lap.charge(profile::store);
-        continue;
-      }
-      std::copy(ws.o.begin(), ws.o.begin() + static_cast<std::ptrdiff_t>(m) * ws.dp, parts.o_slot(task));
-      std::copy(ws.state.begin(), ws.state.begin() + m, parts.state_slot(task));
-      // acq_rel: the last task sees every other split's partial. The fold's order is the split
-      // order whichever task runs it, so the bits do not depend on the schedule.
-      if (parts.done[t].fetch_add(1, std::memory_order_acq_rel) == tasks.splits - 1)
-        merge_splits(p, tasks, parts, t, ws);
-      lap.charge(profile::merge);
+      finish_task(parts, tasks.splits, tasks.items(), task, m, ws.o.data(), ws.state.data(),
+                  [&](const float* o, const RowState* state) {
+                    store_rows(p, it.b, it.hq, static_cast<std::int64_t>(it.qb) * kBlockM, m, o, ws.dp, state);
+                  });
+      lap.charge(tasks.splits == 1 ? profile::store : profile::merge);
     }
     profile::flush();
   }
+}
+
+bool decode_path(const FwdParams& p) {
+  for (int b = 0; b < p.batch; ++b)
+    if (static_cast<std::int64_t>(seq_info(p, b).len_q) * p.group() > kDecodeRows) return false;
+  return true;
+}
+
+// Decoding, the second mainloop (decode_fold above): one parallel region without a barrier, tasks
+// (batch entry, key split), splits by the shape as the tiled path's.
+void flash_forward_decode(const FwdParams& p, int num_threads, const Kernels& kn) {
+  if (!decode_path(p))  // the workspace's score rows (kDecodeRows)
+    throw Error("q", "flash_forward_decode takes at most " + std::to_string(kDecodeRows) +
+                         " query rows per KV head (s_q·group); use flash_forward");
+  const std::int64_t items = p.batch;
+  const int keys = decode_chunk_keys(p);
+  int rows = 0;
+  std::int64_t max_chunks = 0;
+  for (int b = 0; b < p.batch; ++b) {
+    const SeqInfo si = seq_info(p, b);
+    rows = std::max(rows, si.len_q * p.h);
+    max_chunks = std::max<std::int64_t>(max_chunks, (si.len_k + keys - 1) / keys);
+  }
+  const int splits = key_splits(items, max_chunks);
+  const std::int64_t tasks = splits * items;
+  const int dp = tiles::round_up(p.d, kLanes);
+  // The partials in the calling thread's kept scratch (fresh memory per call would be page faults
+  // per call): fewer than 2·kTargetTasks slots of h·s_q rows.
+  Partials parts;
+  if (splits > 1) parts.place(tasks, items, rows, dp, kept_scratch(Partials::bytes(tasks, items, rows, dp), parts.owned));
+  const int threads = static_cast<int>(std::min<std::int64_t>(num_threads > 0 ? num_threads : omp_get_max_threads(), tasks));
+#pragma omp parallel num_threads(std::max(threads, 1))
+  {
+    DecodeWorkspace& ws = decode_workspace(rows, keys, p);
+#pragma omp for schedule(dynamic, 1) nowait
+    for (std::int64_t task = 0; task < tasks; ++task) {
+      const int b = static_cast<int>(task % items), c = static_cast<int>(task / items);
+      const SeqInfo si = seq_info(p, b);
+      const std::int64_t chunks = (si.len_k + keys - 1) / keys;
+      const int m = decode_fold(p, kn, b, keys, chunks * c / splits, chunks * (c + 1) / splits, ws);
+      finish_task(parts, splits, items, task, m, ws.o.data(), ws.state.data(), [&](const float* o, const RowState* state) {
+        for (int hq = 0; hq < p.h; ++hq)
+          store_rows(p, b, hq, 0, si.len_q, o + static_cast<std::ptrdiff_t>(hq) * si.len_q * dp, dp, state + hq * si.len_q);
+      });
+    }
+  }
+}
+
+void flash_forward(const FwdParams& p, int num_threads, const Kernels& kn) {
+  if (decode_path(p))
+    flash_forward_decode(p, num_threads, kn);
+  else
+    flash_forward_tiled(p, num_threads, kn);
 }
 
 #ifdef FLASHMONOID_CPU_PROFILE

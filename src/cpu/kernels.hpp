@@ -57,6 +57,10 @@ struct Kernels {
   // faster without it (s = 2k and 8k, d = 64 and 128, 1 and 2 threads): the hardware prefetchers
   // keep up and the prefetches stalled on fill buffers.
   bool prefetch_kv;
+  // S (m, n) = A (m, dp) · Bᵀ, B (n, dp) row-major (lda, ldb, lds in elements): the decoding
+  // path's scores (flash_fwd.cpp), query rows against K's rows with K not transposed; n a multiple
+  // of 4, dp of 8.
+  void (*dot_rows)(int m, int n, int dp, const float* A, int lda, const float* B, int ldb, float* S, int lds);
   // Only where the ISA has a bf16 dot product (VDPBF16PS), else nullptr: the products from bf16
   // pairs, and pairs[j] <- (bf16(x[2j]), bf16(x[2j + 1])) for 2j < n (n a multiple of 16; round to
   // nearest even, denormals to zero), which turns the forward's probabilities into an A operand.

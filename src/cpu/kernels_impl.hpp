@@ -122,6 +122,61 @@ void gemm(int M, int N, int K, const E* A, int lda, const E* B, int ldb, float* 
     if (j < N) gemm_panel<Op, f32x8, 1, Acc, TransA>(M, K, A, lda, B + j, ldb, C + j, ldc);
 }
 
+// Kernels::dot_rows. Register block: RB rows of A × 4 rows of B, each pair's partial sums in one
+// vector (RB = 2 at 8 lanes: 8 accumulators + 4 B + 1 A of 16 ymm; 4 at 16 lanes, 21 of 32 zmm),
+// then a row of A's 4 sums reduced together (three hadd and one add of the halves: 4 scores for
+// about the cost of one reduction tree).
+template <class V>
+constexpr int kDotRows = simd::lanes<V> == 16 ? 4 : 2;
+
+inline f32x8 to8(f32x8 v) { return v; }
+inline f32x8 to8(simd::f32x16 v) { return simd::half<0>(v) + simd::half<1>(v); }
+
+template <class V, int RB>
+inline void dot_block(int dp, const float* A, int lda, const float* B, int ldb, float* S, int lds) {
+  constexpr int L = simd::lanes<V>;
+  const int full = dp / L * L;
+  V acc[RB][4];
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) acc[r][c] = V{};
+  for (int x = 0; x < full; x += L) {
+    V b[4];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) b[c] = simd::loadu<V>(B + c * ldb + x);
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) {
+      const V a = simd::loadu<V>(A + r * lda + x);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) acc[r][c] += a * b[c];
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r) {
+    f32x8 s[4];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      s[c] = to8(acc[r][c]);
+      if (full < dp) s[c] += simd::loadu<f32x8>(A + r * lda + full) * simd::loadu<f32x8>(B + c * ldb + full);
+    }
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
+    _mm_storeu_ps(S + r * lds, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  }
+}
+
+// Keys (B's rows) outermost: 4 rows of B stay in L1 while every row block of A passes.
+template <class V>
+void dot_rows(int m, int n, int dp, const float* A, int lda, const float* B, int ldb, float* S, int lds) {
+  constexpr int RB = kDotRows<V>;
+  for (int c = 0; c < n; c += 4) {
+    const float* b = B + static_cast<std::int64_t>(c) * ldb;
+    int r = 0;
+    for (; r + RB <= m; r += RB) dot_block<V, RB>(dp, A + r * lda, lda, b, ldb, S + r * lds + c, lds);
+    for (; r < m; ++r) dot_block<V, 1>(dp, A + r * lda, lda, b, ldb, S + r * lds + c, lds);
+  }
+}
+
 // Row operations over n floats, n a multiple of 8: full vectors of V, then one of 8 lanes.
 // R rows of softmax_rows at once, interleaved: one row's chain (max over its vectors, the
 // reduction, the new max, the exponentials, their running sum, its reduction) is ~170 cycles of
@@ -228,7 +283,7 @@ template <class V, bool Bf16 = false>
 constexpr Kernels make_kernels(Isa isa) {
   Kernels k{isa,        gemm<F32, V, false, false>, gemm<F32, V, true, false>, gemm<F32, V, false, true>,
             gemm<F32, V, true, true>, softmax_rows<V>, scale_row<V>, softmax_grad<V>,
-            Tile<V>::NV * simd::lanes<V>, simd::lanes<V> == 8};
+            Tile<V>::NV * simd::lanes<V>, simd::lanes<V> == 8, dot_rows<V>};
   if constexpr (Bf16) {
     k.gemm_bf16 = gemm<Bf16Pairs, V, false, false>;
     k.gemm_bf16_acc = gemm<Bf16Pairs, V, true, false>;

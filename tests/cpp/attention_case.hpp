@@ -162,11 +162,14 @@ struct Problem {
     return {std::move(o), std::move(l)};
   }
 
-  // The flash forward with a given kernel table (e.g. the emulated AVX-512 one), bypassing dispatch.
-  std::pair<HostTensor, HostTensor> flash(const flashmonoid::cpu::Kernels& kn, int threads = 0) const {
+  // The flash forward with a given kernel table (e.g. the emulated AVX-512 one), bypassing dispatch;
+  // fwd: flash_forward (which picks the mainloop), or flash_forward_tiled / flash_forward_decode.
+  using FlashFn = void (*)(const flashmonoid::detail::FwdParams&, int, const flashmonoid::cpu::Kernels&);
+  std::pair<HostTensor, HostTensor> flash(const flashmonoid::cpu::Kernels& kn, int threads = 0,
+                                          FlashFn fwd = flashmonoid::cpu::flash_forward) const {
     HostTensor o = new_out(), l = new_lse();
     auto p = flashmonoid::detail::make_fwd_params(q.view, k.view, v.view, o.view, l.view, opt, varlen());
-    flashmonoid::cpu::flash_forward(p, threads, kn);
+    fwd(p, threads, kn);
     return {std::move(o), std::move(l)};
   }
 

@@ -186,6 +186,31 @@ TEST(CpuKernels, GemmMatchesFloat64) {
     }
 }
 
+// S = A·Bᵀ (dot_rows) against float64 over shapes that hit every remainder path (rows mod 2 and 4,
+// head dims mod 16 and 8), B's rows strided; columns of S past n must stay untouched.
+TEST(CpuKernels, DotRowsMatchFloat64) {
+  std::mt19937 gen(99);
+  std::normal_distribution<float> normal;
+  for (const Table& t : tables())
+    for (int M : {1, 2, 3, 4, 5, 9, 16, 32})
+      for (int N : {4, 8, 12, 64})
+        for (int D : {8, 16, 24, 64, 136, 256}) {
+          const int lda = D + 8, ldb = D + 24, lds = N + 8;
+          std::vector<float> A(static_cast<std::size_t>(M) * lda), B(static_cast<std::size_t>(N) * ldb),
+              S(static_cast<std::size_t>(M) * lds);
+          for (float& x : A) x = normal(gen);
+          for (float& x : B) x = normal(gen);
+          for (float& x : S) x = normal(gen);
+          const std::vector<float> S0 = S;
+          t.kn->dot_rows(M, N, D, A.data(), lda, B.data(), ldb, S.data(), lds);
+          const Check e = check_product(M, N, lds, D, false, S, S0, [&](int r, int c, int k) {
+            return static_cast<double>(A[r * lda + k]) * B[c * ldb + k];
+          });
+          ASSERT_FALSE(e.wrote_past_n) << t.name;
+          ASSERT_LE(e.worst, (D + 1) * 6e-8) << t.name << " M" << M << " N" << N << " D" << D;
+        }
+}
+
 // softmax_rows over several rows: each row's running max moves to the row's max (times mul) only
 // where that exceeds it by more than the lazy margin; the probabilities are 2^(x·mul - m) with the
 // new m (exp2's bound, tested above), their sums in fp32; a row whose max stays -inf gives zeros.

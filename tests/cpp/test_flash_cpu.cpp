@@ -242,6 +242,128 @@ TEST(FlashBackward, OneKeyRowsUnderDropoutMeetTheRule) {
     }
 }
 
+// The decoding mainloop (flash_forward_decode: K/V rows read in place) called directly, on both
+// kernel widths, over few query rows per KV head: s_q 1..8, keys around the 64-key chunks (1, 63,
+// 64, 65, 700), MHA/GQA/MQA, every score option and dropout, odd head dims, and varlen with empty
+// sequences; then the same problems through flash_forward_tiled, which must agree with the
+// reference as well (the dispatch boundary: decode_path switches between the two).
+std::vector<Shape> decode_grid() {
+  const int seqlens_k[] = {1, 63, 64, 65, 700};
+  const int head_dims[] = {59, 64, 111, 128, 256, 40};
+  const int heads[][2] = {{4, 4}, {8, 2}, {4, 1}, {16, 1}};
+  std::vector<Shape> out;
+  int n = 0;
+  for (int sk : seqlens_k)
+    for (int sq : {1, 2, 4, 8}) {
+      Shape s;
+      s.b = 2;
+      s.s_q = sq;
+      s.s_k = sk;
+      s.d = head_dims[n % 6];
+      s.h = heads[n % 4][0];
+      s.h_k = heads[n % 4][1];
+      if (sq * s.h / s.h_k > 32) s.h = 2 * s.h_k;
+      s.dtype = n % 3 == 2 ? DType::f16 : n % 3 == 1 ? DType::bf16 : DType::f32;
+      switch (n % 6) {
+        case 0: break;
+        case 1: s.causal = true; break;
+        case 2: s.window_left = 30; s.window_right = 0; break;
+        case 3: s.softcap = 3.0f; s.causal = true; break;
+        case 4: s.alibi = true; s.window_left = 100; break;
+        case 5: s.dropout_p = 0.2f; break;
+      }
+      out.push_back(s);
+      ++n;
+    }
+  for (DType t : {DType::f32, DType::bf16}) {
+    Shape s;
+    s.varlen = true;
+    s.b = 4;
+    s.lens_q = {0, 1, 2, 1};
+    s.lens_k = {5, 0, 300, 129};
+    s.h = 8;
+    s.h_k = 2;
+    s.d = 72;
+    s.dtype = t;
+    s.causal = t == DType::bf16;
+    out.push_back(s);
+  }
+  return out;
+}
+
+TEST(FlashDecode, MainloopsMatchFloat64Reference) {
+  namespace cpu = flashmonoid::cpu;
+  for (const Shape& s : decode_grid()) {
+    SCOPED_TRACE(s.str());
+    Problem pb(s);
+    for (const cpu::Kernels* kn : {&cpu::kernels_avx2(), &cpu::kernels_avx512_emulated()})
+      for (auto fwd : {cpu::flash_forward_decode, cpu::flash_forward_tiled}) {
+        SCOPED_TRACE(std::string(cpu::to_string(kn->isa)) + (fwd == cpu::flash_forward_decode ? " decode" : " tiled"));
+        auto [out, lse] = pb.flash(*kn, 0, fwd);
+        expect_forward_close(pb, out, lse);
+      }
+  }
+}
+
+// The decoding path's key splits, like the tiled path's, depend on the shape only (here 8 splits of
+// 11 chunks, with dropout): the same bits for any thread count.
+TEST(FlashDecode, BitIdenticalForAnyThreadCount) {
+  namespace cpu = flashmonoid::cpu;
+  Shape s;
+  s.s_q = 2;
+  s.s_k = 700;
+  s.h = 8;
+  s.h_k = 2;
+  s.d = 72;
+  s.dropout_p = 0.1f;
+  s.window_left = 600;
+  Problem pb(s);
+  for (const cpu::Kernels* kn : {&cpu::kernels_avx2(), &cpu::kernels_avx512_emulated()}) {
+    auto [o, l] = pb.flash(*kn, 1, cpu::flash_forward_decode);
+    for (int threads : {2, 3}) {
+      auto [o2, l2] = pb.flash(*kn, threads, cpu::flash_forward_decode);
+      EXPECT_EQ(o.buf, o2.buf) << threads << " threads";
+      EXPECT_EQ(l.buf, l2.buf) << threads << " threads";
+    }
+  }
+}
+
+// decode_path: every sequence's s_q · group at most 32.
+TEST(FlashDecode, DispatchSwitchesAboveThirtyTwoRowsPerKvHead) {
+  const auto decode_path = [](const Shape& s) {
+    Problem pb(s);
+    HostTensor o = pb.new_out(), l = pb.new_lse();
+    return flashmonoid::cpu::decode_path(
+        flashmonoid::detail::make_fwd_params(pb.q.view, pb.k.view, pb.v.view, o.view, l.view, pb.opt, pb.varlen()));
+  };
+  Shape s;
+  s.b = 2;
+  s.s_k = 3;
+  s.h_k = 1;
+  s.d = 8;
+  for (int group : {1, 2, 4, 8, 16, 32})
+    for (int sq = 1; sq <= 33; ++sq) {
+      s.s_q = sq;
+      s.h = group;
+      EXPECT_EQ(decode_path(s), sq * group <= 32) << "s_q " << sq << " group " << group;
+    }
+  s.varlen = true;  // the longest sequence decides
+  s.b = 3;
+  s.lens_q = {1, 9, 0};
+  s.lens_k = {4, 4, 4};
+  s.h = 4;
+  EXPECT_FALSE(decode_path(s));
+  s.lens_q = {1, 8, 0};
+  EXPECT_TRUE(decode_path(s));
+  Shape rows33;  // called directly past the boundary, the decoding mainloop refuses
+  rows33.s_q = 33;
+  rows33.s_k = 3;
+  rows33.d = 8;
+  Problem pb(rows33);
+  expect_error([&] { pb.flash(flashmonoid::cpu::kernels_avx2(), 0, flashmonoid::cpu::flash_forward_decode); }, "q",
+               "at most 32 query rows per KV head");
+}
+
 // Both passes' sums run in an order fixed by the shape (the forward's key splits and the
 // backward's key chunks are counted from the shape): the same bits for any thread count, on every
 // kernel table. GQA 3:1, dropout and a window so that several heads per chunk, the mask and the

@@ -147,6 +147,113 @@ TEST(KvCache, HeadDimsAndGroups) {
   }
 }
 
+// The decoding path (few query rows per KV head: flash_forward_decode reads the cache in place)
+// and the boundary where flash_forward switches to the tiled path (s_q · group > 32: s_q 16 to 17
+// at group 2, 8 to 9 at group 4).
+TEST(KvCacheDecode, PagesBatchIndexAndLeftpad) {
+  for (int page : {0, 1, 3, 16, 64})
+    for (DType t : {DType::f32, DType::bf16}) {
+      KvShape s = base(128, t);
+      s.page_size = page;
+      s.capacity = 300;  // up to 5 chunks of 64 keys, a split each (3 items: batch entries)
+      s.b = 3;
+      s.h = 8;
+      s.h_k = 2;
+      s.s_q = t == DType::f32 ? 1 : 2;
+      s.s_new = 1;
+      s.batch_idx = page == 0;
+      s.leftpad = page != 16;
+      s.causal = page % 2 == 1;
+      run_case(s);
+    }
+}
+
+TEST(KvCacheDecode, QueryRowsAcrossTheSwitchWithMasksAndScoreMods) {
+  for (int sq = 1; sq <= 17; ++sq)
+    for (int group : {1, 2, 4}) {
+      KvShape s = base(64, sq % 2 ? DType::f32 : DType::bf16);
+      s.s_q = sq;
+      s.s_new = sq % 3;
+      s.h = 2 * group;
+      s.h_k = 2;
+      s.capacity = 200;
+      s.page_size = sq % 4 == 0 ? 0 : 16;
+      switch (sq % 5) {
+        case 0: s.causal = true; break;
+        case 1: s.window_left = 40; s.window_right = 0; break;
+        case 2: s.softcap = 4.0f; s.causal = true; break;
+        case 3: s.alibi = true; break;
+        case 4: s.window_left = 70; s.window_right = 5; s.alibi = true; s.softcap = 6.0f; break;
+      }
+      run_case(s);
+    }
+}
+
+TEST(KvCacheDecode, HeadDimsGroupsAndDtypes) {
+  const int dims[] = {59, 64, 111, 128, 256};
+  const int groups[][2] = {{8, 8}, {8, 2}, {8, 1}, {16, 1}, {4, 2}};
+  for (int i = 0; i < 5; ++i)
+    for (DType t : {DType::f32, DType::bf16}) {
+      KvShape s = base(dims[i], t);
+      s.h = groups[i][0];
+      s.h_k = groups[i][1];
+      s.s_q = 1;
+      s.s_new = 1;
+      s.capacity = 150;
+      s.page_size = i % 2 ? 3 : 0;
+      s.causal = true;
+      s.softcap = i == 3 ? 8.0f : 0.0f;
+      s.alibi = i == 4;
+      run_case(s);
+    }
+}
+
+TEST(KvCacheDecode, ManyHeadsStageChunksOfEightKeys) {
+  KvShape s = base(256, DType::bf16);  // 40 KV heads of 256: 8-key chunks (decode_chunk_keys), 8 splits
+  s.b = 1;
+  s.h = 40;
+  s.h_k = 40;
+  s.capacity = 100;
+  s.s_q = 1;
+  s.page_size = 3;
+  s.window_left = 50;
+  s.window_right = 0;
+  run_case(s);
+}
+
+TEST(KvCacheDecode, SplitsOnAndOff) {
+  KvShape on = base(64, DType::f32);  // 1 item (batch entry): 8 splits of the 15 chunks of 64 keys
+  on.b = 1;
+  on.h = 8;
+  on.h_k = 2;
+  on.capacity = 1000;
+  on.held = 900;
+  on.page_size = 64;
+  on.causal = true;
+  run_case(on);
+  KvShape off = on;  // 64 items: no splits, up to 4 chunks each
+  off.b = 64;
+  off.h_k = 4;
+  off.held = -1;
+  off.capacity = 200;
+  off.dtype = DType::bf16;
+  off.leftpad = true;
+  run_case(off);
+}
+
+TEST(KvCacheDecode, EmptyCaches) {
+  for (int page : {0, 3}) {
+    KvShape s = base(64, DType::f32);
+    s.page_size = page;
+    s.held = 0;
+    s.s_new = 0;
+    s.b = 3;
+    s.h = 8;
+    s.h_k = 2;
+    run_case(s);
+  }
+}
+
 TEST(KvCache, QueryPositionsPastTheRotaryTableTakeItsLastRow) {
   // A full cache, 4 queries, 1 appended key, causal: queries 1..3 sit past the cos/sin rows.
   KvShape s = base(64, DType::bf16);

@@ -1,0 +1,199 @@
+// decode-cpu-bench: the CPU forward at decoding shapes (few query rows per KV head), the tiled
+// mainloop (K/V packed first) against the decoding one (K/V read in place), alternated in one
+// process so that a shared machine slows them alike. Per shape: the median time per call over the
+// repeats and the minor page faults per call, of each path.
+//
+//   decode-cpu-bench [--threads 2] [--repeats 9] [--decode-only] [--pages P] [b,s_k,h,h_k,d,dtype,s_q ...]
+//
+// --pages P: instead, forward_kvcache (public API, no new rows) over a contiguous cache against the
+// same rows in pages of P rows behind a shuffled block table, alternated.
+// Default shapes: those of CPU_DECODE_NOTES.md. A shape's K/V (b, s_k, h_k, d) is filled with
+// fresh random values; q (b, s_q, h, d); not causal (as torch's SDPA at these shapes).
+#include <omp.h>
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "api/validate.hpp"
+#include "flashmonoid/kvcache.hpp"
+#include "cpu/cpu_backend.hpp"
+#include "cpu/numeric.hpp"
+
+namespace {
+
+using flashmonoid::DType;
+using flashmonoid::TensorView;
+namespace cpu = flashmonoid::cpu;
+
+struct Case {
+  int b, s_k, h, h_k, d;
+  DType dtype;
+  int s_q;
+};
+
+long minor_faults() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_minflt;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+void fill(std::vector<std::uint8_t>& buf, DType t, std::mt19937& rng) {
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  const std::size_t count = buf.size() / flashmonoid::dtype_size(t);
+  for (std::size_t i = 0; i < count; ++i) cpu::store(buf.data(), t, static_cast<std::int64_t>(i), n(rng));
+}
+
+void run(const Case& c, int threads, int repeats, bool decode_only, std::mt19937& rng) {
+  const std::size_t es = flashmonoid::dtype_size(c.dtype);
+  std::vector<std::uint8_t> q(static_cast<std::size_t>(c.b) * c.s_q * c.h * c.d * es),
+      k(static_cast<std::size_t>(c.b) * c.s_k * c.h_k * c.d * es), v(k.size()), o(q.size());
+  std::vector<float> lse(static_cast<std::size_t>(c.b) * c.h * c.s_q);
+  fill(q, c.dtype, rng);
+  fill(k, c.dtype, rng);
+  fill(v, c.dtype, rng);
+  const flashmonoid::Device cpu_dev{};
+  const TensorView qv(q.data(), c.dtype, cpu_dev, {c.b, c.s_q, c.h, c.d}), kv(k.data(), c.dtype, cpu_dev, {c.b, c.s_k, c.h_k, c.d}),
+      vv(v.data(), c.dtype, cpu_dev, {c.b, c.s_k, c.h_k, c.d}), ov(o.data(), c.dtype, cpu_dev, {c.b, c.s_q, c.h, c.d}),
+      lv(lse.data(), DType::f32, cpu_dev, {c.b, c.h, c.s_q});
+  const auto p = flashmonoid::detail::make_fwd_params(qv, kv, vv, ov, lv, flashmonoid::Options{}, nullptr);
+  const cpu::Kernels& kn = cpu::kernels_for(cpu::default_isa());
+  // Calls per timing: about 20 ms of work, so that the tiny shapes are not timer noise.
+  const double work = static_cast<double>(c.b) * c.s_k * c.h_k * c.d * es * 2;
+  const int calls = std::clamp(static_cast<int>(2e8 / std::max(work, 1.0)), 1, 2000);
+  using Fn = void (*)(const flashmonoid::detail::FwdParams&, int, const cpu::Kernels&);
+  const Fn paths[2] = {cpu::flash_forward_tiled, cpu::flash_forward_decode};
+  std::vector<double> us[2];
+  double faults[2] = {0, 0};
+  for (Fn f : paths) f(p, threads, kn);  // warm-up
+  for (int r = 0; r < repeats; ++r)
+    for (int i = 0; i < 2; ++i) {
+      const int which = decode_only ? 1 : (r + i) % 2;  // alternate which path runs first
+      const long f0 = minor_faults();
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int n = 0; n < calls; ++n) paths[which](p, threads, kn);
+      const auto t1 = std::chrono::steady_clock::now();
+      faults[which] += static_cast<double>(minor_faults() - f0) / calls;
+      us[which].push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / calls);
+    }
+  if (decode_only) us[0] = {0.0};
+  std::printf("b=%d s_k=%d h=%d h_k=%d d=%d %s s_q=%d | tiled %.1f us (%.0f faults) | decode %.1f us (%.1f faults) | x%.2f\n",
+              c.b, c.s_k, c.h, c.h_k, c.d, flashmonoid::to_string(c.dtype).c_str(), c.s_q, median(us[0]), faults[0] / repeats,
+              median(us[1]), faults[1] / repeats, median(us[0]) / median(us[1]));
+  std::fflush(stdout);
+}
+
+// forward_kvcache over a contiguous cache (b, s_k, h_k, d) against pages of `page` rows.
+void run_pages(const Case& c, int page, int threads, int repeats, std::mt19937& rng) {
+  const std::size_t es = flashmonoid::dtype_size(c.dtype);
+  const int pages_per_seq = (c.s_k + page - 1) / page, num_pages = c.b * pages_per_seq;
+  const std::size_t row = static_cast<std::size_t>(c.h_k) * c.d * es;
+  std::vector<std::uint8_t> q(static_cast<std::size_t>(c.b) * c.s_q * c.h * c.d * es), o(q.size()),
+      k(static_cast<std::size_t>(c.b) * c.s_k * row), v(k.size()),
+      kp(static_cast<std::size_t>(num_pages) * page * row), vp(kp.size());
+  std::vector<float> lse(static_cast<std::size_t>(c.b) * c.h * c.s_q);
+  fill(q, c.dtype, rng);
+  fill(k, c.dtype, rng);
+  fill(v, c.dtype, rng);
+  std::vector<int> table(num_pages);
+  for (int i = 0; i < num_pages; ++i) table[i] = i;
+  std::shuffle(table.begin(), table.end(), rng);
+  for (int b = 0; b < c.b; ++b)
+    for (int r = 0; r < c.s_k; ++r) {
+      const std::size_t from = (static_cast<std::size_t>(b) * c.s_k + r) * row;
+      const std::size_t to = (static_cast<std::size_t>(table[b * pages_per_seq + r / page]) * page + r % page) * row;
+      std::copy_n(k.data() + from, row, kp.data() + to);
+      std::copy_n(v.data() + from, row, vp.data() + to);
+    }
+  const flashmonoid::Device dev{};
+  const TensorView qv(q.data(), c.dtype, dev, {c.b, c.s_q, c.h, c.d}), ov(o.data(), c.dtype, dev, {c.b, c.s_q, c.h, c.d}),
+      lv(lse.data(), DType::f32, dev, {c.b, c.h, c.s_q});
+  flashmonoid::KVCache contiguous, paged;
+  contiguous.k = TensorView(k.data(), c.dtype, dev, {c.b, c.s_k, c.h_k, c.d});
+  contiguous.v = TensorView(v.data(), c.dtype, dev, {c.b, c.s_k, c.h_k, c.d});
+  contiguous.seqlen = c.s_k;
+  paged.k = TensorView(kp.data(), c.dtype, dev, {num_pages, page, c.h_k, c.d});
+  paged.v = TensorView(vp.data(), c.dtype, dev, {num_pages, page, c.h_k, c.d});
+  paged.block_table = TensorView(table.data(), DType::i32, dev, {c.b, pages_per_seq});
+  paged.seqlen = c.s_k;
+  flashmonoid::Context ctx;
+  ctx.num_threads = threads;
+  const double work = static_cast<double>(c.b) * c.s_k * row * 2;
+  const int calls = std::clamp(static_cast<int>(2e8 / std::max(work, 1.0)), 1, 2000);
+  const flashmonoid::KVCache* caches[2] = {&contiguous, &paged};
+  std::vector<double> us[2];
+  double faults[2] = {0, 0};
+  for (const auto* cache : caches) flashmonoid::forward_kvcache(qv, *cache, {}, {}, {}, ov, lv, {}, ctx);
+  for (int r = 0; r < repeats; ++r)
+    for (int i = 0; i < 2; ++i) {
+      const int which = (r + i) % 2;
+      const long f0 = minor_faults();
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int n = 0; n < calls; ++n) flashmonoid::forward_kvcache(qv, *caches[which], {}, {}, {}, ov, lv, {}, ctx);
+      const auto t1 = std::chrono::steady_clock::now();
+      faults[which] += static_cast<double>(minor_faults() - f0) / calls;
+      us[which].push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / calls);
+    }
+  std::printf("kvcache b=%d s_k=%d h=%d h_k=%d d=%d %s s_q=%d | contiguous %.1f us (%.1f faults) | pages of %d %.1f us (%.1f faults)\n",
+              c.b, c.s_k, c.h, c.h_k, c.d, flashmonoid::to_string(c.dtype).c_str(), c.s_q, median(us[0]),
+              faults[0] / repeats, page, median(us[1]), faults[1] / repeats);
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int threads = 2, repeats = 9;
+  bool decode_only = false;
+  int pages = 0;
+  std::vector<Case> cases;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--threads" && i + 1 < argc) {
+      threads = std::atoi(argv[++i]);
+    } else if (a == "--pages" && i + 1 < argc) {
+      pages = std::atoi(argv[++i]);
+    } else if (a == "--decode-only") {
+      decode_only = true;
+    } else if (a == "--repeats" && i + 1 < argc) {
+      repeats = std::atoi(argv[++i]);
+    } else {
+      Case c{};
+      char t[8] = {};
+      if (std::sscanf(a.c_str(), "%d,%d,%d,%d,%d,%7[a-z0-9],%d", &c.b, &c.s_k, &c.h, &c.h_k, &c.d, t, &c.s_q) != 7) {
+        std::fprintf(stderr, "bad shape '%s' (b,s_k,h,h_k,d,dtype,s_q)\n", a.c_str());
+        return 1;
+      }
+      c.dtype = std::string(t) == "bf16" ? DType::bf16 : std::string(t) == "fp16" ? DType::f16 : DType::f32;
+      cases.push_back(c);
+    }
+  }
+  const bool defaults = cases.empty();
+  if (defaults) {
+    for (DType t : {DType::f32, DType::bf16})
+      for (int s_q : {1, 4}) {
+        for (auto [b, s_k] : {std::pair{1, 512}, {1, 4096}, {1, 32768}, {8, 4096}}) cases.push_back({b, s_k, 32, 8, 128, t, s_q});
+        cases.push_back({1, 4096, 32, 32, 128, t, s_q});
+        cases.push_back({1, 4096, 32, 8, 64, t, s_q});
+      }
+    cases.push_back({1, 5, 4, 1, 64, DType::f32, 1});  // the tiny call
+  }
+  std::printf("threads %d, repeats %d, isa %s\n", threads, repeats, cpu::to_string(cpu::default_isa()));
+  std::mt19937 rng(1234);
+  for (const Case& c : cases) {
+    if (pages > 0)
+      run_pages(c, pages, threads, repeats, rng);
+    else
+      run(c, threads, repeats, decode_only, rng);
+  }
+}
