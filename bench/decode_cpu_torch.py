@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """torch's CPU scaled_dot_product_attention at the decoding shapes of decode-cpu-bench
-(bench/decode_cpu.cpp): median microseconds per call and minor page faults per call, 2 threads.
+(bench/decode_cpu.cpp): median microseconds per call and minor page faults per call, on THREADS
+threads (default 2, as decode-cpu-bench's --threads).
 
     python3 bench/decode_cpu_torch.py [repeats]        # the default shapes
     SHAPES="1,4096,32,8,128,fp32,8 ..." python3 bench/decode_cpu_torch.py 5
@@ -17,7 +18,7 @@ import time
 
 import torch
 
-torch.set_num_threads(2)
+torch.set_num_threads(int(os.environ.get("THREADS", "2")))
 shapes = []
 for dt in ("fp32", "bf16"):
     for sq in (1, 4):
