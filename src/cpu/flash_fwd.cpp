@@ -69,11 +69,11 @@ struct Tasks {
 constexpr std::int64_t kTargetTasks = 64;
 constexpr int kMaxSplits = 8;
 
-// Splits of each item's key blocks so that there are about kTargetTasks tasks.
-int key_splits(std::int64_t items, std::int64_t max_key_blocks) {
+// Splits of each item's key blocks so that there are about kTargetTasks tasks, at most max_splits.
+int key_splits(std::int64_t items, std::int64_t max_key_blocks, int max_splits = kMaxSplits) {
   if (items == 0) return 1;
   const std::int64_t want = (kTargetTasks + items - 1) / items;
-  return static_cast<int>(std::clamp<std::int64_t>(std::min(want, max_key_blocks), 1, kMaxSplits));
+  return static_cast<int>(std::clamp<std::int64_t>(std::min(want, max_key_blocks), 1, max_splits));
 }
 
 Tasks make_tasks(const FwdParams& p) {
@@ -529,6 +529,12 @@ void finish_task(const Partials& parts, int splits, std::int64_t items, std::int
 // (s_q = 16) 1.16x, 128 rows 0.95x; MHA at 64 rows 0.85x with s_k = 512.
 constexpr int kDecodeRows = 32;
 constexpr int kDecodeMaxKeys = 64;
+// Key splits per batch entry, up to 16 (the tiled path's 8 leave 8 tasks at b = 1): Xeon (AMX), b = 1,
+// h = 32, d = 128, decode us at most 8 / 16 / 32 / 64 splits, 16 threads: h_k = 8 fp32 s_k = 32k
+// 6852 / 3294 / 3298 / 2854, 4k 487 / 358 / 343 / 331, bf16 4k s_q = 4 1026 / 560 / 630 / 1073,
+// h_k = 32 bf16 1550 / 821 / 690 / 792; 2 threads: fp32 32k 21.2 / 15.0 / 16.4 / 17.7 ms, bf16 4k
+// s_q = 4 1.99 / 2.01 / 2.27 / 3.12 ms (more splits, more partials for the last task to merge).
+constexpr int kDecodeMaxSplits = 16;
 static_assert(kDecodeMaxKeys % 8 == 0, "chunks start on a Philox column group and fill whole 8-lane vectors");
 
 // Keys per chunk: a multiple of 8 up to 64, the chunk's K and V for every KV head (staged as fp32,
@@ -738,7 +744,7 @@ void flash_forward_decode(const FwdParams& p, int num_threads, const Kernels& kn
     rows = std::max(rows, si.len_q * p.h);
     max_chunks = std::max<std::int64_t>(max_chunks, (si.len_k + keys - 1) / keys);
   }
-  const int splits = key_splits(items, max_chunks);
+  const int splits = key_splits(items, max_chunks, kDecodeMaxSplits);
   const std::int64_t tasks = splits * items;
   const int dp = tiles::round_up(p.d, kLanes);
   // The partials in the calling thread's kept scratch (fresh memory per call would be page faults
