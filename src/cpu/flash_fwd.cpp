@@ -518,8 +518,9 @@ void finish_task(const Partials& parts, int splits, std::int64_t items, std::int
 // Decoding: few query rows per KV head (s_q·group <= kDecodeRows, as forward_kvcache's steps). The
 // tiled path above packs every K/V tile of the cache first: per decoding step a copy of the whole
 // cache (b = 8, s_k = 4k, h = 32, h_k = 8, d = 128, fp32: 183-202 ms and 65k page faults per call,
-// torch's SDPA 69 ms; now 21.5 ms, no faults). Here a task (batch entry, key split) walks its keys
-// a chunk at a time: the chunk's K and V rows of every KV head are read where they are
+// torch's SDPA 69 ms; now 21.5 ms, no faults). Here a task (batch entry, group of KV heads
+// (kDecodeGroupHeads), key split) walks its keys a chunk at a time: the chunk's K and V rows of its
+// KV heads are read where they are
 // (detail::kv_offset: contiguous, batch index or pages) into a small fp32 stage (stage_chunk),
 // then each KV head folds them, its s_q·group query rows sharing every row. fp32 products for
 // every dtype, Q scaled as in the tiled path's fp32 products. Extra memory: a workspace per thread
@@ -535,36 +536,45 @@ constexpr int kDecodeMaxKeys = 64;
 // h_k = 32 bf16 1550 / 821 / 690 / 792; 2 threads: fp32 32k 21.2 / 15.0 / 16.4 / 17.7 ms, bf16 4k
 // s_q = 4 1.99 / 2.01 / 2.27 / 3.12 ms (more splits, more partials for the last task to merge).
 constexpr int kDecodeMaxSplits = 16;
+// KV heads per task: a task folds the query rows of up to 8 KV heads (all of them with GQA's 8,
+// head groups with more), so that a key's staged rows stay a few KiB and multi-head caches give
+// more tasks. Xeon, b = 1, s_k = 4k, h = h_k = 32, d = 128, decode us, two rounds, all 32 heads /
+// groups of 8 / 4 / 2: 16 threads fp32 s_q = 1 1166-974 / 832-891 / 799-930 / 1011-1072, s_q = 4
+// 1487-1807 / 910-981 / 908-1129 / 1274-1278, bf16 s_q = 1 784-983 / 570-580 / 628-700 / 798-815;
+// 2 threads all 32 and 8 within the run's spread (fp32 6106-7270 / 6818-6983), 4 and 2 slower at
+// GQA's b = 1 32k bf16 (9.4-9.8 ms against 14.1).
+constexpr int kDecodeGroupHeads = 8;
 static_assert(kDecodeMaxKeys % 8 == 0, "chunks start on a Philox column group and fill whole 8-lane vectors");
 
-// Keys per chunk: a multiple of 8 up to 64, the chunk's K and V for every KV head (staged as fp32,
+// Keys per chunk: a multiple of 8 up to 64, the chunk's K and V for a task's `heads` KV heads (staged as fp32,
 // stage_chunk) within kDecodeStageBytes, so that they stay near the core while the heads fold them.
 // 512 KiB (this AMD EPYC's L2) against 256: MHA (h_k = 32, d = 128, s_k = 4k) at 16 keys instead
 // of 8, bf16 s_q = 4: 7.9-8.3 ms against 9.9-10.9; GQA shapes (64 keys either way at h_k = 8,
 // d = 64, and 32 against 64 at d = 128) equal within this machine's noise; 1 MiB no better.
 constexpr std::int64_t kDecodeStageBytes = 512 << 10;
-int decode_chunk_keys(const FwdParams& p) {
-  const std::int64_t per_key = 2 * std::int64_t{p.h_k} * tiles::round_up(p.d, kLanes) * 4;
+int decode_chunk_keys(const FwdParams& p, int heads) {
+  const std::int64_t per_key = 2 * std::int64_t{heads} * tiles::round_up(p.d, kLanes) * 4;
   return static_cast<int>(std::clamp<std::int64_t>(kDecodeStageBytes / per_key / 8 * 8, 8, kDecodeMaxKeys));
 }
 
-// A task's rows: row hq·len_q + i is query head hq, query row i; KV head hk's rows are the
-// contiguous run [hk·m, (hk + 1)·m), m = len_q·group.
+// A task's rows: row hq·len_q + i is query head hq0 + hq (hq0 = hk0·group, its first KV head's
+// first), query row i; its KV head hk0 + hk's rows are the contiguous run [hk·m, (hk + 1)·m),
+// m = len_q·group.
 struct DecodeWorkspace {
   int dp = 0;
   AlignedFloats q;   // (rows, dp)  scale · Q
   AlignedFloats o;   // (rows, dp)  unnormalised output
   std::vector<RowState> state;  // (rows)
   std::vector<float> slope;     // (rows)
-  AlignedFloats kc, vc;  // (h_k, keys, dp)  the chunk's K and V rows in fp32, zero past d (and K past the keys to 8)
-  std::vector<std::int64_t> k_off, v_off;  // (h_k, keys)  element offsets of the chunk's rows
+  AlignedFloats kc, vc;  // (heads, keys, dp)  the chunk's K and V rows in fp32, zero past d (and K past the keys to 8)
+  std::vector<std::int64_t> k_off, v_off;  // (heads, keys)  element offsets of the chunk's rows
   AlignedFloats s;   // (kDecodeRows, cols)  one KV head's scores, then probabilities; cols: the chunk's keys rounded up to 8
   float m_run[kDecodeRows], sums[kDecodeRows];
 };
 
 // The calling thread's workspace, kept across calls (allocated per call it was page faults per
 // call), grown to this call's sizes.
-DecodeWorkspace& decode_workspace(int rows, int keys, const FwdParams& p) {
+DecodeWorkspace& decode_workspace(int rows, int keys, int heads, const FwdParams& p) {
   thread_local DecodeWorkspace ws;
   const auto grow = [](auto& v, std::size_t n) {
     if (v.size() < n) v.resize(n);
@@ -574,10 +584,10 @@ DecodeWorkspace& decode_workspace(int rows, int keys, const FwdParams& p) {
   grow(ws.o, static_cast<std::size_t>(rows) * ws.dp);
   grow(ws.state, rows);
   grow(ws.slope, rows);
-  grow(ws.kc, static_cast<std::size_t>(p.h_k) * keys * ws.dp);
-  grow(ws.vc, static_cast<std::size_t>(p.h_k) * keys * ws.dp);
-  grow(ws.k_off, static_cast<std::size_t>(p.h_k) * keys);
-  grow(ws.v_off, static_cast<std::size_t>(p.h_k) * keys);
+  grow(ws.kc, static_cast<std::size_t>(heads) * keys * ws.dp);
+  grow(ws.vc, static_cast<std::size_t>(heads) * keys * ws.dp);
+  grow(ws.k_off, static_cast<std::size_t>(heads) * keys);
+  grow(ws.v_off, static_cast<std::size_t>(heads) * keys);
   grow(ws.s, kDecodeRows * kDecodeMaxKeys);
   return ws;
 }
@@ -595,21 +605,22 @@ void kv_rows(const FwdParams& p, const detail::Strides& st, int b, std::int64_t 
   }
 }
 
-// ws.kc, ws.vc <- the n keys from row row0 of entry b, every KV head, as fp32 rows of dp, copied key
+// ws.kc, ws.vc <- the n keys from row row0 of entry b, KV heads hk0 .. hk0 + heads, as fp32 rows of dp, copied key
 // by key and head by head: in a cache's (rows, h_k, d) layout, and in a page, the order of memory,
 // which the hardware prefetchers follow. Read in place head by head instead, a task's reads were
 // 512-byte runs 4 KiB apart, each page visited once per head: b = 1, s_k = 32k, h_k = 8, d = 128
 // took 37-41 ms in fp32 and 28-31 in bf16, against 24-26 and 15-17 staged (2 threads, AMD EPYC;
 // a sequential read of the same bytes runs at 24 GB/s). A software prefetch of the next chunk
 // during this one's heads measured no better than the hardware prefetchers (22-26 ms).
-void stage_chunk(const FwdParams& p, int b, std::int64_t row0, int n, int keys, DecodeWorkspace& ws) {
+void stage_chunk(const FwdParams& p, int b, int hk0, int heads, std::int64_t row0, int n, int keys,
+                 DecodeWorkspace& ws) {
   const int dp = ws.dp;
-  for (int hk = 0; hk < p.h_k; ++hk) {
-    kv_rows(p, p.k_stride, b, row0, n, hk, ws.k_off.data() + hk * keys);
-    kv_rows(p, p.v_stride, b, row0, n, hk, ws.v_off.data() + hk * keys);
+  for (int hk = 0; hk < heads; ++hk) {
+    kv_rows(p, p.k_stride, b, row0, n, hk0 + hk, ws.k_off.data() + hk * keys);
+    kv_rows(p, p.v_stride, b, row0, n, hk0 + hk, ws.v_off.data() + hk * keys);
   }
   for (int c = 0; c < n; ++c)
-    for (int hk = 0; hk < p.h_k; ++hk) {
+    for (int hk = 0; hk < heads; ++hk) {
       const std::ptrdiff_t at = static_cast<std::ptrdiff_t>(hk) * keys + c;
       float* k = ws.kc.data() + at * dp;
       float* v = ws.vc.data() + at * dp;
@@ -618,7 +629,7 @@ void stage_chunk(const FwdParams& p, int b, std::int64_t row0, int n, int keys, 
       std::fill(k + p.d, k + dp, 0.0f);
       std::fill(v + p.d, v + dp, 0.0f);
     }
-  for (int hk = 0; hk < p.h_k; ++hk)  // score columns past the keys read zero rows
+  for (int hk = 0; hk < heads; ++hk)  // score columns past the keys read zero rows
     std::fill(ws.kc.data() + (static_cast<std::ptrdiff_t>(hk) * keys + n) * dp,
               ws.kc.data() + (static_cast<std::ptrdiff_t>(hk) * keys + tiles::round_up(n, kLanes)) * dp, 0.0f);
 }
@@ -626,8 +637,8 @@ void stage_chunk(const FwdParams& p, int b, std::int64_t row0, int n, int keys, 
 // KV head hk's m rows (from row r0 = hk·m of the task's, state and o there) folded over the staged
 // chunk: keys j0 .. j0 + n. The stages of fold_keys: scores, transform_row, Kernels::softmax_rows,
 // the monoid's merge, dropout, the rescale of O, O += P·V.
-void fold_chunk(const FwdParams& p, const Kernels& kn, const SeqInfo& si, const detail::Band& band, int hk, int m,
-                std::int64_t j0, int n, int keys, bool first, DecodeWorkspace& ws) {
+void fold_chunk(const FwdParams& p, const Kernels& kn, const SeqInfo& si, const detail::Band& band, int hq0, int hk,
+                int m, std::int64_t j0, int n, int keys, bool first, DecodeWorkspace& ws) {
   const int dp = ws.dp, cols = tiles::round_up(n, kLanes), r0 = hk * m;
   float* o = ws.o.data() + static_cast<std::ptrdiff_t>(r0) * dp;
   RowState* state = ws.state.data() + r0;
@@ -644,7 +655,7 @@ void fold_chunk(const FwdParams& p, const Kernels& kn, const SeqInfo& si, const 
     float fa, fb;
     state[r] = detail::merge(state[r], RowState{ws.m_run[r], ws.sums[r]}, &fa, &fb);
     if (p.dropout_p > 0.0f)
-      apply_dropout(p, detail::dropout_row_id(p, (r0 + r) / si.len_q, si, (r0 + r) % si.len_q), j0, n,
+      apply_dropout(p, detail::dropout_row_id(p, hq0 + (r0 + r) / si.len_q, si, (r0 + r) % si.len_q), j0, n,
                     ws.s.data() + r * cols);
     if (!first && fa != 1.0f) kn.scale_row(o + r * dp, dp, fa);
   }
@@ -652,15 +663,16 @@ void fold_chunk(const FwdParams& p, const Kernels& kn, const SeqInfo& si, const 
 }
 
 // ws.o, ws.state <- the fold of key chunks [c_lo, c_hi) (chunks of `keys` keys of entry b) into
-// every query row of entry b, unnormalised; returns the number of rows, h·len_q.
-int decode_fold(const FwdParams& p, const Kernels& kn, int b, int keys, std::int64_t c_lo, std::int64_t c_hi,
-                DecodeWorkspace& ws) {
+// the query rows of KV heads hk0 .. hk0 + heads of entry b, unnormalised; returns the number of
+// rows, heads·group·len_q.
+int decode_fold(const FwdParams& p, const Kernels& kn, int b, int hk0, int heads, int keys, std::int64_t c_lo,
+                std::int64_t c_hi, DecodeWorkspace& ws) {
   const SeqInfo si = seq_info(p, b);
   const detail::Band band = band_of(p, si);
-  const int dp = ws.dp, rows = p.h * si.len_q, m = si.len_q * p.group();
+  const int dp = ws.dp, m = si.len_q * p.group(), rows = heads * m, hq0 = hk0 * p.group();
   if (rows == 0) return 0;
   for (int r = 0; r < rows; ++r) {
-    const int hq = r / si.len_q;
+    const int hq = hq0 + r / si.len_q;
     float* q = ws.q.data() + static_cast<std::ptrdiff_t>(r) * dp;
     tiles::load_row(p.q, p.dtype, detail::offset_of(p.q_stride, b, si.q_row0 + r % si.len_q, hq), p.d, p.scale, q);
     std::fill(q + p.d, q + dp, 0.0f);
@@ -672,8 +684,8 @@ int decode_fold(const FwdParams& p, const Kernels& kn, int b, int keys, std::int
   const std::int64_t k_end = std::min<std::int64_t>({band.key_end(si.len_q, si.len_k), si.len_k, c_hi * keys});
   for (std::int64_t j0 = k_begin; j0 < k_end; j0 += keys) {
     const int n = static_cast<int>(std::min<std::int64_t>(keys, k_end - j0));
-    stage_chunk(p, b, si.k_row0 + j0, n, keys, ws);
-    for (int hk = 0; hk < p.h_k; ++hk) fold_chunk(p, kn, si, band, hk, m, j0, n, keys, j0 == k_begin, ws);
+    stage_chunk(p, b, hk0, heads, si.k_row0 + j0, n, keys, ws);
+    for (int hk = 0; hk < heads; ++hk) fold_chunk(p, kn, si, band, hq0, hk, m, j0, n, keys, j0 == k_begin, ws);
   }
   if (k_begin >= k_end) std::fill(ws.o.begin(), ws.o.begin() + static_cast<std::ptrdiff_t>(rows) * dp, 0.0f);
   return rows;
@@ -730,18 +742,20 @@ bool decode_path(const FwdParams& p) {
 }
 
 // Decoding, the second mainloop (decode_fold above): one parallel region without a barrier, tasks
-// (batch entry, key split), splits by the shape as the tiled path's.
+// (batch entry, group of KV heads, key split), splits by the shape as the tiled path's.
 void flash_forward_decode(const FwdParams& p, int num_threads, const Kernels& kn) {
   if (!decode_path(p))  // the workspace's score rows (kDecodeRows)
     throw Error("q", "flash_forward_decode takes at most " + std::to_string(kDecodeRows) +
                          " query rows per KV head (s_q·group); use flash_forward");
-  const std::int64_t items = p.batch;
-  const int keys = decode_chunk_keys(p);
+  const int group_heads = std::min(kDecodeGroupHeads, p.h_k);
+  const int head_groups = (p.h_k + group_heads - 1) / group_heads;
+  const std::int64_t items = std::int64_t{p.batch} * head_groups;
+  const int keys = decode_chunk_keys(p, group_heads);
   int rows = 0;
   std::int64_t max_chunks = 0;
   for (int b = 0; b < p.batch; ++b) {
     const SeqInfo si = seq_info(p, b);
-    rows = std::max(rows, si.len_q * p.h);
+    rows = std::max(rows, si.len_q * p.group() * group_heads);
     max_chunks = std::max<std::int64_t>(max_chunks, (si.len_k + keys - 1) / keys);
   }
   const int splits = key_splits(items, max_chunks, kDecodeMaxSplits);
@@ -754,16 +768,20 @@ void flash_forward_decode(const FwdParams& p, int num_threads, const Kernels& kn
   const int threads = static_cast<int>(std::min<std::int64_t>(num_threads > 0 ? num_threads : omp_get_max_threads(), tasks));
 #pragma omp parallel num_threads(std::max(threads, 1))
   {
-    DecodeWorkspace& ws = decode_workspace(rows, keys, p);
+    DecodeWorkspace& ws = decode_workspace(rows, keys, group_heads, p);
 #pragma omp for schedule(dynamic, 1) nowait
     for (std::int64_t task = 0; task < tasks; ++task) {
-      const int b = static_cast<int>(task % items), c = static_cast<int>(task / items);
+      const std::int64_t item = task % items;
+      const int b = static_cast<int>(item / head_groups), hk0 = static_cast<int>(item % head_groups) * group_heads;
+      const int heads = std::min(group_heads, p.h_k - hk0), c = static_cast<int>(task / items);
       const SeqInfo si = seq_info(p, b);
       const std::int64_t chunks = (si.len_k + keys - 1) / keys;
-      const int m = decode_fold(p, kn, b, keys, chunks * c / splits, chunks * (c + 1) / splits, ws);
+      const int m = decode_fold(p, kn, b, hk0, heads, keys, chunks * c / splits, chunks * (c + 1) / splits, ws);
       finish_task(parts, splits, items, task, m, ws.o.data(), ws.state.data(), [&](const float* o, const RowState* state) {
-        for (int hq = 0; hq < p.h; ++hq)
-          store_rows(p, b, hq, 0, si.len_q, o + static_cast<std::ptrdiff_t>(hq) * si.len_q * dp, dp, state + hq * si.len_q);
+        const int hq0 = hk0 * p.group();
+        for (int hq = 0; hq < heads * p.group(); ++hq)
+          store_rows(p, b, hq0 + hq, 0, si.len_q, o + static_cast<std::ptrdiff_t>(hq) * si.len_q * dp, dp,
+                     state + hq * si.len_q);
       });
     }
   }
