@@ -208,11 +208,13 @@ TEST(KvCacheDecode, HeadDimsGroupsAndDtypes) {
     }
 }
 
-TEST(KvCacheDecode, ManyHeadsStageChunksOfEightKeys) {
-  KvShape s = base(256, DType::bf16);  // 40 KV heads of 256: 8-key chunks (decode_chunk_keys), 8 splits
+TEST(KvCacheDecode, ManyHeadsInUnevenHeadGroups) {
+  // 12 KV heads of 256: tasks over groups of 8 and 4 KV heads (kDecodeGroupHeads), 32-key chunks
+  // (decode_chunk_keys), 4 splits of 100 keys
+  KvShape s = base(256, DType::bf16);
   s.b = 1;
-  s.h = 40;
-  s.h_k = 40;
+  s.h = 24;
+  s.h_k = 12;
   s.capacity = 100;
   s.s_q = 1;
   s.page_size = 3;
