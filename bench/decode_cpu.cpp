@@ -48,6 +48,34 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// Two calls (call(0), call(1)) timed alternately, which runs first swapping each repeat, enough calls
+// per timing for ~2e8 bytes of K/V (`work` per call) so that tiny shapes are not timer noise: per
+// call, each one's median us over the repeats and its mean minor faults. With second_only, call(1)
+// alone (the other's results 0).
+struct Alternated {
+  double us[2] = {0, 0}, faults[2] = {0, 0};
+};
+template <class Call>
+Alternated alternate(double work, int repeats, bool second_only, Call call) {
+  const int calls = std::clamp(static_cast<int>(2e8 / std::max(work, 1.0)), 1, 2000);
+  std::vector<double> us[2];
+  Alternated a;
+  for (int i = second_only ? 1 : 0; i < 2; ++i) call(i);  // warm-up
+  for (int r = 0; r < repeats; ++r)
+    for (int i = second_only ? 1 : 0; i < 2; ++i) {
+      const int which = second_only ? 1 : (r + i) % 2;
+      const long f0 = minor_faults();
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int n = 0; n < calls; ++n) call(which);
+      const auto t1 = std::chrono::steady_clock::now();
+      a.faults[which] += static_cast<double>(minor_faults() - f0) / calls / repeats;
+      us[which].push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / calls);
+    }
+  for (int i = 0; i < 2; ++i)
+    if (!us[i].empty()) a.us[i] = median(us[i]);
+  return a;
+}
+
 void fill(std::vector<std::uint8_t>& buf, DType t, std::mt19937& rng) {
   std::normal_distribution<float> n(0.0f, 1.0f);
   const std::size_t count = buf.size() / flashmonoid::dtype_size(t);
@@ -68,28 +96,13 @@ void run(const Case& c, int threads, int repeats, bool decode_only, std::mt19937
       lv(lse.data(), DType::f32, cpu_dev, {c.b, c.h, c.s_q});
   const auto p = flashmonoid::detail::make_fwd_params(qv, kv, vv, ov, lv, flashmonoid::Options{}, nullptr);
   const cpu::Kernels& kn = cpu::kernels_for(cpu::default_isa());
-  // Calls per timing: about 20 ms of work, so that the tiny shapes are not timer noise.
-  const double work = static_cast<double>(c.b) * c.s_k * c.h_k * c.d * es * 2;
-  const int calls = std::clamp(static_cast<int>(2e8 / std::max(work, 1.0)), 1, 2000);
   using Fn = void (*)(const flashmonoid::detail::FwdParams&, int, const cpu::Kernels&);
   const Fn paths[2] = {cpu::flash_forward_tiled, cpu::flash_forward_decode};
-  std::vector<double> us[2];
-  double faults[2] = {0, 0};
-  for (Fn f : paths) f(p, threads, kn);  // warm-up
-  for (int r = 0; r < repeats; ++r)
-    for (int i = 0; i < 2; ++i) {
-      const int which = decode_only ? 1 : (r + i) % 2;  // alternate which path runs first
-      const long f0 = minor_faults();
-      const auto t0 = std::chrono::steady_clock::now();
-      for (int n = 0; n < calls; ++n) paths[which](p, threads, kn);
-      const auto t1 = std::chrono::steady_clock::now();
-      faults[which] += static_cast<double>(minor_faults() - f0) / calls;
-      us[which].push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / calls);
-    }
-  if (decode_only) us[0] = {0.0};
+  const Alternated a = alternate(static_cast<double>(c.b) * c.s_k * c.h_k * c.d * es * 2, repeats, decode_only,
+                                 [&](int which) { paths[which](p, threads, kn); });
   std::printf("b=%d s_k=%d h=%d h_k=%d d=%d %s s_q=%d | tiled %.1f us (%.0f faults) | decode %.1f us (%.1f faults) | x%.2f\n",
-              c.b, c.s_k, c.h, c.h_k, c.d, flashmonoid::to_string(c.dtype).c_str(), c.s_q, median(us[0]), faults[0] / repeats,
-              median(us[1]), faults[1] / repeats, median(us[0]) / median(us[1]));
+              c.b, c.s_k, c.h, c.h_k, c.d, flashmonoid::to_string(c.dtype).c_str(), c.s_q, a.us[0], a.faults[0], a.us[1],
+              a.faults[1], a.us[0] / a.us[1]);
   std::fflush(stdout);
 }
 
@@ -128,25 +141,13 @@ void run_pages(const Case& c, int page, int threads, int repeats, std::mt19937& 
   paged.seqlen = c.s_k;
   flashmonoid::Context ctx;
   ctx.num_threads = threads;
-  const double work = static_cast<double>(c.b) * c.s_k * row * 2;
-  const int calls = std::clamp(static_cast<int>(2e8 / std::max(work, 1.0)), 1, 2000);
   const flashmonoid::KVCache* caches[2] = {&contiguous, &paged};
-  std::vector<double> us[2];
-  double faults[2] = {0, 0};
-  for (const auto* cache : caches) flashmonoid::forward_kvcache(qv, *cache, {}, {}, {}, ov, lv, {}, ctx);
-  for (int r = 0; r < repeats; ++r)
-    for (int i = 0; i < 2; ++i) {
-      const int which = (r + i) % 2;
-      const long f0 = minor_faults();
-      const auto t0 = std::chrono::steady_clock::now();
-      for (int n = 0; n < calls; ++n) flashmonoid::forward_kvcache(qv, *caches[which], {}, {}, {}, ov, lv, {}, ctx);
-      const auto t1 = std::chrono::steady_clock::now();
-      faults[which] += static_cast<double>(minor_faults() - f0) / calls;
-      us[which].push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / calls);
-    }
+  const Alternated a = alternate(static_cast<double>(c.b) * c.s_k * row * 2, repeats, false, [&](int which) {
+    flashmonoid::forward_kvcache(qv, *caches[which], {}, {}, {}, ov, lv, {}, ctx);
+  });
   std::printf("kvcache b=%d s_k=%d h=%d h_k=%d d=%d %s s_q=%d | contiguous %.1f us (%.1f faults) | pages of %d %.1f us (%.1f faults)\n",
-              c.b, c.s_k, c.h, c.h_k, c.d, flashmonoid::to_string(c.dtype).c_str(), c.s_q, median(us[0]),
-              faults[0] / repeats, page, median(us[1]), faults[1] / repeats);
+              c.b, c.s_k, c.h, c.h_k, c.d, flashmonoid::to_string(c.dtype).c_str(), c.s_q, a.us[0], a.faults[0], page,
+              a.us[1], a.faults[1]);
   std::fflush(stdout);
 }
 

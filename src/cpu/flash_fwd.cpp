@@ -524,7 +524,8 @@ void finish_task(const Partials& parts, int splits, std::int64_t items, std::int
 // (detail::kv_offset: contiguous, batch index or pages) into a small fp32 stage (stage_chunk),
 // then each KV head folds them, its s_q·group query rows sharing every row. fp32 products for
 // every dtype, Q scaled as in the tiled path's fp32 products. Extra memory: a workspace per thread
-// of O(h·s_q·d) plus the stage (decode_chunk_keys), and the split partials; never the cache's size.
+// of O(heads·group·s_q·d) plus the stage (decode_chunk_keys), and the split partials; never the
+// cache's size.
 // Up to 32 rows per KV head, by measurement against the tiled path (2 threads, AMD EPYC, s_k = 4k,
 // h = 32, d = 128, fp32): 16 rows (h_k = 8, s_q = 4) 2.2x faster, 32 rows (s_q = 8) 1.6x, 64 rows
 // (s_q = 16) 1.16x, 128 rows 0.95x; MHA at 64 rows 0.85x with s_k = 512.
@@ -546,11 +547,12 @@ constexpr int kDecodeMaxSplits = 16;
 constexpr int kDecodeGroupHeads = 8;
 static_assert(kDecodeMaxKeys % 8 == 0, "chunks start on a Philox column group and fill whole 8-lane vectors");
 
-// Keys per chunk: a multiple of 8 up to 64, the chunk's K and V for a task's `heads` KV heads (staged as fp32,
-// stage_chunk) within kDecodeStageBytes, so that they stay near the core while the heads fold them.
-// 512 KiB (this AMD EPYC's L2) against 256: MHA (h_k = 32, d = 128, s_k = 4k) at 16 keys instead
-// of 8, bf16 s_q = 4: 7.9-8.3 ms against 9.9-10.9; GQA shapes (64 keys either way at h_k = 8,
-// d = 64, and 32 against 64 at d = 128) equal within this machine's noise; 1 MiB no better.
+// Keys per chunk: a multiple of 8 up to 64, the chunk's K and V for a task's `heads` KV heads
+// (staged as fp32, stage_chunk) within kDecodeStageBytes, so that they stay near the core while the
+// heads fold them. 512 KiB (this AMD EPYC's L2) against 256, measured with all KV heads in one task:
+// MHA (h_k = 32, d = 128, s_k = 4k) at 16 keys instead of 8, bf16 s_q = 4: 7.9-8.3 ms against
+// 9.9-10.9; GQA shapes (64 keys either way at h_k = 8, d = 64, and 32 against 64 at d = 128) equal
+// within this machine's noise; 1 MiB no better (a 2 MiB stage on the Xeon: slower, bench/NOTES.md).
 constexpr std::int64_t kDecodeStageBytes = 512 << 10;
 int decode_chunk_keys(const FwdParams& p, int heads) {
   const std::int64_t per_key = 2 * std::int64_t{heads} * tiles::round_up(p.d, kLanes) * 4;
@@ -605,9 +607,9 @@ void kv_rows(const FwdParams& p, const detail::Strides& st, int b, std::int64_t 
   }
 }
 
-// ws.kc, ws.vc <- the n keys from row row0 of entry b, KV heads hk0 .. hk0 + heads, as fp32 rows of dp, copied key
-// by key and head by head: in a cache's (rows, h_k, d) layout, and in a page, the order of memory,
-// which the hardware prefetchers follow. Read in place head by head instead, a task's reads were
+// ws.kc, ws.vc <- the n keys from row row0 of entry b, KV heads hk0 .. hk0 + heads, as fp32 rows of
+// dp, copied key by key and head by head: in a cache's (rows, h_k, d) layout, and in a page, the
+// order of memory, which the hardware prefetchers follow. Read in place head by head instead, a task's reads were
 // 512-byte runs 4 KiB apart, each page visited once per head: b = 1, s_k = 32k, h_k = 8, d = 128
 // took 37-41 ms in fp32 and 28-31 in bf16, against 24-26 and 15-17 staged (2 threads, AMD EPYC;
 // a sequential read of the same bytes runs at 24 GB/s). A software prefetch of the next chunk
@@ -762,7 +764,7 @@ void flash_forward_decode(const FwdParams& p, int num_threads, const Kernels& kn
   const std::int64_t tasks = splits * items;
   const int dp = tiles::round_up(p.d, kLanes);
   // The partials in the calling thread's kept scratch (fresh memory per call would be page faults
-  // per call): fewer than 2·kTargetTasks slots of h·s_q rows.
+  // per call): fewer than 2·kTargetTasks slots of a head group's group_heads·group·s_q rows.
   Partials parts;
   if (splits > 1) parts.place(tasks, items, rows, dp, kept_scratch(Partials::bytes(tasks, items, rows, dp), parts.owned));
   const int threads = static_cast<int>(std::min<std::int64_t>(num_threads > 0 ? num_threads : omp_get_max_threads(), tasks));

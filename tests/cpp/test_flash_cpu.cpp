@@ -244,9 +244,10 @@ TEST(FlashBackward, OneKeyRowsUnderDropoutMeetTheRule) {
 
 // The decoding mainloop (flash_forward_decode: K/V rows read in place) called directly, on both
 // kernel widths, over few query rows per KV head: s_q 1..8, keys around the 64-key chunks (1, 63,
-// 64, 65, 700), MHA/GQA/MQA, every score option and dropout, odd head dims, and varlen with empty
-// sequences; then the same problems through flash_forward_tiled, which must agree with the
-// reference as well (the dispatch boundary: decode_path switches between the two).
+// 64, 65, 700), MHA/GQA/MQA, every score option and dropout, odd head dims, varlen with empty
+// sequences, and KV heads in uneven groups (kDecodeGroupHeads) under dropout; then the same
+// problems through flash_forward_tiled, which must agree with the reference as well (the dispatch
+// boundary: decode_path switches between the two).
 std::vector<Shape> decode_grid() {
   const int seqlens_k[] = {1, 63, 64, 65, 700};
   const int head_dims[] = {59, 64, 111, 128, 256, 40};
@@ -288,6 +289,14 @@ std::vector<Shape> decode_grid() {
     s.causal = t == DType::bf16;
     out.push_back(s);
   }
+  Shape groups;  // 12 KV heads: tasks over head groups of 8 and 4, dropout rows numbered by query head
+  groups.s_q = 2;
+  groups.s_k = 200;
+  groups.h = 24;
+  groups.h_k = 12;
+  groups.d = 64;
+  groups.dropout_p = 0.2f;
+  out.push_back(groups);
   return out;
 }
 
