@@ -544,6 +544,12 @@ constexpr int kDecodeMaxSplits = 16;
 // 1487-1807 / 910-981 / 908-1129 / 1274-1278, bf16 s_q = 1 784-983 / 570-580 / 628-700 / 798-815;
 // 2 threads all 32 and 8 within the run's spread (fp32 6106-7270 / 6818-6983), 4 and 2 slower at
 // GQA's b = 1 32k bf16 (9.4-9.8 ms against 14.1).
+// This shape group, min(kDecodeGroupHeads, h_k), alone sets the chunk's keys and the splits (the
+// arithmetic); a call that would have fewer tasks than threads halves the KV heads per task
+// (task_heads) until it has enough or they are 1: b = 1, h_k = 8, s_k = 512 has 8 tasks at 16
+// threads (Xeon, d = 128, 88 us against torch's 55 in fp32 s_q = 1, 183 against 73 at s_q = 4);
+// groups of 4 took 42-45 us there, while a fixed 4 loses at 2 threads (above). The bits stay: each
+// KV head folds its own rows alone (fold_chunk), over the same chunks and splits in any group.
 constexpr int kDecodeGroupHeads = 8;
 static_assert(kDecodeMaxKeys % 8 == 0, "chunks start on a Philox column group and fill whole 8-lane vectors");
 
@@ -557,6 +563,13 @@ constexpr std::int64_t kDecodeStageBytes = 512 << 10;
 int decode_chunk_keys(const FwdParams& p, int heads) {
   const std::int64_t per_key = 2 * std::int64_t{heads} * tiles::round_up(p.d, kLanes) * 4;
   return static_cast<int>(std::clamp<std::int64_t>(kDecodeStageBytes / per_key / 8 * 8, 8, kDecodeMaxKeys));
+}
+
+// KV heads per task for a call of `threads` threads: the shape's group `heads` (h_k heads,
+// `splits` splits per item), halved while batch · head groups · splits < threads.
+int task_heads(int batch, int h_k, int heads, int splits, int threads) {
+  while (heads > 1 && std::int64_t{batch} * ((h_k + heads - 1) / heads) * splits < threads) heads = (heads + 1) / 2;
+  return heads;
 }
 
 // A task's rows: row hq·len_q + i is query head hq0 + hq (hq0 = hk0·group, its first KV head's
@@ -749,25 +762,29 @@ void flash_forward_decode(const FwdParams& p, int num_threads, const Kernels& kn
   if (!decode_path(p))  // the workspace's score rows (kDecodeRows)
     throw Error("q", "flash_forward_decode takes at most " + std::to_string(kDecodeRows) +
                          " query rows per KV head (s_q·group); use flash_forward");
-  const int group_heads = std::min(kDecodeGroupHeads, p.h_k);
+  // The arithmetic from the shape's head groups (kDecodeGroupHeads): chunk keys and splits.
+  const int shape_heads = std::min(kDecodeGroupHeads, p.h_k);
+  const int keys = decode_chunk_keys(p, shape_heads);
+  std::int64_t max_chunks = 0;
+  for (int b = 0; b < p.batch; ++b)
+    max_chunks = std::max<std::int64_t>(max_chunks, (seq_info(p, b).len_k + keys - 1) / keys);
+  const int splits = key_splits(std::int64_t{p.batch} * ((p.h_k + shape_heads - 1) / shape_heads), max_chunks,
+                                kDecodeMaxSplits);
+  // The partition from the thread count: tasks (batch entry, group of group_heads KV heads, split).
+  const int wanted = num_threads > 0 ? num_threads : omp_get_max_threads();
+  const int group_heads = task_heads(p.batch, p.h_k, shape_heads, splits, wanted);
   const int head_groups = (p.h_k + group_heads - 1) / group_heads;
   const std::int64_t items = std::int64_t{p.batch} * head_groups;
-  const int keys = decode_chunk_keys(p, group_heads);
-  int rows = 0;
-  std::int64_t max_chunks = 0;
-  for (int b = 0; b < p.batch; ++b) {
-    const SeqInfo si = seq_info(p, b);
-    rows = std::max(rows, si.len_q * p.group() * group_heads);
-    max_chunks = std::max<std::int64_t>(max_chunks, (si.len_k + keys - 1) / keys);
-  }
-  const int splits = key_splits(items, max_chunks, kDecodeMaxSplits);
   const std::int64_t tasks = splits * items;
+  int rows = 0;
+  for (int b = 0; b < p.batch; ++b) rows = std::max(rows, seq_info(p, b).len_q * p.group() * group_heads);
   const int dp = tiles::round_up(p.d, kLanes);
   // The partials in the calling thread's kept scratch (fresh memory per call would be page faults
-  // per call): fewer than 2·kTargetTasks slots of a head group's group_heads·group·s_q rows.
+  // per call): splits · items slots of a head group's group_heads·group·s_q rows, about the bytes of
+  // the shape's groups (task_heads trades rows per slot for slots).
   Partials parts;
   if (splits > 1) parts.place(tasks, items, rows, dp, kept_scratch(Partials::bytes(tasks, items, rows, dp), parts.owned));
-  const int threads = static_cast<int>(std::min<std::int64_t>(num_threads > 0 ? num_threads : omp_get_max_threads(), tasks));
+  const int threads = static_cast<int>(std::min<std::int64_t>(wanted, tasks));
 #pragma omp parallel num_threads(std::max(threads, 1))
   {
     DecodeWorkspace& ws = decode_workspace(rows, keys, group_heads, p);

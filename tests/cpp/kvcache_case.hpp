@@ -29,6 +29,7 @@ struct KvShape {
   int window_left = -1, window_right = -1;
   float softcap = 0.0f;
   bool alibi = false;
+  int threads = 0;  // Context::num_threads (0: OpenMP's default)
 
   std::string str() const {
     std::string s = "b" + std::to_string(b) + " sq" + std::to_string(s_q) + " new" + std::to_string(s_new) + " h" +
@@ -45,6 +46,7 @@ struct KvShape {
       s += " window(" + std::to_string(window_left) + "," + std::to_string(window_right) + ")";
     if (softcap > 0) s += " softcap";
     if (alibi) s += " alibi";
+    if (threads) s += " threads" + std::to_string(threads);
     return s;
   }
 };

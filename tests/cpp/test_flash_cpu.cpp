@@ -314,25 +314,42 @@ TEST(FlashDecode, MainloopsMatchFloat64Reference) {
   }
 }
 
-// The decoding path's key splits, like the tiled path's, depend on the shape only (here 8 splits of
-// 11 chunks, with dropout): the same bits for any thread count.
+// The decoding path's key splits, like the tiled path's, depend on the shape only, and so do its
+// chunk keys; with fewer tasks than threads a task takes fewer KV heads (task_heads), which changes
+// only the partition: the same bits for any thread count, and the rule met. Per shape, the KV heads
+// per task at 1 / 2 / 3 / 5 / 16 / 64 threads:
+// - 2 heads, 11 splits of 11 chunks: 2 / 2 / 2 / 2 / 1 / 1;
+// - 8 heads at d = 256 (32-key chunks, 64 in groups of 4): 8 / 8 / 4 / 2 / 1 / 1;
+// - 12 heads: 8+4 / 8+4 / 8+4 / 4 / 1 / 1;  7 heads: 7 / 7 / 4+3 / 2+2+2+1 / 1 / 1;
+// - 8 heads over 9 splits: 8 / 8 / 8 / 8 / 4 / 1 (8 splits if counted from the 8 groups of 1).
+// Dropout and ALiBi number rows and slopes by query head across the regrouping.
 TEST(FlashDecode, BitIdenticalForAnyThreadCount) {
   namespace cpu = flashmonoid::cpu;
-  Shape s;
-  s.s_q = 2;
-  s.s_k = 700;
-  s.h = 8;
-  s.h_k = 2;
-  s.d = 72;
-  s.dropout_p = 0.1f;
-  s.window_left = 600;
-  Problem pb(s);
-  for (const cpu::Kernels* kn : {&cpu::kernels_avx2(), &cpu::kernels_avx512_emulated()}) {
-    auto [o, l] = pb.flash(*kn, 1, cpu::flash_forward_decode);
-    for (int threads : {2, 3}) {
-      auto [o2, l2] = pb.flash(*kn, threads, cpu::flash_forward_decode);
-      EXPECT_EQ(o.buf, o2.buf) << threads << " threads";
-      EXPECT_EQ(l.buf, l2.buf) << threads << " threads";
+  Shape splits11 = shape_of(DType::f32, 1, 2, 700, 8, 2, 72);
+  splits11.dropout_p = 0.1f;
+  splits11.window_left = 600;
+  Shape d256 = shape_of(DType::f32, 1, 2, 60, 16, 8, 256);
+  d256.causal = true;
+  d256.dropout_p = 0.15f;
+  Shape heads12 = shape_of(DType::bf16, 1, 1, 100, 24, 12, 64);
+  heads12.alibi = true;
+  heads12.window_left = 70;
+  Shape heads7 = shape_of(DType::f16, 1, 4, 65, 7, 7, 40);
+  heads7.softcap = 3.0f;
+  heads7.dropout_p = 0.1f;
+  const Shape splits9 = shape_of(DType::f32, 1, 1, 576, 8, 8, 64);
+  for (const Shape& s : {splits11, d256, heads12, heads7, splits9}) {
+    SCOPED_TRACE(s.str());
+    Problem pb(s);
+    for (const cpu::Kernels* kn : {&cpu::kernels_avx2(), &cpu::kernels_avx512_emulated()}) {
+      SCOPED_TRACE(cpu::to_string(kn->isa));
+      auto [o, l] = pb.flash(*kn, 1, cpu::flash_forward_decode);
+      expect_forward_close(pb, o, l);
+      for (int threads : {2, 3, 5, 16, 64}) {
+        auto [o2, l2] = pb.flash(*kn, threads, cpu::flash_forward_decode);
+        EXPECT_EQ(o.buf, o2.buf) << threads << " threads";
+        EXPECT_EQ(l.buf, l2.buf) << threads << " threads";
+      }
     }
   }
 }

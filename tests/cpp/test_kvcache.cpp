@@ -27,6 +27,7 @@ void run_case(const KvShape& shape) {
     HostTensor out = pb.new_out(), lse = pb.new_lse();
     Context ctx;
     ctx.cpu_algorithm = algo;
+    ctx.num_threads = shape.threads;
     flashmonoid::forward_kvcache(pb.q.view, pb.cache(kc, vc), pb.k_new.view, pb.v_new.view, pb.rotary(), out.view,
                                  lse.view, pb.opt, ctx);
     EXPECT_TRUE(same_bytes(kc, k_want)) << "k_cache differs from the expected append";
@@ -210,7 +211,8 @@ TEST(KvCacheDecode, HeadDimsGroupsAndDtypes) {
 
 TEST(KvCacheDecode, ManyHeadsInUnevenHeadGroups) {
   // 12 KV heads of 256: tasks over groups of 8 and 4 KV heads (kDecodeGroupHeads), 32-key chunks
-  // (decode_chunk_keys), 4 splits of 100 keys
+  // (decode_chunk_keys), up to 4 splits of 100 keys; at 16 threads groups of 1 or 2 KV heads
+  // (task_heads) over the same chunks.
   KvShape s = base(256, DType::bf16);
   s.b = 1;
   s.h = 24;
@@ -220,7 +222,10 @@ TEST(KvCacheDecode, ManyHeadsInUnevenHeadGroups) {
   s.page_size = 3;
   s.window_left = 50;
   s.window_right = 0;
-  run_case(s);
+  for (int threads : {0, 16}) {
+    s.threads = threads;
+    run_case(s);
+  }
 }
 
 TEST(KvCacheDecode, SplitsOnAndOff) {
