@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The CPU decoding path on a device machine's CPU (issue 10: bench/results/cpu_decode_*.txt): a CPU-only
+# build of this tree, its CPU suite, then decode-cpu-bench (the tiled mainloop against the decoding one,
+# bench/decode_cpu.cpp) and torch's CPU SDPA (bench/decode_cpu_torch.py) at 16 and 2 threads. With
+# FM_CPU_REF (a source tree: `git archive` of a commit), also an A/B of the decoding mainloop alone,
+# this tree against that one, alternated FM_CPU_ROUNDS times (default 3) on FM_CPU_SHAPES.
+# Everything in $OUT/all.tgz; FM_CPU_TABLE=0 skips the full table.
+set -uo pipefail
+OUT=${OUT:-$PWD/cpu_out}
+mkdir -p "$OUT"
+jobs=$(nproc)
+build() {  # source dir, build dir, name
+  cmake -S "$1" -B "$2" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHMONOID_CUDA=OFF >"$OUT/build_$3.log" 2>&1 &&
+    ninja -C "$2" >>"$OUT/build_$3.log" 2>&1 || { echo "build $3 failed"; tail -20 "$OUT/build_$3.log"; return 1; }
+}
+start=$(date +%s)
+build . build-cpudev new & pids=($!)
+[ -n "${FM_CPU_REF:-}" ] && { build "$FM_CPU_REF" build-cpuref ref & pids+=($!); }
+for pid in "${pids[@]}"; do wait "$pid" || exit 1; done
+echo "builds: $(($(date +%s) - start)) s"
+(cd build-cpudev && timeout 300 ctest -L cpu -j "$jobs" --output-on-failure >"$OUT/ctest_cpu.log" 2>&1)
+echo "ctest -L cpu rc=$?: $(grep -E 'tests passed|tests failed' "$OUT/ctest_cpu.log")"
+lscpu | grep -E 'Model name|^CPU\(s\)|Flags' | cut -c1-200 >"$OUT/cpu.txt"
+if [ -n "${FM_CPU_REF:-}" ]; then
+  S=${FM_CPU_SHAPES:-"1,512,32,8,128,fp32,1 1,512,32,8,128,fp32,4 1,512,32,8,128,bf16,1 1,512,32,8,128,bf16,4 1,4096,32,8,128,fp32,1 1,32768,32,8,128,bf16,1 8,4096,32,8,128,fp32,1 1,4096,32,32,128,bf16,1"}
+  for r in $(seq "${FM_CPU_ROUNDS:-3}"); do
+    for t in 16 2; do
+      for v in new ref; do
+        dir=build-cpudev; [ $v = ref ] && dir=build-cpuref
+        $dir/bench/decode-cpu-bench --threads $t --repeats 9 --decode-only $S >"$OUT/ab_${v}_t${t}_$r.txt" 2>&1
+      done
+    done
+  done
+  echo "A/B done: $(($(date +%s) - start)) s"
+fi
+if [ "${FM_CPU_TABLE:-1}" != 0 ]; then
+  for t in 16 2; do
+    build-cpudev/bench/decode-cpu-bench --threads $t --repeats 5 >"$OUT/table_t$t.txt" 2>&1
+    THREADS=$t timeout 300 python3 bench/decode_cpu_torch.py 5 >"$OUT/torch_t$t.txt" 2>&1
+  done
+  echo "table done: $(($(date +%s) - start)) s"
+fi
+# One archive instead of many files (the device tool returns a limited number of files).
+(cd "$OUT" && tar czf /tmp/cpu_decode_out.tgz --exclude=all.tgz . && find . -type f ! -name all.tgz -delete &&
+  mv /tmp/cpu_decode_out.tgz all.tgz)
