@@ -8,6 +8,8 @@ threads (default 2, as decode-cpu-bench's --threads).
 
 A shape is b,s_k,h,h_k,d,dtype,s_q; q (b, h, s_q, d), k and v (b, h_k, s_k, d), not causal,
 enable_gqa=True, under no_grad; calls per timing as decode-cpu-bench's (about 2e8 bytes of K/V).
+LAYOUT=bshd: k and v are views of (b, s_k, h_k, d) tensors, the KV cache's layout in
+flash_attn_with_kvcache and ours (what a caller of SDPA with such a cache passes); default head-major.
 Run it alternately with decode-cpu-bench (CPU_DECODE_NOTES.md: three rounds each).
 """
 import os
@@ -34,8 +36,12 @@ g = torch.Generator().manual_seed(0)
 for b, sk, h, hk, d, dt, sq in shapes:
     t = torch.float32 if dt == "fp32" else torch.bfloat16
     q = torch.randn(b, h, sq, d, generator=g).to(t)
-    k = torch.randn(b, hk, sk, d, generator=g).to(t)
-    v = torch.randn(b, hk, sk, d, generator=g).to(t)
+    if os.environ.get("LAYOUT") == "bshd":
+        k = torch.randn(b, sk, hk, d, generator=g).to(t).transpose(1, 2)
+        v = torch.randn(b, sk, hk, d, generator=g).to(t).transpose(1, 2)
+    else:
+        k = torch.randn(b, hk, sk, d, generator=g).to(t)
+        v = torch.randn(b, hk, sk, d, generator=g).to(t)
     f = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     work = b * sk * hk * d * (4 if dt == "fp32" else 2) * 2
     calls = max(1, min(2000, int(2e8 / work)))

@@ -518,11 +518,12 @@ void finish_task(const Partials& parts, int splits, std::int64_t items, std::int
 // Decoding: few query rows per KV head (s_q·group <= kDecodeRows, as forward_kvcache's steps). The
 // tiled path above packs every K/V tile of the cache first: per decoding step a copy of the whole
 // cache (b = 8, s_k = 4k, h = 32, h_k = 8, d = 128, fp32: 183-202 ms and 65k page faults per call,
-// torch's SDPA 69 ms; now 21.5 ms, no faults). Here a task (batch entry, group of KV heads
-// (kDecodeGroupHeads), key split) walks its keys a chunk at a time: the chunk's K and V rows of its
-// KV heads are read where they are
-// (detail::kv_offset: contiguous, batch index or pages) into a small fp32 stage (stage_chunk),
-// then each KV head folds them, its s_q·group query rows sharing every row. fp32 products for
+// torch's SDPA 69 ms; now 3.1 ms at 16 threads on a Xeon, no faults). Here a task (batch entry,
+// group of KV heads (kDecodeGroupHeads), key split) walks its keys a chunk at a time, its KV heads'
+// s_q·group query rows sharing every K and V row read where the cache holds it (detail::kv_offset:
+// contiguous, batch index or pages). With up to kDecodeInPlaceRows rows per KV head the products
+// read those rows themselves (fold_chunk_in_place); with more, the chunk's rows are first copied
+// into a small fp32 stage (stage_chunk) that each KV head folds (fold_chunk). fp32 products for
 // every dtype, Q scaled as in the tiled path's fp32 products. Extra memory: a workspace per thread
 // of O(heads·group·s_q·d) plus the stage (decode_chunk_keys), and the split partials; never the
 // cache's size.
@@ -551,6 +552,18 @@ constexpr int kDecodeMaxSplits = 16;
 // groups of 4 took 42-45 us there, while a fixed 4 loses at 2 threads (above). The bits stay: each
 // KV head folds its own rows alone (fold_chunk), over the same chunks and splits in any group.
 constexpr int kDecodeGroupHeads = 8;
+// Up to this many query rows per KV head the products read K and V where the cache holds them
+// (fold_chunk_in_place, Kernels::dot_rows_at and pv_rows_at); with more, they fold a stage, which
+// converts each element once where the in-place products convert K's once per row block and keep
+// O in memory. In place against the stage (Xeon, 16 cores, AMX; b = 1, s_k = 4k, d = 128; decode
+// us, medians of 3 alternated rounds): 2 threads, MHA (h_k = 32) bf16 s_q = 1 2890 against 7193,
+// s_q = 4 4101 against 7912, fp16 2729 against 5462, fp32 7179 against 9257; GQA 32/8 s_q = 1
+// (4 rows) bf16 995 against 1314, fp32 1020 against 1559; 8 rows (s_q = 2) 1494 against 1464;
+// 16 threads MHA bf16 473 against 767, GQA fp32 241 against 361. The stage's copies stalled on
+// the reads: every converted element stored, each read a 2 KiB run of an 8 KiB key row with MHA.
+// At 16 rows in place the Xeon tied (2364 against 2214 us) and an AVX2 EPYC lost (7.1-7.7 against
+// 5.3-5.4 ms, 2 threads): 8 AVX2 accumulators convert K's rows 8 times there.
+constexpr int kDecodeInPlaceRows = 8;
 static_assert(kDecodeMaxKeys % 8 == 0, "chunks start on a Philox column group and fill whole 8-lane vectors");
 
 // Keys per chunk: a multiple of 8 up to 64, the chunk's K and V for a task's `heads` KV heads
@@ -583,7 +596,10 @@ struct DecodeWorkspace {
   std::vector<float> slope;     // (rows)
   AlignedFloats kc, vc;  // (heads, keys, dp)  the chunk's K and V rows in fp32, zero past d (and K past the keys to 8)
   std::vector<std::int64_t> k_off, v_off;  // (heads, keys)  element offsets of the chunk's rows
-  AlignedFloats s;   // (kDecodeRows, cols)  one KV head's scores, then probabilities; cols: the chunk's keys rounded up to 8
+  std::vector<const void*> k_rows, v_rows;  // (heads, keys)  the same rows' addresses (in place)
+  // (kDecodeRows, cols) one KV head's scores, then probabilities, or (rows, cols) every head's (in
+  // place); cols: the chunk's keys rounded up to 8
+  AlignedFloats s;
   float m_run[kDecodeRows], sums[kDecodeRows];
 };
 
@@ -603,7 +619,9 @@ DecodeWorkspace& decode_workspace(int rows, int keys, int heads, const FwdParams
   grow(ws.vc, static_cast<std::size_t>(heads) * keys * ws.dp);
   grow(ws.k_off, static_cast<std::size_t>(heads) * keys);
   grow(ws.v_off, static_cast<std::size_t>(heads) * keys);
-  grow(ws.s, kDecodeRows * kDecodeMaxKeys);
+  grow(ws.k_rows, static_cast<std::size_t>(heads) * keys);
+  grow(ws.v_rows, static_cast<std::size_t>(heads) * keys);
+  grow(ws.s, static_cast<std::size_t>(std::max(rows, kDecodeRows)) * kDecodeMaxKeys);
   return ws;
 }
 
@@ -649,32 +667,70 @@ void stage_chunk(const FwdParams& p, int b, int hk0, int heads, std::int64_t row
               ws.kc.data() + (static_cast<std::ptrdiff_t>(hk) * keys + tiles::round_up(n, kLanes)) * dp, 0.0f);
 }
 
-// KV head hk's m rows (from row r0 = hk·m of the task's, state and o there) folded over the staged
-// chunk: keys j0 .. j0 + n. The stages of fold_keys: scores, transform_row, Kernels::softmax_rows,
-// the monoid's merge, dropout, the rescale of O, O += P·V.
-void fold_chunk(const FwdParams& p, const Kernels& kn, const SeqInfo& si, const detail::Band& band, int hq0, int hk,
-                int m, std::int64_t j0, int n, int keys, bool first, DecodeWorkspace& ws) {
+// KV head hk's m rows (from row r0 = hk·m of the task's, state and o there) over keys j0 .. j0 + n
+// given their scores s (m rows of cols): the stages of fold_keys between the products:
+// transform_row, Kernels::softmax_rows, the monoid's merge, dropout, the rescale of O. s then holds
+// the probabilities.
+void fold_scores(const FwdParams& p, const Kernels& kn, const SeqInfo& si, const detail::Band& band, int hq0, int hk,
+                 int m, std::int64_t j0, int n, bool first, float* s, DecodeWorkspace& ws) {
   const int dp = ws.dp, cols = tiles::round_up(n, kLanes), r0 = hk * m;
   float* o = ws.o.data() + static_cast<std::ptrdiff_t>(r0) * dp;
   RowState* state = ws.state.data() + r0;
-  const float* k = ws.kc.data() + static_cast<std::ptrdiff_t>(hk) * keys * dp;  // (cols, dp)
-  const float* v = ws.vc.data() + static_cast<std::ptrdiff_t>(hk) * keys * dp;  // (n, dp)
-  kn.dot_rows(m, cols, dp, ws.q.data() + static_cast<std::ptrdiff_t>(r0) * dp, dp, k, dp, ws.s.data(), cols);
   const bool needs_mask = band.tile_needs_mask(0, si.len_q, j0, j0 + n, si.len_k);
   for (int r = 0; r < m; ++r) {
-    transform_row(p, band, ws.slope[r0 + r], needs_mask, (r0 + r) % si.len_q, j0, n, cols, ws.s.data() + r * cols);
+    transform_row(p, band, ws.slope[r0 + r], needs_mask, (r0 + r) % si.len_q, j0, n, cols, s + r * cols);
     ws.m_run[r] = state[r].m;
   }
-  kn.softmax_rows(ws.s.data(), m, cols, tiles::kLog2e, kLazyRescale, ws.m_run, ws.sums);
+  kn.softmax_rows(s, m, cols, tiles::kLog2e, kLazyRescale, ws.m_run, ws.sums);
   for (int r = 0; r < m; ++r) {
     float fa, fb;
     state[r] = detail::merge(state[r], RowState{ws.m_run[r], ws.sums[r]}, &fa, &fb);
     if (p.dropout_p > 0.0f)
       apply_dropout(p, detail::dropout_row_id(p, hq0 + (r0 + r) / si.len_q, si, (r0 + r) % si.len_q), j0, n,
-                    ws.s.data() + r * cols);
+                    s + r * cols);
     if (!first && fa != 1.0f) kn.scale_row(o + r * dp, dp, fa);
   }
+}
+
+// KV head hk's m rows folded over the staged chunk: scores, fold_scores, O += P·V.
+void fold_chunk(const FwdParams& p, const Kernels& kn, const SeqInfo& si, const detail::Band& band, int hq0, int hk,
+                int m, std::int64_t j0, int n, int keys, bool first, DecodeWorkspace& ws) {
+  const int dp = ws.dp, cols = tiles::round_up(n, kLanes), r0 = hk * m;
+  const float* k = ws.kc.data() + static_cast<std::ptrdiff_t>(hk) * keys * dp;  // (cols, dp)
+  const float* v = ws.vc.data() + static_cast<std::ptrdiff_t>(hk) * keys * dp;  // (n, dp)
+  kn.dot_rows(m, cols, dp, ws.q.data() + static_cast<std::ptrdiff_t>(r0) * dp, dp, k, dp, ws.s.data(), cols);
+  fold_scores(p, kn, si, band, hq0, hk, m, j0, n, first, ws.s.data(), ws);
+  float* o = ws.o.data() + static_cast<std::ptrdiff_t>(r0) * dp;
   (first ? kn.gemm : kn.gemm_acc)(m, dp, n, ws.s.data(), cols, v, dp, o, dp);
+}
+
+// The chunk's KV heads folded with K and V read where the cache holds them (Kernels::dot_rows_at,
+// pv_rows_at: keys outermost, in the cache's memory order): every head's scores, each head's
+// fold_scores, every head's O += P·V. The same arithmetic as fold_chunk over a stage.
+void fold_chunk_in_place(const FwdParams& p, const Kernels& kn, const SeqInfo& si, const detail::Band& band, int b,
+                         int hk0, int heads, int m, std::int64_t j0, int n, int keys, bool first, DecodeWorkspace& ws) {
+  const int dp = ws.dp, cols = tiles::round_up(n, kLanes);
+  const int t = p.dtype == DType::f32 ? kRowF32 : p.dtype == DType::bf16 ? kRowBf16 : kRowF16;
+  const std::size_t esize = dtype_size(p.dtype);
+  for (int hk = 0; hk < heads; ++hk) {
+    std::int64_t* k_off = ws.k_off.data() + hk * keys;
+    std::int64_t* v_off = ws.v_off.data() + hk * keys;
+    kv_rows(p, p.k_stride, b, si.k_row0 + j0, n, hk0 + hk, k_off);
+    kv_rows(p, p.v_stride, b, si.k_row0 + j0, n, hk0 + hk, v_off);
+    const void** k_rows = ws.k_rows.data() + hk * keys;
+    const void** v_rows = ws.v_rows.data() + hk * keys;
+    for (int c = 0; c < n; ++c) {
+      k_rows[c] = static_cast<const char*>(p.k) + k_off[c] * esize;
+      v_rows[c] = static_cast<const char*>(p.v) + v_off[c] * esize;
+    }
+    for (int c = n; c < cols; ++c) k_rows[c] = k_rows[0];  // scores past the keys: -inf (transform_row)
+  }
+  if (first) std::fill(ws.o.begin(), ws.o.begin() + static_cast<std::ptrdiff_t>(heads) * m * dp, 0.0f);
+  kn.dot_rows_at[t](heads, m, cols, p.d, ws.q.data(), dp, ws.k_rows.data(), keys, ws.s.data(), cols);
+  for (int hk = 0; hk < heads; ++hk)
+    fold_scores(p, kn, si, band, hk0 * p.group(), hk, m, j0, n, first,
+                ws.s.data() + static_cast<std::ptrdiff_t>(hk) * m * cols, ws);
+  kn.pv_rows_at[t](heads, m, n, p.d, ws.s.data(), cols, ws.v_rows.data(), keys, ws.o.data(), dp);
 }
 
 // ws.o, ws.state <- the fold of key chunks [c_lo, c_hi) (chunks of `keys` keys of entry b) into
@@ -699,6 +755,10 @@ int decode_fold(const FwdParams& p, const Kernels& kn, int b, int hk0, int heads
   const std::int64_t k_end = std::min<std::int64_t>({band.key_end(si.len_q, si.len_k), si.len_k, c_hi * keys});
   for (std::int64_t j0 = k_begin; j0 < k_end; j0 += keys) {
     const int n = static_cast<int>(std::min<std::int64_t>(keys, k_end - j0));
+    if (m <= kDecodeInPlaceRows) {
+      fold_chunk_in_place(p, kn, si, band, b, hk0, heads, m, j0, n, keys, j0 == k_begin, ws);
+      continue;
+    }
     stage_chunk(p, b, hk0, heads, si.k_row0 + j0, n, keys, ws);
     for (int hk = 0; hk < heads; ++hk) fold_chunk(p, kn, si, band, hq0, hk, m, j0, n, keys, j0 == k_begin, ws);
   }

@@ -29,6 +29,9 @@ using GemmFn = void (*)(int M, int N, int K, const float* A, int lda, const floa
 using GemmPairsFn = void (*)(int M, int N, int K2, const std::uint32_t* A, int lda, const std::uint32_t* B, int ldb,
                              float* C, int ldc);
 
+// The element types of cache rows the decoding products read (Kernels::dot_rows_at, pv_rows_at).
+enum RowType : int { kRowF32 = 0, kRowBf16 = 1, kRowF16 = 2 };
+
 struct Kernels {
   Isa isa;
   GemmFn gemm, gemm_acc, gemm_at, gemm_at_acc;
@@ -66,6 +69,22 @@ struct Kernels {
   // nearest even, denormals to zero), which turns the forward's probabilities into an A operand.
   GemmPairsFn gemm_bf16 = nullptr, gemm_bf16_acc = nullptr;
   void (*to_bf16_pairs)(const float* x, int n, std::uint32_t* pairs) = nullptr;
+  // The decoding path's products with few query rows per KV head (flash_fwd.cpp), K and V read
+  // where the cache holds them and converted in registers, without a stage: over `heads` KV heads
+  // at once, rows[h·ld_rows + c] pointing at key c's row of head h, d elements of the cache's type
+  // (index kRowF32, kRowBf16, kRowF16), never read past them. Keys outermost (4 at a time for the
+  // scores, 8 for P·V), heads inside: the reads follow a (keys, h_k, d) cache's memory order. Rows
+  // of A, S, P and O for head h start at row h·m; A and O rows hold dp = d rounded up to 8 floats,
+  // A's zero past d.
+  //   dot_rows_at: S[h·m + r][c] = A[h·m + r] · K_c for c < n (n a multiple of 4), summed as
+  //   dot_rows sums;  pv_rows_at: O[h·m + r] += P[h·m + r][c] · V_c for c = 0 .. n - 1 in turn,
+  //   the FMAs of gemm_acc (O past d unchanged).
+  using RowsDotFn = void (*)(int heads, int m, int n, int d, const float* A, int lda, const void* const* rows,
+                             int ld_rows, float* S, int lds);
+  using RowsPvFn = void (*)(int heads, int m, int n, int d, const float* P, int ldp, const void* const* rows,
+                            int ld_rows, float* O, int ldo);
+  RowsDotFn dot_rows_at[3] = {};
+  RowsPvFn pv_rows_at[3] = {};
 
   template <bool Acc, bool TransA>
   GemmFn gemm_for() const {

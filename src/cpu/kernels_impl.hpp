@@ -122,7 +122,7 @@ void gemm(int M, int N, int K, const E* A, int lda, const E* B, int ldb, float* 
     if (j < N) gemm_panel<Op, f32x8, 1, Acc, TransA>(M, K, A, lda, B + j, ldb, C + j, ldc);
 }
 
-// Kernels::dot_rows. Register block: RB rows of A × 4 rows of B, each pair's partial sums in one
+// Kernels::dot_rows, dot_rows_at. Register block: RB rows of A × 4 rows of B, each pair's partial sums in one
 // vector (RB = 2 at 8 lanes: 8 accumulators + 4 B + 1 A of 16 ymm; 4 at 16 lanes, 21 of 32 zmm),
 // then a row of A's 4 sums reduced together (three hadd and one add of the halves: 4 scores for
 // about the cost of one reduction tree).
@@ -132,24 +132,83 @@ constexpr int kDotRows = simd::lanes<V> == 16 ? 4 : 2;
 inline f32x8 to8(f32x8 v) { return v; }
 inline f32x8 to8(simd::f32x16 v) { return simd::half<0>(v) + simd::half<1>(v); }
 
-template <class V, int RB>
-inline void dot_block(int dp, const float* A, int lda, const float* B, int ldb, float* S, int lds) {
+// Cache rows in their own element type as fp32 vectors W (Kernels::dot_rows_at, pv_rows_at):
+// Row<kRowF32> floats, Row<kRowBf16> and Row<kRowF16> the bits of bf16 and fp16 values.
+// load<W>(p) reads lanes<W> elements; load_part<W, R>(p, n) only the first n (< lanes<W>), the rest 0.
+template <int T>
+struct Row;
+template <>
+struct Row<kRowF32> {
+  using E = float;
+  template <class W>
+  static W load(const float* p) {
+    return simd::loadu<W>(p);
+  }
+};
+template <>
+struct Row<kRowBf16> {
+  using E = std::uint16_t;
+  template <class W>
+  static W load(const std::uint16_t* p) {  // bf16 is fp32's upper half: zero-extend, shift
+    typedef std::uint16_t H __attribute__((vector_size(sizeof(W) / 2)));
+    H h;
+    std::memcpy(&h, p, sizeof(H));
+    return (W)(__builtin_convertvector(h, simd::u32_of<W>) << 16);
+  }
+};
+template <>
+struct Row<kRowF16> {
+  using E = std::uint16_t;
+  template <class W>
+  static W load(const std::uint16_t* p) {  // F16C (x86-64-v3), 8 lanes per conversion without AVX-512
+    if constexpr (simd::lanes<W> == 8) {
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    } else {
+#ifdef __AVX512F__
+      // The all-lanes zero-mask form: _mm512_cvtph_ps passes an undefined source GCC 12 warns about.
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      return _mm512_maskz_cvtph_ps(static_cast<__mmask16>(0xFFFF), h);
+#else
+      const f32x8 lo = load<f32x8>(p), hi = load<f32x8>(p + 8);
+      return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
+    }
+  }
+};
+
+template <class W, class R, class E>
+inline W load_part(const E* p, int n) {
+  E buf[simd::lanes<W>] = {};
+  std::memcpy(buf, p, sizeof(E) * static_cast<std::size_t>(n));
+  return R::template load<W>(buf);
+}
+
+// Elements x .. x + lanes<W> of a row of d (those past d read as 0, never loaded).
+template <class W, class R, class E>
+inline W load_upto(const E* row, int x, int d) {
+  return x + simd::lanes<W> <= d ? R::template load<W>(row + x) : load_part<W, R>(row + x, d - x);
+}
+
+// Kernels::dot_rows and dot_rows_at: RB rows of A against 4 rows of B (b[c], d elements of R), the
+// register block and reduction described at kDotRows.
+template <class V, int RB, class R, class E = typename R::E>
+inline void dot_block(int d, const float* A, int lda, const E* const* b, float* S, int lds) {
   constexpr int L = simd::lanes<V>;
-  const int full = dp / L * L;
+  const int dp = (d + 7) / 8 * 8, full = dp / L * L;
   V acc[RB][4];
 #pragma GCC unroll 8
   for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) acc[r][c] = V{};
   for (int x = 0; x < full; x += L) {
-    V b[4];
+    V bv[4];
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) b[c] = simd::loadu<V>(B + c * ldb + x);
+    for (int c = 0; c < 4; ++c) bv[c] = load_upto<V, R>(b[c], x, d);
 #pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
       const V a = simd::loadu<V>(A + r * lda + x);
 #pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) acc[r][c] += a * b[c];
+      for (int c = 0; c < 4; ++c) acc[r][c] += a * bv[c];
     }
   }
 #pragma GCC unroll 8
@@ -158,7 +217,7 @@ inline void dot_block(int dp, const float* A, int lda, const float* B, int ldb, 
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
       s[c] = to8(acc[r][c]);
-      if (full < dp) s[c] += simd::loadu<f32x8>(A + r * lda + full) * simd::loadu<f32x8>(B + c * ldb + full);
+      if (full < dp) s[c] += simd::loadu<f32x8>(A + r * lda + full) * load_upto<f32x8, R>(b[c], full, d);
     }
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
     _mm_storeu_ps(S + r * lds, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
@@ -170,10 +229,76 @@ template <class V>
 void dot_rows(int m, int n, int dp, const float* A, int lda, const float* B, int ldb, float* S, int lds) {
   constexpr int RB = kDotRows<V>;
   for (int c = 0; c < n; c += 4) {
-    const float* b = B + static_cast<std::int64_t>(c) * ldb;
+    const float* b[4];
+    for (int u = 0; u < 4; ++u) b[u] = B + static_cast<std::int64_t>(c + u) * ldb;
     int r = 0;
-    for (; r + RB <= m; r += RB) dot_block<V, RB>(dp, A + r * lda, lda, b, ldb, S + r * lds + c, lds);
-    for (; r < m; ++r) dot_block<V, 1>(dp, A + r * lda, lda, b, ldb, S + r * lds + c, lds);
+    for (; r + RB <= m; r += RB) dot_block<V, RB, Row<kRowF32>>(dp, A + r * lda, lda, b, S + r * lds + c, lds);
+    for (; r < m; ++r) dot_block<V, 1, Row<kRowF32>>(dp, A + r * lda, lda, b, S + r * lds + c, lds);
+  }
+}
+
+template <class V, int T>
+void dot_rows_at(int heads, int m, int n, int d, const float* A, int lda, const void* const* rows, int ld_rows,
+                 float* S, int lds) {
+  using R = Row<T>;
+  using E = typename R::E;
+  constexpr int RB = kDotRows<V>;
+  for (int c = 0; c < n; c += 4)
+    for (int h = 0; h < heads; ++h) {
+      const E* b[4];
+      for (int u = 0; u < 4; ++u) b[u] = static_cast<const E*>(rows[h * ld_rows + c + u]);
+      const float* a = A + static_cast<std::int64_t>(h) * m * lda;
+      float* s = S + static_cast<std::int64_t>(h) * m * lds + c;
+      int r = 0;
+      for (; r + RB <= m; r += RB) dot_block<V, RB, R>(d, a + r * lda, lda, b, s + r * lds, lds);
+      for (; r < m; ++r) dot_block<V, 1, R>(d, a + r * lda, lda, b, s + r * lds, lds);
+    }
+}
+
+// O's columns x .. x + lanes<W> of a head's m rows += P's columns c0 .. c0 + KB times those KB
+// V rows: the rows' vectors loaded once, each O vector loaded, added KB times in key order, stored.
+template <class W, int KB, class R, class E = typename R::E>
+inline void pv_block_at(int x, int d, int m, const float* P, int ldp, const E* const* v, float* O, int ldo) {
+  W b[KB];
+#pragma GCC unroll 8
+  for (int c = 0; c < KB; ++c) b[c] = load_upto<W, R>(v[c], x, d);
+  for (int r = 0; r < m; ++r) {
+    W o = simd::loadu<W>(O + static_cast<std::int64_t>(r) * ldo + x);
+#pragma GCC unroll 8
+    for (int c = 0; c < KB; ++c) o = o + P[static_cast<std::int64_t>(r) * ldp + c] * b[c];
+    simd::storeu(O + static_cast<std::int64_t>(r) * ldo + x, o);
+  }
+}
+
+template <class V, int KB, class R, class E = typename R::E>
+inline void pv_keys_at(int d, int m, const float* P, int ldp, const E* const* v, float* O, int ldo) {
+  constexpr int L = simd::lanes<V>;
+  const int dp = (d + 7) / 8 * 8;
+  int x = 0;
+  for (; x + L <= dp; x += L) pv_block_at<V, KB, R>(x, d, m, P, ldp, v, O, ldo);
+  if constexpr (L > 8)
+    if (x < dp) pv_block_at<f32x8, KB, R>(x, d, m, P, ldp, v, O, ldo);
+}
+
+template <class V, int T>
+void pv_rows_at(int heads, int m, int n, int d, const float* P, int ldp, const void* const* rows, int ld_rows,
+                float* O, int ldo) {
+  using R = Row<T>;
+  using E = typename R::E;
+  constexpr int KB = 8;
+  for (int c = 0; c < n;) {
+    const int kb = n - c >= KB ? KB : 1;
+    for (int h = 0; h < heads; ++h) {
+      const E* v[KB];
+      for (int u = 0; u < kb; ++u) v[u] = static_cast<const E*>(rows[h * ld_rows + c + u]);
+      const float* p = P + static_cast<std::int64_t>(h) * m * ldp + c;
+      float* o = O + static_cast<std::int64_t>(h) * m * ldo;
+      if (kb == KB)
+        pv_keys_at<V, KB, R>(d, m, p, ldp, v, o, ldo);
+      else
+        pv_keys_at<V, 1, R>(d, m, p, ldp, v, o, ldo);
+    }
+    c += kb;
   }
 }
 
@@ -284,6 +409,12 @@ constexpr Kernels make_kernels(Isa isa) {
   Kernels k{isa,        gemm<F32, V, false, false>, gemm<F32, V, true, false>, gemm<F32, V, false, true>,
             gemm<F32, V, true, true>, softmax_rows<V>, scale_row<V>, softmax_grad<V>,
             Tile<V>::NV * simd::lanes<V>, simd::lanes<V> == 8, dot_rows<V>};
+  k.dot_rows_at[kRowF32] = dot_rows_at<V, kRowF32>;
+  k.dot_rows_at[kRowBf16] = dot_rows_at<V, kRowBf16>;
+  k.dot_rows_at[kRowF16] = dot_rows_at<V, kRowF16>;
+  k.pv_rows_at[kRowF32] = pv_rows_at<V, kRowF32>;
+  k.pv_rows_at[kRowBf16] = pv_rows_at<V, kRowBf16>;
+  k.pv_rows_at[kRowF16] = pv_rows_at<V, kRowF16>;
   if constexpr (Bf16) {
     k.gemm_bf16 = gemm<Bf16Pairs, V, false, false>;
     k.gemm_bf16_acc = gemm<Bf16Pairs, V, true, false>;

@@ -15,6 +15,7 @@
 #include "attention_case.hpp"
 #include "cpu/isa.hpp"
 #include "cpu/kernels.hpp"
+#include "cpu/numeric.hpp"
 
 namespace fmtest {
 namespace {
@@ -209,6 +210,94 @@ TEST(CpuKernels, DotRowsMatchFloat64) {
           ASSERT_FALSE(e.wrote_past_n) << t.name;
           ASSERT_LE(e.worst, (D + 1) * 6e-8) << t.name << " M" << M << " N" << N << " D" << D;
         }
+}
+
+// Cache rows for the in-place decoding products (dot_rows_at, pv_rows_at): `keys` rows of d
+// elements of type t per head, scattered in one buffer in shuffled order, each followed by NaN
+// elements (a load past d poisons every result it touches), the last row ending the buffer.
+struct CacheRows {
+  std::vector<unsigned char> buf;
+  std::vector<const void*> rows;  // (heads, keys)
+  std::vector<double> value;      // (heads, keys, d)  the elements as stored
+};
+
+CacheRows cache_rows(flashmonoid::DType t, int heads, int keys, int d, std::mt19937& gen) {
+  namespace cpu = flashmonoid::cpu;
+  const int n = heads * keys, stride = d + 5;
+  const std::size_t esize = flashmonoid::dtype_size(t);
+  CacheRows c;
+  c.buf.resize(static_cast<std::size_t>(n) * stride * esize);
+  for (int i = 0; i < n * stride; ++i) cpu::store(c.buf.data(), t, i, NAN);
+  std::vector<int> slot(n);
+  for (int i = 0; i < n; ++i) slot[i] = i;
+  std::shuffle(slot.begin(), slot.end(), gen);
+  std::normal_distribution<float> normal;
+  c.rows.resize(n);
+  c.value.resize(static_cast<std::size_t>(n) * d);
+  for (int i = 0; i < n; ++i) {
+    const std::int64_t at = static_cast<std::int64_t>(slot[i]) * stride + (slot[i] == n - 1 ? stride - d : 0);
+    c.rows[i] = c.buf.data() + at * esize;
+    for (int x = 0; x < d; ++x) {
+      cpu::store(c.buf.data(), t, at + x, normal(gen));
+      c.value[static_cast<std::size_t>(i) * d + x] = cpu::load(c.buf.data(), t, at + x);
+    }
+  }
+  return c;
+}
+
+// The in-place decoding products against float64, every element type, head dims with and without
+// a vector remainder (d mod 16 and 8), several heads and row counts; scores past n and O's columns
+// past d untouched, no element past a row's d read (the NaN after each row).
+TEST(CpuKernels, InPlaceDecodingProductsMatchFloat64) {
+  namespace cpu = flashmonoid::cpu;
+  using flashmonoid::DType;
+  std::mt19937 gen(77);
+  std::normal_distribution<float> normal;
+  const std::pair<DType, int> types[] = {{DType::f32, cpu::kRowF32}, {DType::bf16, cpu::kRowBf16},
+                                         {DType::f16, cpu::kRowF16}};
+  for (const Table& tb : tables())
+    for (auto [dtype, t] : types)
+      for (int heads : {1, 3})
+        for (int m : {1, 2, 3, 4, 5, 9})
+          for (int n : {4, 5, 12, 64})
+            for (int d : {8, 24, 40, 59, 64, 111, 128, 136}) {
+              SCOPED_TRACE(tb.name + " " + flashmonoid::to_string(dtype) + " heads " + std::to_string(heads) + " m " +
+                           std::to_string(m) + " n " + std::to_string(n) + " d " + std::to_string(d));
+              const int keys = 64, dp = (d + 7) / 8 * 8, rows = heads * m, cols = (n + 3) / 4 * 4, lds = cols + 4;
+              const CacheRows k = cache_rows(dtype, heads, keys, d, gen), v = cache_rows(dtype, heads, keys, d, gen);
+              std::vector<float> A(static_cast<std::size_t>(rows) * dp, 0.0f), S(static_cast<std::size_t>(rows) * lds);
+              for (int r = 0; r < rows; ++r)
+                for (int x = 0; x < d; ++x) A[r * dp + x] = normal(gen);
+              for (float& x : S) x = normal(gen);
+              const std::vector<float> S0 = S;
+              tb.kn->dot_rows_at[t](heads, m, cols, d, A.data(), dp, k.rows.data(), keys, S.data(), lds);
+              for (int h = 0; h < heads; ++h) {
+                std::vector<float> Sh(S.begin() + h * m * lds, S.begin() + (h + 1) * m * lds);
+                std::vector<float> S0h(S0.begin() + h * m * lds, S0.begin() + (h + 1) * m * lds);
+                const Check e = check_product(m, cols, lds, d, false, Sh, S0h, [&](int r, int c, int x) {
+                  const std::size_t at = (static_cast<std::size_t>(h) * keys + c) * d + x;
+                  return static_cast<double>(A[(h * m + r) * dp + x]) * k.value[at];
+                });
+                ASSERT_FALSE(e.wrote_past_n);
+                ASSERT_LE(e.worst, (d + 1) * 6e-8) << "scores, head " << h;
+              }
+              std::vector<float> P(static_cast<std::size_t>(rows) * lds), O(static_cast<std::size_t>(rows) * dp);
+              for (float& x : P) x = std::abs(normal(gen));
+              for (int r = 0; r < rows; ++r)
+                for (int x = 0; x < dp; ++x) O[r * dp + x] = x < d ? normal(gen) : 0.0f;
+              const std::vector<float> O0 = O;
+              tb.kn->pv_rows_at[t](heads, m, n, d, P.data(), lds, v.rows.data(), keys, O.data(), dp);
+              for (int h = 0; h < heads; ++h) {
+                std::vector<float> Oh(O.begin() + h * m * dp, O.begin() + (h + 1) * m * dp);
+                std::vector<float> O0h(O0.begin() + h * m * dp, O0.begin() + (h + 1) * m * dp);
+                const Check e = check_product(m, d, dp, n, true, Oh, O0h, [&](int r, int x, int c) {
+                  const std::size_t at = (static_cast<std::size_t>(h) * keys + c) * d + x;
+                  return static_cast<double>(P[(h * m + r) * lds + c]) * v.value[at];
+                });
+                ASSERT_FALSE(e.wrote_past_n) << "O past d, head " << h;
+                ASSERT_LE(e.worst, (n + 1) * 6e-8) << "P·V, head " << h;
+              }
+            }
 }
 
 // softmax_rows over several rows: each row's running max moves to the row's max (times mul) only
