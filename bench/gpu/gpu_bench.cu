@@ -660,8 +660,8 @@ void kv_splits_probe(bool short_caches) {
   const std::vector<Shape> shapes =
       short_caches ? std::vector<Shape>{{1, 1024, {0, 8, 16, 24, 33}}, {1, 2048, {0, 8, 16, 24, 33}},
                                         {1, 4096, {0, 8, 24, 32, 33}}}
-                   : std::vector<Shape>{{1, 32768, {0, 32, 64, 86, 128}}, {8, 4096, {0, 8, 12, 16}},
-                                        {1, 131072, {0, 64, 128}}};
+                   : std::vector<Shape>{{1, 32768, {0, 16, 20, 24, 28, 64}}, {8, 4096, {0, 2, 3, 8}},
+                                        {1, 131072, {0, 16, 24, 64}}};
   for (const Shape& sh : shapes) {
     struct V {
       const char* name;

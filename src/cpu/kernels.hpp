@@ -85,6 +85,9 @@ struct Kernels {
                             int ld_rows, float* O, int ldo);
   RowsDotFn dot_rows_at[3] = {};
   RowsPvFn pv_rows_at[3] = {};
+  // Rows of A per register block of dot_rows / dot_rows_at (2 at 8 lanes, 4 at 16): dot_rows_at
+  // converts each 2-byte K row once per block of this many rows.
+  int dot_row_block = 2;
 
   template <bool Acc, bool TransA>
   GemmFn gemm_for() const {

@@ -409,6 +409,7 @@ constexpr Kernels make_kernels(Isa isa) {
   Kernels k{isa,        gemm<F32, V, false, false>, gemm<F32, V, true, false>, gemm<F32, V, false, true>,
             gemm<F32, V, true, true>, softmax_rows<V>, scale_row<V>, softmax_grad<V>,
             Tile<V>::NV * simd::lanes<V>, simd::lanes<V> == 8, dot_rows<V>};
+  k.dot_row_block = kDotRows<V>;
   k.dot_rows_at[kRowF32] = dot_rows_at<V, kRowF32>;
   k.dot_rows_at[kRowBf16] = dot_rows_at<V, kRowBf16>;
   k.dot_rows_at[kRowF16] = dot_rows_at<V, kRowF16>;
