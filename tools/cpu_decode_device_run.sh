@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CPU decoding path on a device machine's CPU (issue 10: bench/results/cpu_decode_*.txt): a CPU-only
 # build of this tree, its CPU suite, then decode-cpu-bench (the tiled mainloop against the decoding one,
-# bench/decode_cpu.cpp) and torch's CPU SDPA (bench/decode_cpu_torch.py) at 16 and 2 threads. With
+# bench/decode_cpu.cpp) and torch's CPU SDPA (bench/decode_cpu_torch.py, head-major K/V and views of our
+# (b, s, h_k, d) layout) at 16 and 2 threads. With
 # FM_CPU_REF (a source tree: `git archive` of a commit), also an A/B of the decoding mainloop alone,
 # this tree against that one, alternated FM_CPU_ROUNDS times (default 3) on FM_CPU_SHAPES.
 # Everything in $OUT/all.tgz; FM_CPU_TABLE=0 skips the full table, FM_CPU_CTEST=0 the CPU suite.
@@ -39,6 +40,7 @@ if [ "${FM_CPU_TABLE:-1}" != 0 ]; then
   for t in 16 2; do
     build-cpudev/bench/decode-cpu-bench --threads $t --repeats 5 >"$OUT/table_t$t.txt" 2>&1
     THREADS=$t timeout 300 python3 bench/decode_cpu_torch.py 5 >"$OUT/torch_t$t.txt" 2>&1
+    THREADS=$t LAYOUT=bshd timeout 300 python3 bench/decode_cpu_torch.py 5 >"$OUT/torchbshd_t$t.txt" 2>&1
   done
   echo "table done: $(($(date +%s) - start)) s"
 fi
