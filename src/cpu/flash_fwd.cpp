@@ -524,10 +524,9 @@ void finish_task(const Partials& parts, int splits, std::int64_t items, std::int
 // contiguous, batch index or pages). With fp32 caches, and 2-byte ones with few rows per KV head
 // (decode_in_place), the products read those rows themselves (fold_chunk_in_place); otherwise the
 // chunk's rows are first copied into a small fp32 stage (stage_chunk) that each KV head folds
-// (fold_chunk). fp32 products for
-// every dtype, Q scaled as in the tiled path's fp32 products. Extra memory: a workspace per thread
-// of O(heads·group·s_q·d) plus the stage (decode_chunk_keys), and the split partials; never the
-// cache's size.
+// (fold_chunk). fp32 products for every dtype, Q scaled as in the tiled path's fp32 products. Extra
+// memory: a workspace per thread of O(heads·group·s_q·d) plus the stage (decode_chunk_keys), and
+// the split partials; never the cache's size.
 // Up to 32 rows per KV head, by measurement against the tiled path (2 threads, AMD EPYC, s_k = 4k,
 // h = 32, d = 128, fp32): 16 rows (h_k = 8, s_q = 4) 2.2x faster, 32 rows (s_q = 8) 1.6x, 64 rows
 // (s_q = 16) 1.16x, 128 rows 0.95x; MHA at 64 rows 0.85x with s_k = 512.
@@ -551,24 +550,25 @@ constexpr int kDecodeMaxSplits = 16;
 // (task_heads) until it has enough or they are 1: b = 1, h_k = 8, s_k = 512 has 8 tasks at 16
 // threads (Xeon, d = 128, 88 us against torch's 55 in fp32 s_q = 1, 183 against 73 at s_q = 4);
 // groups of 4 took 42-45 us there, while a fixed 4 loses at 2 threads (above). The bits stay: each
-// KV head folds its own rows alone (fold_chunk), over the same chunks and splits in any group.
+// KV head folds its own rows alone (fold_chunk; dot_rows_at and pv_rows_at head by head), over the
+// same chunks and splits in any group.
 constexpr int kDecodeGroupHeads = 8;
 // With 2-byte caches, up to this many query rows per KV head the products read K and V where the
-// cache holds them (fold_chunk_in_place, Kernels::dot_rows_at and pv_rows_at); with more, they
-// fold a stage, which converts each element once where the in-place products convert K's rows once
-// per row block and keep O in memory. In place against the stage (Xeon, 16 cores, AMX; b = 1,
-// s_k = 4k, d = 128; decode us, medians of 3 alternated rounds): 2 threads, MHA (h_k = 32) bf16 s_q = 1 2890
-// against 7193, s_q = 4 4101 against 7912, fp16 2729 against 5462, fp32 7179 against 9257; GQA
-// 32/8 s_q = 1 (4 rows) bf16 995 against 1314, fp32 1020 against 1559; 8 rows (s_q = 2) 1399
-// against 1529; 16 threads MHA bf16 473 against 767, GQA fp32 241 against 361. The stage's copies
-// stalled on the reads: every converted element stored, each read a 2 KiB run of an 8 KiB key row
-// with MHA. fp32 caches fold in place at every row count (decode_in_place): 16 rows (GQA s_q = 4)
-// 1823 against 2654 at 2 threads, 493 against 668 at 16, 32 rows (s_q = 8) 3605 against 4221; AVX2
-// (the 2-core EPYC) 16 rows 6636 against 7175. With 2-byte rows the in-place scores convert K's
-// rows m / dot_row_block times, so those stay in place only while that is at most 2 and m <= 8:
-// bf16 16 rows tied on the Xeon (2364 against 2214 us), and on AVX2 (2 rows per block, one binary,
-// 3 rounds) bf16 8 rows took 3888 against 2965 staged, 16/8 heads s_q = 4 3688 against 3329, 16
-// rows 6670 against 5224-5358, while 4 rows took 2242 against 2615 (fp16 2013 against 2490).
+// cache holds them (fold_chunk_in_place, Kernels::dot_rows_at and pv_rows_at); with more, they fold
+// a stage, which converts each element once where the in-place products convert K's rows once per
+// row block and keep O in memory. In place against the stage (Xeon, 16 cores, AMX; b = 1, s_k = 4k,
+// d = 128; decode us, medians of 3 alternated rounds): 2 threads, MHA (h_k = 32) bf16 s_q = 1 2890
+// against 7193, s_q = 4 4101 against 7912, fp16 2729 against 5462, fp32 7179 against 9257; GQA 32/8
+// s_q = 1 (4 rows) bf16 995 against 1314, fp32 1020 against 1559; 8 rows (s_q = 2) 1399 against
+// 1529; 16 threads MHA bf16 473 against 767, GQA fp32 241 against 361. The stage's copies stalled
+// on the reads: every converted element stored, each read a 2 KiB run of an 8 KiB key row with MHA.
+// fp32 caches fold in place at every row count (decode_in_place): 16 rows (GQA s_q = 4) 1823
+// against 2654 at 2 threads, 493 against 668 at 16, 32 rows (s_q = 8) 3605 against 4221; AVX2 (the
+// 2-core EPYC) 16 rows 6636 against 7175. With 2-byte rows the in-place scores convert K's rows m /
+// dot_row_block times, so those stay in place only while that is at most 2 and m <= 8: bf16 16 rows
+// tied on the Xeon (2364 against 2214 us), and on AVX2 (2 rows per block, one binary, 3 rounds)
+// bf16 8 rows took 3888 against 2965 staged, 16/8 heads s_q = 4 3688 against 3329, 16 rows 6670
+// against 5224-5358, while 4 rows took 2242 against 2615 (fp16 2013 against 2490).
 constexpr int kDecodeInPlaceRows = 8;
 
 bool decode_in_place(const FwdParams& p, const Kernels& kn, int m) {
