@@ -69,8 +69,8 @@ struct Kernels {
   // nearest even, denormals to zero), which turns the forward's probabilities into an A operand.
   GemmPairsFn gemm_bf16 = nullptr, gemm_bf16_acc = nullptr;
   void (*to_bf16_pairs)(const float* x, int n, std::uint32_t* pairs) = nullptr;
-  // The decoding path's products with few query rows per KV head (flash_fwd.cpp), K and V read
-  // where the cache holds them and converted in registers, without a stage: over `heads` KV heads
+  // The decoding path's in-place products (flash_fwd.cpp, decode_in_place), K and V read where the
+  // cache holds them and converted in registers, without a stage: over `heads` KV heads
   // at once, rows[h·ld_rows + c] pointing at key c's row of head h, d elements of the cache's type
   // (index kRowF32, kRowBf16, kRowF16), never read past them. Keys outermost (4 at a time for the
   // scores, 8 for P·V), heads inside: the reads follow a (keys, h_k, d) cache's memory order. Rows

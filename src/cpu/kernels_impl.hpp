@@ -122,10 +122,10 @@ void gemm(int M, int N, int K, const E* A, int lda, const E* B, int ldb, float* 
     if (j < N) gemm_panel<Op, f32x8, 1, Acc, TransA>(M, K, A, lda, B + j, ldb, C + j, ldc);
 }
 
-// Kernels::dot_rows, dot_rows_at. Register block: RB rows of A × 4 rows of B, each pair's partial sums in one
-// vector (RB = 2 at 8 lanes: 8 accumulators + 4 B + 1 A of 16 ymm; 4 at 16 lanes, 21 of 32 zmm),
-// then a row of A's 4 sums reduced together (three hadd and one add of the halves: 4 scores for
-// about the cost of one reduction tree).
+// Kernels::dot_rows, dot_rows_at. Register block: RB rows of A × 4 rows of B, each pair's partial
+// sums in one vector (RB = 2 at 8 lanes: 8 accumulators + 4 B + 1 A of 16 ymm; 4 at 16 lanes, 21 of
+// 32 zmm), then a row of A's 4 sums reduced together (three hadd and one add of the halves: 4 scores
+// for about the cost of one reduction tree).
 template <class V>
 constexpr int kDotRows = simd::lanes<V> == 16 ? 4 : 2;
 
@@ -134,7 +134,8 @@ inline f32x8 to8(simd::f32x16 v) { return simd::half<0>(v) + simd::half<1>(v); }
 
 // Cache rows in their own element type as fp32 vectors W (Kernels::dot_rows_at, pv_rows_at):
 // Row<kRowF32> floats, Row<kRowBf16> and Row<kRowF16> the bits of bf16 and fp16 values.
-// load<W>(p) reads lanes<W> elements; load_part<W, R>(p, n) only the first n (< lanes<W>), the rest 0.
+// load<W>(p) reads lanes<W> elements; load_part<W, R>(p, n) only the first n (< lanes<W>), the
+// rest 0.
 template <int T>
 struct Row;
 template <>
