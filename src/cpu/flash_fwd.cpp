@@ -604,9 +604,10 @@ struct DecodeWorkspace {
   AlignedFloats o;   // (rows, dp)  unnormalised output
   std::vector<RowState> state;  // (rows)
   std::vector<float> slope;     // (rows)
-  AlignedFloats kc, vc;  // (heads, keys, dp)  the chunk's K and V rows in fp32, zero past d (and K past the keys to 8)
-  std::vector<std::int64_t> k_off, v_off;  // (heads, keys)  element offsets of the chunk's rows
-  std::vector<const void*> k_rows, v_rows;  // (heads, keys)  the same rows' addresses (in place)
+  std::vector<const void*> k_rows, v_rows;  // (heads, keys)  addresses of the chunk's K and V rows
+  // (heads, keys, dp)  the chunk's K and V rows in fp32, zero past d (and K past the keys to 8); only
+  // where some batch entry stages (decode_in_place)
+  AlignedFloats kc, vc;
   // (kDecodeRows, cols) one KV head's scores, then probabilities, or (rows, cols) every head's (in
   // place); cols: the chunk's keys rounded up to 8
   AlignedFloats s;
@@ -615,7 +616,7 @@ struct DecodeWorkspace {
 
 // The calling thread's workspace, kept across calls (allocated per call it was page faults per
 // call), grown to this call's sizes.
-DecodeWorkspace& decode_workspace(int rows, int keys, int heads, const FwdParams& p) {
+DecodeWorkspace& decode_workspace(int rows, int keys, int heads, bool staged, const FwdParams& p) {
   thread_local DecodeWorkspace ws;
   const auto grow = [](auto& v, std::size_t n) {
     if (v.size() < n) v.resize(n);
@@ -625,26 +626,38 @@ DecodeWorkspace& decode_workspace(int rows, int keys, int heads, const FwdParams
   grow(ws.o, static_cast<std::size_t>(rows) * ws.dp);
   grow(ws.state, rows);
   grow(ws.slope, rows);
-  grow(ws.kc, static_cast<std::size_t>(heads) * keys * ws.dp);
-  grow(ws.vc, static_cast<std::size_t>(heads) * keys * ws.dp);
-  grow(ws.k_off, static_cast<std::size_t>(heads) * keys);
-  grow(ws.v_off, static_cast<std::size_t>(heads) * keys);
+  if (staged) {
+    grow(ws.kc, static_cast<std::size_t>(heads) * keys * ws.dp);
+    grow(ws.vc, static_cast<std::size_t>(heads) * keys * ws.dp);
+  }
   grow(ws.k_rows, static_cast<std::size_t>(heads) * keys);
   grow(ws.v_rows, static_cast<std::size_t>(heads) * keys);
   grow(ws.s, static_cast<std::size_t>(std::max(rows, kDecodeRows)) * kDecodeMaxKeys);
   return ws;
 }
 
-// Element offsets of rows row0 .. row0 + n of entry b's K or V (head hk, strides st): one
+// Addresses of rows row0 .. row0 + n of entry b's K or V (tensor base, head hk, strides st): one
 // kv_offset per page, or per chunk without pages; the rows of a page are st.row apart.
-void kv_rows(const FwdParams& p, const detail::Strides& st, int b, std::int64_t row0, int n, int hk, std::int64_t* off) {
+void kv_rows(const FwdParams& p, const void* base, const detail::Strides& st, int b, std::int64_t row0, int n, int hk,
+             const void** rows) {
+  const auto* bytes = static_cast<const char*>(base);
+  const auto esize = static_cast<std::int64_t>(dtype_size(p.dtype));
   for (int c = 0; c < n;) {
-    const std::int64_t base = detail::kv_offset(p, st, b, row0 + c, hk);
+    const std::int64_t off = detail::kv_offset(p, st, b, row0 + c, hk);
     const int run = p.kv.block_table != nullptr
                         ? static_cast<int>(std::min<std::int64_t>(n - c, p.kv.page_size - (row0 + c) % p.kv.page_size))
                         : n - c;
-    for (int u = 0; u < run; ++u) off[c + u] = base + u * st.row;
+    for (int u = 0; u < run; ++u) rows[c + u] = bytes + (off + u * st.row) * esize;
     c += run;
+  }
+}
+
+// ws.k_rows, ws.v_rows <- the addresses of the n keys from row row0 of entry b, KV heads hk0 ..
+// hk0 + heads.
+void chunk_rows(const FwdParams& p, int b, int hk0, int heads, std::int64_t row0, int n, int keys, DecodeWorkspace& ws) {
+  for (int hk = 0; hk < heads; ++hk) {
+    kv_rows(p, p.k, p.k_stride, b, row0, n, hk0 + hk, ws.k_rows.data() + hk * keys);
+    kv_rows(p, p.v, p.v_stride, b, row0, n, hk0 + hk, ws.v_rows.data() + hk * keys);
   }
 }
 
@@ -658,17 +671,14 @@ void kv_rows(const FwdParams& p, const detail::Strides& st, int b, std::int64_t 
 void stage_chunk(const FwdParams& p, int b, int hk0, int heads, std::int64_t row0, int n, int keys,
                  DecodeWorkspace& ws) {
   const int dp = ws.dp;
-  for (int hk = 0; hk < heads; ++hk) {
-    kv_rows(p, p.k_stride, b, row0, n, hk0 + hk, ws.k_off.data() + hk * keys);
-    kv_rows(p, p.v_stride, b, row0, n, hk0 + hk, ws.v_off.data() + hk * keys);
-  }
+  chunk_rows(p, b, hk0, heads, row0, n, keys, ws);
   for (int c = 0; c < n; ++c)
     for (int hk = 0; hk < heads; ++hk) {
       const std::ptrdiff_t at = static_cast<std::ptrdiff_t>(hk) * keys + c;
       float* k = ws.kc.data() + at * dp;
       float* v = ws.vc.data() + at * dp;
-      tiles::load_row(p.k, p.dtype, ws.k_off[at], p.d, 1.0f, k);
-      tiles::load_row(p.v, p.dtype, ws.v_off[at], p.d, 1.0f, v);
+      tiles::load_row(ws.k_rows[at], p.dtype, 0, p.d, 1.0f, k);
+      tiles::load_row(ws.v_rows[at], p.dtype, 0, p.d, 1.0f, v);
       std::fill(k + p.d, k + dp, 0.0f);
       std::fill(v + p.d, v + dp, 0.0f);
     }
@@ -721,19 +731,10 @@ void fold_chunk_in_place(const FwdParams& p, const Kernels& kn, const SeqInfo& s
                          int hk0, int heads, int m, std::int64_t j0, int n, int keys, bool first, DecodeWorkspace& ws) {
   const int dp = ws.dp, cols = tiles::round_up(n, kLanes);
   const int t = p.dtype == DType::f32 ? kRowF32 : p.dtype == DType::bf16 ? kRowBf16 : kRowF16;
-  const std::size_t esize = dtype_size(p.dtype);
-  for (int hk = 0; hk < heads; ++hk) {
-    std::int64_t* k_off = ws.k_off.data() + hk * keys;
-    std::int64_t* v_off = ws.v_off.data() + hk * keys;
-    kv_rows(p, p.k_stride, b, si.k_row0 + j0, n, hk0 + hk, k_off);
-    kv_rows(p, p.v_stride, b, si.k_row0 + j0, n, hk0 + hk, v_off);
+  chunk_rows(p, b, hk0, heads, si.k_row0 + j0, n, keys, ws);
+  for (int hk = 0; hk < heads; ++hk) {  // scores past the keys: -inf (transform_row)
     const void** k_rows = ws.k_rows.data() + hk * keys;
-    const void** v_rows = ws.v_rows.data() + hk * keys;
-    for (int c = 0; c < n; ++c) {
-      k_rows[c] = static_cast<const char*>(p.k) + k_off[c] * esize;
-      v_rows[c] = static_cast<const char*>(p.v) + v_off[c] * esize;
-    }
-    for (int c = n; c < cols; ++c) k_rows[c] = k_rows[0];  // scores past the keys: -inf (transform_row)
+    std::fill(k_rows + n, k_rows + cols, k_rows[0]);
   }
   if (first) std::fill(ws.o.begin(), ws.o.begin() + static_cast<std::ptrdiff_t>(heads) * m * dp, 0.0f);
   kn.dot_rows_at[t](heads, m, cols, p.d, ws.q.data(), dp, ws.k_rows.data(), keys, ws.s.data(), cols);
@@ -847,7 +848,12 @@ void flash_forward_decode(const FwdParams& p, int num_threads, const Kernels& kn
   const std::int64_t items = std::int64_t{p.batch} * head_groups;
   const std::int64_t tasks = splits * items;
   int rows = 0;
-  for (int b = 0; b < p.batch; ++b) rows = std::max(rows, seq_info(p, b).len_q * p.group() * group_heads);
+  bool staged = false;
+  for (int b = 0; b < p.batch; ++b) {
+    const int m = seq_info(p, b).len_q * p.group();
+    rows = std::max(rows, m * group_heads);
+    staged |= m > 0 && !decode_in_place(p, kn, m);
+  }
   const int dp = tiles::round_up(p.d, kLanes);
   // The partials in the calling thread's kept scratch (fresh memory per call would be page faults
   // per call): splits · items slots of a head group's group_heads·group·s_q rows, about the bytes of
@@ -857,7 +863,7 @@ void flash_forward_decode(const FwdParams& p, int num_threads, const Kernels& kn
   const int threads = static_cast<int>(std::min<std::int64_t>(wanted, tasks));
 #pragma omp parallel num_threads(std::max(threads, 1))
   {
-    DecodeWorkspace& ws = decode_workspace(rows, keys, group_heads, p);
+    DecodeWorkspace& ws = decode_workspace(rows, keys, group_heads, staged, p);
 #pragma omp for schedule(dynamic, 1) nowait
     for (std::int64_t task = 0; task < tasks; ++task) {
       const std::int64_t item = task % items;

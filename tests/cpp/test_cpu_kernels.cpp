@@ -271,32 +271,24 @@ TEST(CpuKernels, InPlaceDecodingProductsMatchFloat64) {
               for (float& x : S) x = normal(gen);
               const std::vector<float> S0 = S;
               tb.kn->dot_rows_at[t](heads, m, cols, d, A.data(), dp, k.rows.data(), keys, S.data(), lds);
-              for (int h = 0; h < heads; ++h) {
-                std::vector<float> Sh(S.begin() + h * m * lds, S.begin() + (h + 1) * m * lds);
-                std::vector<float> S0h(S0.begin() + h * m * lds, S0.begin() + (h + 1) * m * lds);
-                const Check e = check_product(m, cols, lds, d, false, Sh, S0h, [&](int r, int c, int x) {
-                  const std::size_t at = (static_cast<std::size_t>(h) * keys + c) * d + x;
-                  return static_cast<double>(A[(h * m + r) * dp + x]) * k.value[at];
-                });
-                ASSERT_FALSE(e.wrote_past_n);
-                ASSERT_LE(e.worst, (d + 1) * 6e-8) << "scores, head " << h;
-              }
+              // Row r of S, A, P and O is head r / m's.
+              const auto at = [&](int r, int c, int x) { return (static_cast<std::size_t>(r / m) * keys + c) * d + x; };
+              const Check es = check_product(rows, cols, lds, d, false, S, S0, [&](int r, int c, int x) {
+                return static_cast<double>(A[r * dp + x]) * k.value[at(r, c, x)];
+              });
+              ASSERT_FALSE(es.wrote_past_n) << "scores past n";
+              ASSERT_LE(es.worst, (d + 1) * 6e-8) << "scores";
               std::vector<float> P(static_cast<std::size_t>(rows) * lds), O(static_cast<std::size_t>(rows) * dp);
               for (float& x : P) x = std::abs(normal(gen));
               for (int r = 0; r < rows; ++r)
                 for (int x = 0; x < dp; ++x) O[r * dp + x] = x < d ? normal(gen) : 0.0f;
               const std::vector<float> O0 = O;
               tb.kn->pv_rows_at[t](heads, m, n, d, P.data(), lds, v.rows.data(), keys, O.data(), dp);
-              for (int h = 0; h < heads; ++h) {
-                std::vector<float> Oh(O.begin() + h * m * dp, O.begin() + (h + 1) * m * dp);
-                std::vector<float> O0h(O0.begin() + h * m * dp, O0.begin() + (h + 1) * m * dp);
-                const Check e = check_product(m, d, dp, n, true, Oh, O0h, [&](int r, int x, int c) {
-                  const std::size_t at = (static_cast<std::size_t>(h) * keys + c) * d + x;
-                  return static_cast<double>(P[(h * m + r) * lds + c]) * v.value[at];
-                });
-                ASSERT_FALSE(e.wrote_past_n) << "O past d, head " << h;
-                ASSERT_LE(e.worst, (n + 1) * 6e-8) << "P·V, head " << h;
-              }
+              const Check eo = check_product(rows, d, dp, n, true, O, O0, [&](int r, int x, int c) {
+                return static_cast<double>(P[r * lds + c]) * v.value[at(r, c, x)];
+              });
+              ASSERT_FALSE(eo.wrote_past_n) << "O past d";
+              ASSERT_LE(eo.worst, (n + 1) * 6e-8) << "P·V";
             }
 }
 
