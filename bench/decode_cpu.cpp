@@ -3,8 +3,12 @@
 // process so that a shared machine slows them alike. Per shape: the median time per call over the
 // repeats and the minor page faults per call, of each path.
 //
-//   decode-cpu-bench [--threads 2] [--repeats 9] [--decode-only] [--pages P] [b,s_k,h,h_k,d,dtype,s_q ...]
+//   decode-cpu-bench [--threads 2] [--repeats 9] [--decode-only] [--head-major] [--pages P]
+//                    [b,s_k,h,h_k,d,dtype,s_q ...]
 //
+// --head-major: K/V held head-major, (b, h_k, s_k, d) in memory (torch's SDPA layout, and HF
+// transformers' caches), passed as strided (b, s_k, h_k, d) views, as the SDPA override passes them;
+// without it, K/V are contiguous (b, s_k, h_k, d) tensors (flash_attn_with_kvcache's layout).
 // --pages P: instead, forward_kvcache (public API, no new rows) over a contiguous cache against the
 // same rows in pages of P rows behind a shuffled block table, alternated.
 // Default shapes: those of CPU_DECODE_NOTES.md. A shape's K/V (b, s_k, h_k, d) is filled with
@@ -76,13 +80,21 @@ Alternated alternate(double work, int repeats, bool second_only, Call call) {
   return a;
 }
 
+// Fresh N(0, 1) values, blocks of 64k elements from generators seeded off rng (in parallel: a
+// 134 MB cache took longer to fill than to time).
 void fill(std::vector<std::uint8_t>& buf, DType t, std::mt19937& rng) {
-  std::normal_distribution<float> n(0.0f, 1.0f);
-  const std::size_t count = buf.size() / flashmonoid::dtype_size(t);
-  for (std::size_t i = 0; i < count; ++i) cpu::store(buf.data(), t, static_cast<std::int64_t>(i), n(rng));
+  constexpr std::int64_t kBlock = 1 << 16;
+  const auto count = static_cast<std::int64_t>(buf.size() / flashmonoid::dtype_size(t));
+  const std::uint32_t seed = rng();
+#pragma omp parallel for schedule(static)
+  for (std::int64_t b0 = 0; b0 < count; b0 += kBlock) {
+    std::mt19937 r(seed + static_cast<std::uint32_t>(b0 / kBlock));
+    std::normal_distribution<float> n(0.0f, 1.0f);
+    for (std::int64_t i = b0; i < std::min(count, b0 + kBlock); ++i) cpu::store(buf.data(), t, i, n(r));
+  }
 }
 
-void run(const Case& c, int threads, int repeats, bool decode_only, std::mt19937& rng) {
+void run(const Case& c, int threads, int repeats, bool decode_only, bool head_major, std::mt19937& rng) {
   const std::size_t es = flashmonoid::dtype_size(c.dtype);
   std::vector<std::uint8_t> q(static_cast<std::size_t>(c.b) * c.s_q * c.h * c.d * es),
       k(static_cast<std::size_t>(c.b) * c.s_k * c.h_k * c.d * es), v(k.size()), o(q.size());
@@ -91,17 +103,22 @@ void run(const Case& c, int threads, int repeats, bool decode_only, std::mt19937
   fill(k, c.dtype, rng);
   fill(v, c.dtype, rng);
   const flashmonoid::Device cpu_dev{};
-  const TensorView qv(q.data(), c.dtype, cpu_dev, {c.b, c.s_q, c.h, c.d}), kv(k.data(), c.dtype, cpu_dev, {c.b, c.s_k, c.h_k, c.d}),
-      vv(v.data(), c.dtype, cpu_dev, {c.b, c.s_k, c.h_k, c.d}), ov(o.data(), c.dtype, cpu_dev, {c.b, c.s_q, c.h, c.d}),
-      lv(lse.data(), DType::f32, cpu_dev, {c.b, c.h, c.s_q});
+  const std::int64_t kv_strides[2][4] = {{std::int64_t{c.s_k} * c.h_k * c.d, std::int64_t{c.h_k} * c.d, c.d, 1},
+                                         {std::int64_t{c.h_k} * c.s_k * c.d, c.d, std::int64_t{c.s_k} * c.d, 1}};
+  const std::int64_t* st = kv_strides[head_major ? 1 : 0];
+  const TensorView qv(q.data(), c.dtype, cpu_dev, {c.b, c.s_q, c.h, c.d}),
+      kv(k.data(), c.dtype, cpu_dev, {c.b, c.s_k, c.h_k, c.d}, {st[0], st[1], st[2], st[3]}),
+      vv(v.data(), c.dtype, cpu_dev, {c.b, c.s_k, c.h_k, c.d}, {st[0], st[1], st[2], st[3]}),
+      ov(o.data(), c.dtype, cpu_dev, {c.b, c.s_q, c.h, c.d}), lv(lse.data(), DType::f32, cpu_dev, {c.b, c.h, c.s_q});
   const auto p = flashmonoid::detail::make_fwd_params(qv, kv, vv, ov, lv, flashmonoid::Options{}, nullptr);
   const cpu::Kernels& kn = cpu::kernels_for(cpu::default_isa());
   using Fn = void (*)(const flashmonoid::detail::FwdParams&, int, const cpu::Kernels&);
   const Fn paths[2] = {cpu::flash_forward_tiled, cpu::flash_forward_decode};
   const Alternated a = alternate(static_cast<double>(c.b) * c.s_k * c.h_k * c.d * es * 2, repeats, decode_only,
                                  [&](int which) { paths[which](p, threads, kn); });
-  std::printf("b=%d s_k=%d h=%d h_k=%d d=%d %s s_q=%d | tiled %.1f us (%.0f faults) | decode %.1f us (%.1f faults) | x%.2f\n",
-              c.b, c.s_k, c.h, c.h_k, c.d, flashmonoid::to_string(c.dtype).c_str(), c.s_q, a.us[0], a.faults[0], a.us[1],
+  std::printf("b=%d s_k=%d h=%d h_k=%d d=%d %s s_q=%d%s | tiled %.1f us (%.0f faults) | decode %.1f us (%.1f faults) | x%.2f\n",
+              c.b, c.s_k, c.h, c.h_k, c.d, flashmonoid::to_string(c.dtype).c_str(), c.s_q, head_major ? " head-major" : "",
+              a.us[0], a.faults[0], a.us[1],
               a.faults[1], a.us[0] / a.us[1]);
   std::fflush(stdout);
 }
@@ -155,7 +172,7 @@ void run_pages(const Case& c, int page, int threads, int repeats, std::mt19937& 
 
 int main(int argc, char** argv) {
   int threads = 2, repeats = 9;
-  bool decode_only = false;
+  bool decode_only = false, head_major = false;
   int pages = 0;
   std::vector<Case> cases;
   for (int i = 1; i < argc; ++i) {
@@ -164,6 +181,8 @@ int main(int argc, char** argv) {
       threads = std::atoi(argv[++i]);
     } else if (a == "--pages" && i + 1 < argc) {
       pages = std::atoi(argv[++i]);
+    } else if (a == "--head-major") {
+      head_major = true;
     } else if (a == "--decode-only") {
       decode_only = true;
     } else if (a == "--repeats" && i + 1 < argc) {
@@ -195,6 +214,6 @@ int main(int argc, char** argv) {
     if (pages > 0)
       run_pages(c, pages, threads, repeats, rng);
     else
-      run(c, threads, repeats, decode_only, rng);
+      run(c, threads, repeats, decode_only, head_major, rng);
   }
 }

@@ -546,13 +546,24 @@ constexpr int kDecodeMaxSplits = 16;
 // 2 threads all 32 and 8 within the run's spread (fp32 6106-7270 / 6818-6983), 4 and 2 slower at
 // GQA's b = 1 32k bf16 (9.4-9.8 ms against 14.1).
 // This shape group, min(kDecodeGroupHeads, h_k), alone sets the chunk's keys and the splits (the
-// arithmetic); a call that would have fewer tasks than threads halves the KV heads per task
-// (task_heads) until it has enough or they are 1: b = 1, h_k = 8, s_k = 512 has 8 tasks at 16
-// threads (Xeon, d = 128, 88 us against torch's 55 in fp32 s_q = 1, 183 against 73 at s_q = 4);
-// groups of 4 took 42-45 us there, while a fixed 4 loses at 2 threads (above). The bits stay: each
+// arithmetic); the thread count then sets the KV heads per task (task_heads). The bits stay: each
 // KV head folds its own rows alone (fold_chunk; dot_rows_at and pv_rows_at head by head), over the
-// same chunks and splits in any group.
+// same chunks and splits in any group. The dynamic schedule needs a few tasks per thread to even
+// out the threads' rates, but with a key's heads side by side in memory ((b, s, h_k, d) caches,
+// pages) a smaller group reads shorter runs of each key row, and the runs' count is the reads'
+// parallelism. So the group is halved while the call has fewer tasks than threads; or, with heads
+// side by side, fewer than 2 per thread while the runs stay >= 1 KiB; or, head-major (a head's keys
+// one run in any group), fewer than 8 per thread. Xeon, 16 threads, b = 1, d = 128, decode us over 3
+// alternated rounds on two machines, (b, s, h_k, d) groups of 8 / 4 / 2: bf16 s_k = 32k s_q = 1 (16
+// tasks) 2423-2699 / 1704-2045 / 1605-1916; fp32 s_k = 512 s_q = 4 (8 tasks) 97-113 at 4, 83-85 at
+// 2; 64 tasks, no gain: MHA fp32 s_q = 1 1034-1083 / 821-841 on one machine, 708-891 / 807-859 on
+// the other, bf16 407-469 / 481-562; GQA fp32 s_q = 1 (16 tasks) 208-332 / - / 235-240. Head-major,
+// groups of 8 / those of the 8-per-thread rule: GQA 32/8 bf16 s_q = 1 210-240 / 148-158, fp32 s_q =
+// 4 593-752 / 378-421, 32k bf16 2025-2341 / 1588-1690; torch's head-major call 362, 685, 3011.
 constexpr int kDecodeGroupHeads = 8;
+constexpr int kDecodeTasksPerThread = 8;      // head-major memory
+constexpr int kDecodeTasksPerThreadRuns = 2;  // heads side by side in memory
+constexpr int kDecodeMinRun = 1024;           // bytes of a key row per task, heads side by side
 // With 2-byte caches, up to this many query rows per KV head the products read K and V where the
 // cache holds them (fold_chunk_in_place, Kernels::dot_rows_at and pv_rows_at); with more, they fold
 // a stage, which converts each element once where the in-place products convert K's rows once per
@@ -588,10 +599,22 @@ int decode_chunk_keys(const FwdParams& p, int heads) {
   return static_cast<int>(std::clamp<std::int64_t>(kDecodeStageBytes / per_key / 8 * 8, 8, kDecodeMaxKeys));
 }
 
-// KV heads per task for a call of `threads` threads: the shape's group `heads` (h_k heads,
-// `splits` splits per item), halved while batch · head groups · splits < threads.
-int task_heads(int batch, int h_k, int heads, int splits, int threads) {
-  while (heads > 1 && std::int64_t{batch} * ((h_k + heads - 1) / heads) * splits < threads) heads = (heads + 1) / 2;
+// KV heads per task for a call of `threads` threads: the shape's group `heads` (`splits` splits per
+// item), halved by the rule at kDecodeGroupHeads (one thread has nothing to balance).
+int task_heads(const FwdParams& p, int heads, int splits, int threads) {
+  const auto tasks = [&](int g) { return std::int64_t{p.batch} * ((p.h_k + g - 1) / g) * splits; };
+  // A key's heads side by side: the group's run of the row; head-major: a head's keys, any group.
+  const bool heads_adjacent = std::abs(p.k_stride.head) < std::abs(p.k_stride.row);
+  const auto runs_ok = [&](int g) {
+    return !heads_adjacent || std::int64_t{g} * p.d * static_cast<std::int64_t>(dtype_size(p.dtype)) >= kDecodeMinRun;
+  };
+  const int per_thread = heads_adjacent ? kDecodeTasksPerThreadRuns : kDecodeTasksPerThread;
+  while (heads > 1) {
+    const int half = (heads + 1) / 2;
+    const bool few = threads > 1 && tasks(heads) < std::int64_t{per_thread} * threads && runs_ok(half);
+    if (tasks(heads) >= threads && !few) break;
+    heads = half;
+  }
   return heads;
 }
 
@@ -843,7 +866,7 @@ void flash_forward_decode(const FwdParams& p, int num_threads, const Kernels& kn
                                 kDecodeMaxSplits);
   // The partition from the thread count: tasks (batch entry, group of group_heads KV heads, split).
   const int wanted = num_threads > 0 ? num_threads : omp_get_max_threads();
-  const int group_heads = task_heads(p.batch, p.h_k, shape_heads, splits, wanted);
+  const int group_heads = task_heads(p, shape_heads, splits, wanted);
   const int head_groups = (p.h_k + group_heads - 1) / group_heads;
   const std::int64_t items = std::int64_t{p.batch} * head_groups;
   const std::int64_t tasks = splits * items;

@@ -34,6 +34,7 @@ struct Shape {
   bool varlen = false;
   std::vector<int> lens_q, lens_k;  // varlen sequence lengths (b entries)
   bool padded_strides = true;       // non-contiguous head/row strides
+  bool head_major_kv = false;       // K/V held (b, h_k, s_k, d) in memory (torch's layout), not varlen
 
   std::string str() const {
     std::string s = "b" + std::to_string(b) + " sq" + std::to_string(s_q) + " sk" + std::to_string(s_k) + " h" +
@@ -46,6 +47,7 @@ struct Shape {
     if (alibi) s += " alibi";
     if (dropout_p > 0) s += " dropout" + std::to_string(dropout_p);
     if (varlen) s += " varlen";
+    if (head_major_kv) s += " head-major K/V";
     return s;
   }
 };
@@ -103,9 +105,14 @@ struct Problem {
       total_q = static_cast<std::int64_t>(s.b) * s.s_q;
       total_k = static_cast<std::int64_t>(s.b) * s.s_k;
     }
+    // (b, s_k, h_k, d) views of head-major memory: a head's rows of d (+ pad) one after another.
+    auto make_head_major = [&] {
+      const std::int64_t row = s.d + pad;
+      return HostTensor(s.dtype, {s.b, s.s_k, s.h_k, s.d}, {row * s.s_k * s.h_k, row, row * s.s_k, 1});
+    };
     q = make(s.s_q, s.h, total_q);
-    k = make(s.s_k, s.h_k, total_k);
-    v = make(s.s_k, s.h_k, total_k);
+    k = s.head_major_kv ? make_head_major() : make(s.s_k, s.h_k, total_k);
+    v = s.head_major_kv ? make_head_major() : make(s.s_k, s.h_k, total_k);
     dout = make(s.s_q, s.h, total_q);
     q.fill_normal();
     k.fill_normal();
