@@ -548,21 +548,22 @@ constexpr int kDecodeMaxSplits = 16;
 // This shape group, min(kDecodeGroupHeads, h_k), alone sets the chunk's keys and the splits (the
 // arithmetic); the thread count then sets the KV heads per task (task_heads). The bits stay: each
 // KV head folds its own rows alone (fold_chunk; dot_rows_at and pv_rows_at head by head), over the
-// same chunks and splits in any group. The dynamic schedule needs a few tasks per thread to even
-// out the threads' rates, but with a key's heads side by side in memory ((b, s, h_k, d) caches,
-// pages) a smaller group reads shorter runs of each key row, and the runs' count is the reads'
-// parallelism. So the group is halved while the call has fewer tasks than threads; or, with heads
-// side by side, fewer than 2 per thread while the runs stay >= 1 KiB; or, head-major (a head's keys
-// one run in any group), fewer than 8 per thread. Xeon, 16 threads, b = 1, d = 128, decode us over 3
-// alternated rounds on two machines, (b, s, h_k, d) groups of 8 / 4 / 2: bf16 s_k = 32k s_q = 1 (16
-// tasks) 2423-2699 / 1704-2045 / 1605-1916; fp32 s_k = 512 s_q = 4 (8 tasks) 97-113 at 4, 83-85 at
-// 2; 64 tasks, no gain: MHA fp32 s_q = 1 1034-1083 / 821-841 on one machine, 708-891 / 807-859 on
-// the other, bf16 407-469 / 481-562; GQA fp32 s_q = 1 (16 tasks) 208-332 / - / 235-240. Head-major,
-// groups of 8 / those of the 8-per-thread rule: GQA 32/8 bf16 s_q = 1 210-240 / 148-158, fp32 s_q =
-// 4 593-752 / 378-421, 32k bf16 2025-2341 / 1588-1690; torch's head-major call 362, 685, 3011.
+// same chunks and splits in any group. The dynamic schedule wants a few tasks per thread to even
+// out the threads' rates, but where a key's heads sit side by side in memory ((b, s, h_k, d)
+// caches, pages) a smaller group reads shorter runs of each key row. The group is halved while the
+// call has fewer tasks than threads; head-major (a head's keys one run in any group), while it has
+// fewer than 8 per thread; heads side by side in 2-byte caches, while it has fewer than 2 per
+// thread and the runs stay >= 1 KiB. Xeon, 16 threads, b = 1, h = 32, d = 128, decode us, medians
+// of 3 alternated rounds against groups of 8 (identical code measured 0.89-1.00x in the same runs):
+// head-major GQA 32/8 bf16 s_q = 1 149 against 205, s_q = 4 386 against 639, fp32 s_q = 4 426
+// against 625, s_k = 32k bf16 1618 against 2046, fp32 s_q = 4 5220 against 6457, MHA bf16 453
+// against 539 (1.07-1.66x at all 13 shapes; two machines); side by side, bf16 s_k = 32k s_q = 1
+// 1678 against 2067 (1.23x, and on two other machines 1.23x and 1.4x), s_q = 4 546 against 640;
+// fp32 side by side lost (s_q = 1 227 against 202, 32k s_q = 4 4860 against 3959 with groups of 4)
+// and keeps halving only below one task per thread.
 constexpr int kDecodeGroupHeads = 8;
 constexpr int kDecodeTasksPerThread = 8;      // head-major memory
-constexpr int kDecodeTasksPerThreadRuns = 2;  // heads side by side in memory
+constexpr int kDecodeTasksPerThreadRuns = 2;  // heads side by side, 2-byte caches
 constexpr int kDecodeMinRun = 1024;           // bytes of a key row per task, heads side by side
 // With 2-byte caches, up to this many query rows per KV head the products read K and V where the
 // cache holds them (fold_chunk_in_place, Kernels::dot_rows_at and pv_rows_at); with more, they fold
@@ -608,7 +609,7 @@ int task_heads(const FwdParams& p, int heads, int splits, int threads) {
   const auto runs_ok = [&](int g) {
     return !heads_adjacent || std::int64_t{g} * p.d * static_cast<std::int64_t>(dtype_size(p.dtype)) >= kDecodeMinRun;
   };
-  const int per_thread = heads_adjacent ? kDecodeTasksPerThreadRuns : kDecodeTasksPerThread;
+  const int per_thread = !heads_adjacent ? kDecodeTasksPerThread : dtype_size(p.dtype) == 2 ? kDecodeTasksPerThreadRuns : 1;
   while (heads > 1) {
     const int half = (heads + 1) / 2;
     const bool few = threads > 1 && tasks(heads) < std::int64_t{per_thread} * threads && runs_ok(half);

@@ -319,10 +319,11 @@ TEST(FlashDecode, MainloopsMatchFloat64Reference) {
 // only the partition: the same bits for any thread count, and the rule met. Per shape, the KV heads
 // per task at 1 / 2 / 3 / 5 / 16 / 64 threads:
 // - 2 heads, 11 splits of 11 chunks: 2 / 2 / 2 / 2 / 1 / 1;
-// - 8 heads at d = 256 (32-key chunks, 64 in groups of 4; 2 splits): 8 / 4 / 2 / 1 / 1 / 1;
+// - 8 heads at d = 256 (32-key chunks, 64 in groups of 4): 8 / 8 / 4 / 2 / 1 / 1;
 // - 12 heads: 8+4 / 8+4 / 8+4 / 4 / 1 / 1;  7 heads: 7 / 7 / 4+3 / 2+2+2+1 / 1 / 1;
-// - 8 heads over 9 splits: 8 / 8 / 8 / 4 / 4 / 1 (8 splits if counted from the 8 groups of 1);
-// - the same, head-major K/V (8 tasks per thread wanted, runs of any group): 8 / 4 / 2 / 1 / 1 / 1.
+// - 8 heads over 9 splits: 8 / 8 / 8 / 8 / 4 / 1 (8 splits if counted from the 8 groups of 1);
+//   in bf16 at d = 128 (2 tasks per thread, runs of 1 KiB): 8 / 8 / 8 / 4 / 4 / 1; head-major
+//   (8 tasks per thread): 8 / 4 / 2 / 1 / 1 / 1.
 // Dropout and ALiBi number rows and slopes by query head across the regrouping.
 TEST(FlashDecode, BitIdenticalForAnyThreadCount) {
   namespace cpu = flashmonoid::cpu;
@@ -339,9 +340,10 @@ TEST(FlashDecode, BitIdenticalForAnyThreadCount) {
   heads7.softcap = 3.0f;
   heads7.dropout_p = 0.1f;
   const Shape splits9 = shape_of(DType::f32, 1, 1, 576, 8, 8, 64);
+  const Shape splits9_bf16 = shape_of(DType::bf16, 1, 1, 576, 8, 8, 128);
   Shape splits9_head_major = splits9;
   splits9_head_major.head_major_kv = true;
-  for (const Shape& s : {splits11, d256, heads12, heads7, splits9, splits9_head_major}) {
+  for (const Shape& s : {splits11, d256, heads12, heads7, splits9, splits9_bf16, splits9_head_major}) {
     SCOPED_TRACE(s.str());
     Problem pb(s);
     for (const cpu::Kernels* kn : {&cpu::kernels_avx2(), &cpu::kernels_avx512_emulated()}) {
