@@ -554,13 +554,13 @@ constexpr int kDecodeMaxSplits = 16;
 // call has fewer tasks than threads; head-major (a head's keys one run in any group), while it has
 // fewer than 8 per thread; heads side by side in 2-byte caches, while it has fewer than 2 per
 // thread and the runs stay >= 1 KiB. Xeon, 16 threads, b = 1, h = 32, d = 128, decode us, medians
-// of 3 alternated rounds against groups of 8 (identical code measured 0.89-1.00x in the same runs):
-// head-major GQA 32/8 bf16 s_q = 1 149 against 205, s_q = 4 386 against 639, fp32 s_q = 4 426
-// against 625, s_k = 32k bf16 1618 against 2046, fp32 s_q = 4 5220 against 6457, MHA bf16 453
-// against 539 (1.07-1.66x at all 13 shapes; two machines); side by side, bf16 s_k = 32k s_q = 1
-// 1678 against 2067 (1.23x, and on two other machines 1.23x and 1.4x), s_q = 4 546 against 640;
-// fp32 side by side lost (s_q = 1 227 against 202, 32k s_q = 4 4860 against 3959 with groups of 4)
-// and keeps halving only below one task per thread.
+// of 4 alternated rounds against the former rule (groups of 8 here; identical code read 0.91-1.11x
+// in the same run): head-major GQA 32/8 bf16 s_q = 1 146 against 193, s_q = 4 373 against 583, fp32
+// s_q = 4 398 against 585, s_k = 32k bf16 1468 against 1749, fp32 s_q = 4 4581 against 5717, MHA
+// bf16 398 against 457 (1.10-1.56x at all 13 shapes); side by side, bf16 s_k = 32k s_q = 1 1440
+// against 1761 (1.22x; 1.23x and 1.4x on two other machines), s_q = 4 517 against 566. fp32 side
+// by side lost with groups of 4 (s_q = 1 227 against 202, 32k s_q = 4 4860 against 3959) and keeps
+// halving only below one task per thread.
 constexpr int kDecodeGroupHeads = 8;
 constexpr int kDecodeTasksPerThread = 8;      // head-major memory
 constexpr int kDecodeTasksPerThreadRuns = 2;  // heads side by side, 2-byte caches
