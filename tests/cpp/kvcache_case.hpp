@@ -30,6 +30,7 @@ struct KvShape {
   float softcap = 0.0f;
   bool alibi = false;
   int threads = 0;  // Context::num_threads (0: OpenMP's default)
+  bool head_major = false;     // cache memory (entries or pages, h_k, rows, d): HF transformers' layout
 
   std::string str() const {
     std::string s = "b" + std::to_string(b) + " sq" + std::to_string(s_q) + " new" + std::to_string(s_new) + " h" +
@@ -47,6 +48,7 @@ struct KvShape {
     if (softcap > 0) s += " softcap";
     if (alibi) s += " alibi";
     if (threads) s += " threads" + std::to_string(threads);
+    if (head_major) s += " head-major";
     return s;
   }
 };
@@ -88,6 +90,12 @@ struct KvProblem {
       if (s.leftpad) lp[i] = uniform_int(0, held[i]);
     }
     const std::int64_t rows_phys = paged ? s.page_size : capacity;
+    // (entries or pages, rows, h_k, d) views, of head-major memory with head_major.
+    const auto cache_tensor = [&](std::int64_t n) {
+      if (!s.head_major) return HostTensor(s.dtype, {n, rows_phys, s.h_k, s.d});
+      const std::int64_t head = rows_phys * s.d;
+      return HostTensor(s.dtype, {n, rows_phys, s.h_k, s.d}, {s.h_k * head, s.d, head, 1});
+    };
     if (paged) {
       num_pages = s.b * max_pages + 3;  // spare pages stay NaN
       std::vector<int> perm(num_pages);
@@ -100,7 +108,7 @@ struct KvProblem {
         for (int pg = (held[i] + s.s_new + s.page_size - 1) / s.page_size; pg < max_pages; ++pg)
           table[i * max_pages + pg] = 1 << 30;
       std::memcpy(block_table.view.data, table.data(), table.size() * sizeof(int));
-      k_cache = HostTensor(s.dtype, {num_pages, rows_phys, s.h_k, s.d});
+      k_cache = cache_tensor(num_pages);
     } else {
       b_cache = s.b + (s.batch_idx ? 2 : 0);
       entry.resize(b_cache);
@@ -110,9 +118,9 @@ struct KvProblem {
         batch_idx = HostTensor(DType::i32, {s.b});
         std::memcpy(batch_idx.view.data, entry.data(), s.b * sizeof(int));
       }
-      k_cache = HostTensor(s.dtype, {b_cache, rows_phys, s.h_k, s.d});
+      k_cache = cache_tensor(b_cache);
     }
-    v_cache = HostTensor(s.dtype, {k_cache.view.shape[0], rows_phys, s.h_k, s.d});
+    v_cache = cache_tensor(k_cache.view.shape[0]);
     k_cache.poison();
     v_cache.poison();
     std::normal_distribution<float> n(0.0f, 1.0f);

@@ -169,6 +169,30 @@ TEST(KvCacheDecode, PagesBatchIndexAndLeftpad) {
     }
 }
 
+// Caches held head-major ((b, h_k, s, d) or (pages, h_k, page_size, d) memory, as HF transformers
+// keeps them), passed as strided views: the append writes there and both CPU mainloops read there,
+// with rotary, GQA and MHA, at 1 and 16 threads (task_heads' head-major rule).
+TEST(KvCacheDecode, HeadMajorCaches) {
+  for (int page : {0, 16})
+    for (DType t : {DType::f32, DType::bf16})
+      for (int sq : {1, 4, 12}) {
+        KvShape s = base(64, t);
+        s.head_major = true;
+        s.page_size = page;
+        s.capacity = 200;
+        s.b = 2;
+        s.h = 8;
+        s.h_k = sq == 4 ? 8 : 2;
+        s.s_q = sq;
+        s.s_new = sq == 12 ? 3 : 1;
+        s.rotary_dim = 32;
+        s.interleaved = page == 0;
+        s.causal = true;
+        s.threads = t == DType::f32 ? 16 : 1;
+        run_case(s);
+      }
+}
+
 TEST(KvCacheDecode, QueryRowsAcrossTheSwitchWithMasksAndScoreMods) {
   for (int sq = 1; sq <= 17; ++sq)
     for (int group : {1, 2, 4}) {

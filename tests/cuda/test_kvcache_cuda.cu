@@ -168,6 +168,23 @@ TEST(KvCacheCuda, Layouts) {
   }
 }
 
+// Caches held head-major ((b, h_k, s, d) or (pages, h_k, page_size, d) memory, HF transformers'
+// layout) as strided views: the append and the tiles' loads follow the head stride.
+TEST(KvCacheCuda, HeadMajorCaches) {
+  SKIP_WITHOUT_GPU();
+  for (int page : {0, 16, 64})
+    for (int s_q : {1, 5}) {
+      KvShape s = decode_shape(s_q == 1 ? DType::bf16 : DType::f16);
+      s.head_major = true;
+      s.page_size = page;
+      s.s_q = s_q;
+      s.s_new = s_q;
+      s.rotary_dim = s.d / 2;
+      s.leftpad = page == 16;
+      run_case(s);
+    }
+}
+
 // Pages of 2-4 of a thread's rows per tile, gathered a page at a time (paged_kv_sm80.cuh:
 // gather_pages) where a tile starts a page, per row otherwise (leftpad): 1 and 4 packed rows (the
 // decode tile) and 20 (the narrow tile), head dims 64, 128 and 256.
