@@ -34,7 +34,7 @@ class Case:
     """A random cache problem; the physical cache holds NaN wherever no sequence has a row."""
 
     def __init__(self, device, dtype, b=3, s_q=2, s_new=2, h=4, h_k=2, d=32, capacity=40, page=0, batch_idx=False,
-                 leftpad=False, rotary_dim=0, interleaved=True, seed=0):
+                 leftpad=False, rotary_dim=0, interleaved=True, seed=0, head_major=False):
         g = torch.Generator().manual_seed(seed)
         rnd = lambda *shape: torch.randn(*shape, generator=g).to(device=device, dtype=dtype)  # noqa: E731
         self.page, self.s_new, self.device = page, s_new, device
@@ -54,8 +54,11 @@ class Case:
         self.seqlens = torch.randint(0, capacity - s_new + 1, (b,), generator=g, dtype=torch.int32).to(device)
         lp = [int(torch.randint(0, int(n) + 1, (), generator=g)) if leftpad else 0 for n in self.seqlens.cpu()]
         self.leftpad = torch.tensor(lp, dtype=torch.int32, device=device) if leftpad else None
-        self.k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
-        self.v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        # head_major: views of (slots, h_k, rows, d) memory, HF transformers' cache layout.
+        held = (shape[0], h_k, shape[1], d) if head_major else shape
+        full = lambda: torch.full(held, float("nan"), dtype=dtype, device=device)  # noqa: E731
+        self.k_cache = full().transpose(1, 2) if head_major else full()
+        self.v_cache = full().transpose(1, 2) if head_major else full()
         for i in range(b):
             rows = torch.arange(lp[i], int(self.seqlens[i]))
             self.set_rows(self.k_cache, i, rows, rnd(len(rows), h_k, d))
@@ -156,6 +159,15 @@ def check_result(case, out, kc, vc, **kw):
 @pytest.mark.parametrize("page", [0, 1, 3, 16])
 def test_kvcache_layouts(device, dtype, page):
     check(Case(device, dtype, page=page, batch_idx=page == 0, leftpad=True, s_q=3, s_new=3), causal=True)
+
+
+@pytest.mark.parametrize("device,dtype", CONFIGS)
+@pytest.mark.parametrize("page", [0, 16])
+def test_kvcache_head_major_caches(device, dtype, page):
+    """Caches held head-major, passed as strided (slots, rows, h_k, d) views: appended in place there."""
+    case = Case(device, dtype, page=page, leftpad=page == 0, s_q=2, s_new=1, rotary_dim=16, head_major=True, seed=3)
+    assert not case.k_cache.is_contiguous() and case.k_cache.stride(2) == case.k_cache.shape[1] * case.k_cache.shape[3]
+    check(case, causal=True)
 
 
 @pytest.mark.parametrize("device,dtype", CONFIGS)
