@@ -605,7 +605,7 @@ int decode_chunk_keys(const FwdParams& p, int heads) {
 int task_heads(const FwdParams& p, int heads, int splits, int threads) {
   const auto tasks = [&](int g) { return std::int64_t{p.batch} * ((p.h_k + g - 1) / g) * splits; };
   // A key's heads side by side: the group's run of the row; head-major: a head's keys, any group.
-  const bool heads_adjacent = std::abs(p.k_stride.head) < std::abs(p.k_stride.row);
+  const bool heads_adjacent = p.k_stride.head < p.k_stride.row;  // strides are >= 0 (validate.cpp)
   const auto runs_ok = [&](int g) {
     return !heads_adjacent || std::int64_t{g} * p.d * static_cast<std::int64_t>(dtype_size(p.dtype)) >= kDecodeMinRun;
   };
@@ -788,9 +788,10 @@ int decode_fold(const FwdParams& p, const Kernels& kn, int b, int hk0, int heads
   // Chunks that hold a visible key for some row.
   const std::int64_t k_begin = std::max(band.key_begin(0, si.len_k) / keys * keys, c_lo * keys);
   const std::int64_t k_end = std::min<std::int64_t>({band.key_end(si.len_q, si.len_k), si.len_k, c_hi * keys});
+  const bool in_place = decode_in_place(p, kn, m);
   for (std::int64_t j0 = k_begin; j0 < k_end; j0 += keys) {
     const int n = static_cast<int>(std::min<std::int64_t>(keys, k_end - j0));
-    if (decode_in_place(p, kn, m)) {
+    if (in_place) {
       fold_chunk_in_place(p, kn, si, band, b, hk0, heads, m, j0, n, keys, j0 == k_begin, ws);
       continue;
     }
