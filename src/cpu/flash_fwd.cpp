@@ -600,12 +600,26 @@ int decode_chunk_keys(const FwdParams& p, int heads) {
   return static_cast<int>(std::clamp<std::int64_t>(kDecodeStageBytes / per_key / 8 * 8, 8, kDecodeMaxKeys));
 }
 
+// Whether a key's KV heads lie side by side in memory ((b, s, h_k, d) caches and pages), rather
+// than each head's keys (head-major: (b, h_k, s, d), torch's SDPA layout and HF transformers'
+// caches). The decoding mainloop reads in memory order: keys outermost where heads lie side by
+// side, else each head's keys in turn (stage_chunk; Kernels::dot_rows_at and pv_rows_at with
+// heads_outer, which also prefetch each block's successor: a block's rows are read a vector of each
+// in turn, an order within a page the hardware prefetchers do not follow). Head-major, against keys
+// outermost without prefetches (Xeon, one binary, medians of 7 alternated runs, decode us): 16
+// threads, b = 1, h = 32, h_k = 8, d = 128, fp32 s_k = 32k 2142 against 3026, s_q = 4 3882 against
+// 5219, b = 8 s_k = 4k 2042 against 2820; 2 threads 18502 against 26920, MHA (h_k = 32) fp32 6244
+// against 7369, bf16 s_k = 32k 9133 against 11732; AMD EPYC, 2 threads, MHA fp32 9961 against 13386,
+// bf16 s_k = 4k 1996 against 3249. Heads outermost alone gained nothing on the Xeon, and keys outermost
+// lost 6-40% where heads lie side by side.
+bool heads_side_by_side(const detail::Strides& st) { return st.head < st.row; }  // strides >= 0 (validate.cpp)
+
 // KV heads per task for a call of `threads` threads: the shape's group `heads` (`splits` splits per
 // item), halved by the rule at kDecodeGroupHeads (one thread has nothing to balance).
 int task_heads(const FwdParams& p, int heads, int splits, int threads) {
   const auto tasks = [&](int g) { return std::int64_t{p.batch} * ((p.h_k + g - 1) / g) * splits; };
   // A key's heads side by side: the group's run of the row; head-major: a head's keys, any group.
-  const bool heads_adjacent = p.k_stride.head < p.k_stride.row;  // strides are >= 0 (validate.cpp)
+  const bool heads_adjacent = heads_side_by_side(p.k_stride);
   const auto runs_ok = [&](int g) {
     return !heads_adjacent || std::int64_t{g} * p.d * static_cast<std::int64_t>(dtype_size(p.dtype)) >= kDecodeMinRun;
   };
@@ -686,8 +700,8 @@ void chunk_rows(const FwdParams& p, int b, int hk0, int heads, std::int64_t row0
 }
 
 // ws.kc, ws.vc <- the n keys from row row0 of entry b, KV heads hk0 .. hk0 + heads, as fp32 rows of
-// dp, copied key by key and head by head: in a cache's (rows, h_k, d) layout, and in a page, the
-// order of memory, which the hardware prefetchers follow. Read in place head by head instead, a task's reads were
+// dp, copied in memory order (heads_side_by_side): with a key's heads side by side key by key and
+// head by head, which the hardware prefetchers follow. Read head by head there instead, a task's reads were
 // 512-byte runs 4 KiB apart, each page visited once per head: b = 1, s_k = 32k, h_k = 8, d = 128
 // took 37-41 ms in fp32 and 28-31 in bf16, against 24-26 and 15-17 staged (2 threads, AMD EPYC;
 // a sequential read of the same bytes runs at 24 GB/s). A software prefetch of the next chunk
@@ -696,16 +710,17 @@ void stage_chunk(const FwdParams& p, int b, int hk0, int heads, std::int64_t row
                  DecodeWorkspace& ws) {
   const int dp = ws.dp;
   chunk_rows(p, b, hk0, heads, row0, n, keys, ws);
-  for (int c = 0; c < n; ++c)
-    for (int hk = 0; hk < heads; ++hk) {
-      const std::ptrdiff_t at = static_cast<std::ptrdiff_t>(hk) * keys + c;
-      float* k = ws.kc.data() + at * dp;
-      float* v = ws.vc.data() + at * dp;
-      tiles::load_row(ws.k_rows[at], p.dtype, 0, p.d, 1.0f, k);
-      tiles::load_row(ws.v_rows[at], p.dtype, 0, p.d, 1.0f, v);
-      std::fill(k + p.d, k + dp, 0.0f);
-      std::fill(v + p.d, v + dp, 0.0f);
-    }
+  const bool keys_outer = heads_side_by_side(p.k_stride);
+  for (int i = 0; i < n * heads; ++i) {
+    const int c = keys_outer ? i / heads : i % n, hk = keys_outer ? i % heads : i / n;
+    const std::ptrdiff_t at = static_cast<std::ptrdiff_t>(hk) * keys + c;
+    float* k = ws.kc.data() + at * dp;
+    float* v = ws.vc.data() + at * dp;
+    tiles::load_row(ws.k_rows[at], p.dtype, 0, p.d, 1.0f, k);
+    tiles::load_row(ws.v_rows[at], p.dtype, 0, p.d, 1.0f, v);
+    std::fill(k + p.d, k + dp, 0.0f);
+    std::fill(v + p.d, v + dp, 0.0f);
+  }
   for (int hk = 0; hk < heads; ++hk)  // score columns past the keys read zero rows
     std::fill(ws.kc.data() + (static_cast<std::ptrdiff_t>(hk) * keys + n) * dp,
               ws.kc.data() + (static_cast<std::ptrdiff_t>(hk) * keys + tiles::round_up(n, kLanes)) * dp, 0.0f);
@@ -749,7 +764,7 @@ void fold_chunk(const FwdParams& p, const Kernels& kn, const SeqInfo& si, const 
 }
 
 // The chunk's KV heads folded with K and V read where the cache holds them (Kernels::dot_rows_at,
-// pv_rows_at: keys outermost, in the cache's memory order): every head's scores, each head's
+// pv_rows_at, in the cache's memory order: heads_side_by_side): every head's scores, each head's
 // fold_scores, every head's O += P·V. The same arithmetic as fold_chunk over a stage.
 void fold_chunk_in_place(const FwdParams& p, const Kernels& kn, const SeqInfo& si, const detail::Band& band, int b,
                          int hk0, int heads, int m, std::int64_t j0, int n, int keys, bool first, DecodeWorkspace& ws) {
@@ -761,11 +776,13 @@ void fold_chunk_in_place(const FwdParams& p, const Kernels& kn, const SeqInfo& s
     std::fill(k_rows + n, k_rows + cols, k_rows[0]);
   }
   if (first) std::fill(ws.o.begin(), ws.o.begin() + static_cast<std::ptrdiff_t>(heads) * m * dp, 0.0f);
-  kn.dot_rows_at[t](heads, m, cols, p.d, ws.q.data(), dp, ws.k_rows.data(), keys, ws.s.data(), cols);
+  kn.dot_rows_at[t](heads, m, cols, p.d, ws.q.data(), dp, ws.k_rows.data(), keys, !heads_side_by_side(p.k_stride),
+                    ws.s.data(), cols);
   for (int hk = 0; hk < heads; ++hk)
     fold_scores(p, kn, si, band, hk0 * p.group(), hk, m, j0, n, first,
                 ws.s.data() + static_cast<std::ptrdiff_t>(hk) * m * cols, ws);
-  kn.pv_rows_at[t](heads, m, n, p.d, ws.s.data(), cols, ws.v_rows.data(), keys, ws.o.data(), dp);
+  kn.pv_rows_at[t](heads, m, n, p.d, ws.s.data(), cols, ws.v_rows.data(), keys, !heads_side_by_side(p.v_stride),
+                   ws.o.data(), dp);
 }
 
 // ws.o, ws.state <- the fold of key chunks [c_lo, c_hi) (chunks of `keys` keys of entry b) into

@@ -72,17 +72,21 @@ struct Kernels {
   // The decoding path's in-place products (flash_fwd.cpp, decode_in_place), K and V read where the
   // cache holds them and converted in registers, without a stage: over `heads` KV heads
   // at once, rows[h·ld_rows + c] pointing at key c's row of head h, d elements of the cache's type
-  // (index kRowF32, kRowBf16, kRowF16), never read past them. Keys outermost (4 at a time for the
-  // scores, 8 for P·V), heads inside: the reads follow a (keys, h_k, d) cache's memory order. Rows
-  // of A, S, P and O for head h start at row h·m; A and O rows hold dp = d rounded up to 8 floats,
-  // A's zero past d.
+  // (index kRowF32, kRowBf16, kRowF16), never read past them. Blocks of keys (4 for the scores, 8
+  // for P·V) in the cache's memory order: keys outermost, heads inside, for a (keys, h_k, d) cache;
+  // with heads_outer (head-major caches, (h_k, keys, d)) each head's keys in turn, each block's
+  // successor prefetched into L1 in address order (a block's rows are read a vector of each in
+  // turn, which the hardware prefetchers do not follow within a page; measured at flash_fwd.cpp's
+  // heads_side_by_side). The order changes no bits: each head's sums are its own. Rows of A, S, P
+  // and O for head h start at row h·m; A and O rows hold dp = d rounded up to 8 floats, A's zero
+  // past d.
   //   dot_rows_at: S[h·m + r][c] = A[h·m + r] · K_c for c < n (n a multiple of 4), summed as
   //   dot_rows sums;  pv_rows_at: O[h·m + r] += P[h·m + r][c] · V_c for c = 0 .. n - 1 in turn,
   //   the FMAs of gemm_acc (O past d unchanged).
   using RowsDotFn = void (*)(int heads, int m, int n, int d, const float* A, int lda, const void* const* rows,
-                             int ld_rows, float* S, int lds);
+                             int ld_rows, bool heads_outer, float* S, int lds);
   using RowsPvFn = void (*)(int heads, int m, int n, int d, const float* P, int ldp, const void* const* rows,
-                            int ld_rows, float* O, int ldo);
+                            int ld_rows, bool heads_outer, float* O, int ldo);
   RowsDotFn dot_rows_at[3] = {};
   RowsPvFn pv_rows_at[3] = {};
   // Rows of A per register block of dot_rows / dot_rows_at (2 at 8 lanes, 4 at 16): dot_rows_at

@@ -238,22 +238,53 @@ void dot_rows(int m, int n, int dp, const float* A, int lda, const float* B, int
   }
 }
 
+// The lines of rows lo .. hi - 1 of one head (rows[c] pointing at d elements of E) into L1, in
+// address order: dot_rows_at and pv_rows_at, the next block of a head-major walk.
+template <class E>
+inline void prefetch_rows(const void* const* rows, int lo, int hi, int d) {
+  const auto bytes = static_cast<std::ptrdiff_t>(d) * static_cast<std::ptrdiff_t>(sizeof(E));
+  for (int c = lo; c < hi; ++c) {
+    const char* p = static_cast<const char*>(rows[c]);
+    for (std::ptrdiff_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    if (bytes % 64 != 0) _mm_prefetch(p + bytes - 1, _MM_HINT_T0);
+  }
+}
+
+// Blocks of `kb` keys (the last one shorter) of `heads` heads, (head, first key) visited keys
+// outermost, or heads outermost (heads_outer) with each visit's successor's rows prefetched first
+// (prefetch_rows): Kernels::dot_rows_at and pv_rows_at.
+template <class E, class Visit>
+inline void walk_blocks(int heads, int n, int kb, bool heads_outer, const void* const* rows, int ld_rows, int d,
+                        Visit visit) {
+  if (!heads_outer) {
+    for (int c = 0; c < n; c += kb)
+      for (int h = 0; h < heads; ++h) visit(h, c);
+    return;
+  }
+  for (int h = 0; h < heads; ++h)
+    for (int c = 0; c < n; c += kb) {
+      const bool same = c + kb < n;
+      const int nh = same ? h : h + 1, nc = same ? c + kb : 0;
+      if (nh < heads) prefetch_rows<E>(rows + static_cast<std::ptrdiff_t>(nh) * ld_rows, nc, std::min(nc + kb, n), d);
+      visit(h, c);
+    }
+}
+
 template <class V, int T>
 void dot_rows_at(int heads, int m, int n, int d, const float* A, int lda, const void* const* rows, int ld_rows,
-                 float* S, int lds) {
+                 bool heads_outer, float* S, int lds) {
   using R = Row<T>;
   using E = typename R::E;
   constexpr int RB = kDotRows<V>;
-  for (int c = 0; c < n; c += 4)
-    for (int h = 0; h < heads; ++h) {
-      const E* b[4];
-      for (int u = 0; u < 4; ++u) b[u] = static_cast<const E*>(rows[h * ld_rows + c + u]);
-      const float* a = A + static_cast<std::int64_t>(h) * m * lda;
-      float* s = S + static_cast<std::int64_t>(h) * m * lds + c;
-      int r = 0;
-      for (; r + RB <= m; r += RB) dot_block<V, RB, R>(d, a + r * lda, lda, b, s + r * lds, lds);
-      for (; r < m; ++r) dot_block<V, 1, R>(d, a + r * lda, lda, b, s + r * lds, lds);
-    }
+  walk_blocks<E>(heads, n, 4, heads_outer, rows, ld_rows, d, [&](int h, int c) {
+    const E* b[4];
+    for (int u = 0; u < 4; ++u) b[u] = static_cast<const E*>(rows[h * ld_rows + c + u]);
+    const float* a = A + static_cast<std::int64_t>(h) * m * lda;
+    float* s = S + static_cast<std::int64_t>(h) * m * lds + c;
+    int r = 0;
+    for (; r + RB <= m; r += RB) dot_block<V, RB, R>(d, a + r * lda, lda, b, s + r * lds, lds);
+    for (; r < m; ++r) dot_block<V, 1, R>(d, a + r * lda, lda, b, s + r * lds, lds);
+  });
 }
 
 // O's columns x .. x + lanes<W> of a head's m rows += P's columns c0 .. c0 + KB times those KB
@@ -283,24 +314,22 @@ inline void pv_keys_at(int d, int m, const float* P, int ldp, const E* const* v,
 
 template <class V, int T>
 void pv_rows_at(int heads, int m, int n, int d, const float* P, int ldp, const void* const* rows, int ld_rows,
-                float* O, int ldo) {
+                bool heads_outer, float* O, int ldo) {
   using R = Row<T>;
   using E = typename R::E;
   constexpr int KB = 8;
-  for (int c = 0; c < n;) {
-    const int kb = n - c >= KB ? KB : 1;
-    for (int h = 0; h < heads; ++h) {
-      const E* v[KB];
-      for (int u = 0; u < kb; ++u) v[u] = static_cast<const E*>(rows[h * ld_rows + c + u]);
-      const float* p = P + static_cast<std::int64_t>(h) * m * ldp + c;
-      float* o = O + static_cast<std::int64_t>(h) * m * ldo;
-      if (kb == KB)
-        pv_keys_at<V, KB, R>(d, m, p, ldp, v, o, ldo);
-      else
-        pv_keys_at<V, 1, R>(d, m, p, ldp, v, o, ldo);
-    }
-    c += kb;
-  }
+  const int whole = n / KB * KB;  // blocks of KB keys, then the rest one key at a time
+  walk_blocks<E>(heads, whole, KB, heads_outer, rows, ld_rows, d, [&](int h, int c) {
+    const E* v[KB];
+    for (int u = 0; u < KB; ++u) v[u] = static_cast<const E*>(rows[h * ld_rows + c + u]);
+    pv_keys_at<V, KB, R>(d, m, P + static_cast<std::int64_t>(h) * m * ldp + c, ldp, v,
+                         O + static_cast<std::int64_t>(h) * m * ldo, ldo);
+  });
+  walk_blocks<E>(heads, n - whole, 1, heads_outer, rows + whole, ld_rows, d, [&](int h, int c) {
+    const E* v[1] = {static_cast<const E*>(rows[h * ld_rows + whole + c])};
+    pv_keys_at<V, 1, R>(d, m, P + static_cast<std::int64_t>(h) * m * ldp + whole + c, ldp, v,
+                        O + static_cast<std::int64_t>(h) * m * ldo, ldo);
+  });
 }
 
 // Row operations over n floats, n a multiple of 8: full vectors of V, then one of 8 lanes.

@@ -247,7 +247,8 @@ CacheRows cache_rows(flashmonoid::DType t, int heads, int keys, int d, std::mt19
 
 // The in-place decoding products against float64, every element type, head dims with and without
 // a vector remainder (d mod 16 and 8), several heads and row counts; scores past n and O's columns
-// past d untouched, no element past a row's d read (the NaN after each row).
+// past d untouched, no element past a row's d read (the NaN after each row); heads outermost (the
+// head-major walk) the same bits as keys outermost.
 TEST(CpuKernels, InPlaceDecodingProductsMatchFloat64) {
   namespace cpu = flashmonoid::cpu;
   using flashmonoid::DType;
@@ -270,7 +271,10 @@ TEST(CpuKernels, InPlaceDecodingProductsMatchFloat64) {
                 for (int x = 0; x < d; ++x) A[r * dp + x] = normal(gen);
               for (float& x : S) x = normal(gen);
               const std::vector<float> S0 = S;
-              tb.kn->dot_rows_at[t](heads, m, cols, d, A.data(), dp, k.rows.data(), keys, S.data(), lds);
+              tb.kn->dot_rows_at[t](heads, m, cols, d, A.data(), dp, k.rows.data(), keys, false, S.data(), lds);
+              std::vector<float> S_heads = S0;  // heads outermost: the same bits
+              tb.kn->dot_rows_at[t](heads, m, cols, d, A.data(), dp, k.rows.data(), keys, true, S_heads.data(), lds);
+              ASSERT_EQ(0, std::memcmp(S.data(), S_heads.data(), S.size() * sizeof(float))) << "scores, heads outermost";
               // Row r of S, A, P and O is head r / m's.
               const auto at = [&](int r, int c, int x) { return (static_cast<std::size_t>(r / m) * keys + c) * d + x; };
               const Check es = check_product(rows, cols, lds, d, false, S, S0, [&](int r, int c, int x) {
@@ -283,7 +287,10 @@ TEST(CpuKernels, InPlaceDecodingProductsMatchFloat64) {
               for (int r = 0; r < rows; ++r)
                 for (int x = 0; x < dp; ++x) O[r * dp + x] = x < d ? normal(gen) : 0.0f;
               const std::vector<float> O0 = O;
-              tb.kn->pv_rows_at[t](heads, m, n, d, P.data(), lds, v.rows.data(), keys, O.data(), dp);
+              tb.kn->pv_rows_at[t](heads, m, n, d, P.data(), lds, v.rows.data(), keys, false, O.data(), dp);
+              std::vector<float> O_heads = O0;
+              tb.kn->pv_rows_at[t](heads, m, n, d, P.data(), lds, v.rows.data(), keys, true, O_heads.data(), dp);
+              ASSERT_EQ(0, std::memcmp(O.data(), O_heads.data(), O.size() * sizeof(float))) << "P·V, heads outermost";
               const Check eo = check_product(rows, d, dp, n, true, O, O0, [&](int r, int x, int c) {
                 return static_cast<double>(P[r * lds + c]) * v.value[at(r, c, x)];
               });
