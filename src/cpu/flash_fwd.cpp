@@ -605,13 +605,13 @@ int decode_chunk_keys(const FwdParams& p, int heads) {
 // caches). The decoding mainloop reads in memory order: keys outermost where heads lie side by
 // side, else each head's keys in turn (stage_chunk; Kernels::dot_rows_at and pv_rows_at with
 // heads_outer, which also prefetch each block's successor: a block's rows are read a vector of each
-// in turn, an order within a page the hardware prefetchers do not follow). Head-major, against keys
-// outermost without prefetches (Xeon, one binary, medians of 7 alternated runs, decode us): 16
-// threads, b = 1, h = 32, h_k = 8, d = 128, fp32 s_k = 32k 2142 against 3026, s_q = 4 3882 against
-// 5219, b = 8 s_k = 4k 2042 against 2820; 2 threads 18502 against 26920, MHA (h_k = 32) fp32 6244
-// against 7369, bf16 s_k = 32k 9133 against 11732; AMD EPYC, 2 threads, MHA fp32 9961 against 13386,
-// bf16 s_k = 4k 1996 against 3249. Heads outermost alone gained nothing on the Xeon, and keys outermost
-// lost 6-40% where heads lie side by side.
+// in turn, an order within a page the hardware prefetchers do not follow). Head-major caches,
+// against keys outermost without prefetches (Xeon, b = 1, h = 32, d = 128, decode us, medians of 3
+// alternated rounds): 16 threads, h_k = 8 fp32 s_k = 32k 3111 against 4930, b = 8 s_k = 4k s_q = 4
+// 4470 against 6946, bf16 s_k = 32k 1728 against 2300, MHA (h_k = 32) fp32 967 against 1350, s_q = 4
+// 1100 against 2007; 2 threads 1.44-2.03x at the same shapes (fp32 s_k = 32k 15407 against 25749).
+// Heads outermost without the prefetches gained nothing on the Xeon; with them but prefetching 2-4
+// blocks ahead, no more than one; where heads lie side by side, heads outermost lost up to 44%.
 bool heads_side_by_side(const detail::Strides& st) { return st.head < st.row; }  // strides >= 0 (validate.cpp)
 
 // KV heads per task for a call of `threads` threads: the shape's group `heads` (`splits` splits per
@@ -700,12 +700,13 @@ void chunk_rows(const FwdParams& p, int b, int hk0, int heads, std::int64_t row0
 }
 
 // ws.kc, ws.vc <- the n keys from row row0 of entry b, KV heads hk0 .. hk0 + heads, as fp32 rows of
-// dp, copied in memory order (heads_side_by_side): with a key's heads side by side key by key and
-// head by head, which the hardware prefetchers follow. Read head by head there instead, a task's reads were
-// 512-byte runs 4 KiB apart, each page visited once per head: b = 1, s_k = 32k, h_k = 8, d = 128
-// took 37-41 ms in fp32 and 28-31 in bf16, against 24-26 and 15-17 staged (2 threads, AMD EPYC;
-// a sequential read of the same bytes runs at 24 GB/s). A software prefetch of the next chunk
-// during this one's heads measured no better than the hardware prefetchers (22-26 ms).
+// dp, copied in memory order (heads_side_by_side), which the hardware prefetchers follow. With a
+// key's heads side by side, read head by head instead, a task's reads were 512-byte runs 4 KiB
+// apart, each page visited once per head: b = 1, s_k = 32k, h_k = 8, d = 128 took 37-41 ms in fp32
+// and 28-31 in bf16, against 24-26 and 15-17 key by key (2 threads, AMD EPYC; a sequential read of
+// the same bytes runs at 24 GB/s). A software prefetch of the next chunk during this one's heads
+// measured no better than the hardware prefetchers (22-26 ms). Head-major caches head by head:
+// bf16 s_q = 4 (staged) 1.2-1.5x on that EPYC, 0.99-1.21x on the Xeon.
 void stage_chunk(const FwdParams& p, int b, int hk0, int heads, std::int64_t row0, int n, int keys,
                  DecodeWorkspace& ws) {
   const int dp = ws.dp;

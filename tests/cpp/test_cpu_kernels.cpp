@@ -274,7 +274,8 @@ TEST(CpuKernels, InPlaceDecodingProductsMatchFloat64) {
               tb.kn->dot_rows_at[t](heads, m, cols, d, A.data(), dp, k.rows.data(), keys, false, S.data(), lds);
               std::vector<float> S_heads = S0;  // heads outermost: the same bits
               tb.kn->dot_rows_at[t](heads, m, cols, d, A.data(), dp, k.rows.data(), keys, true, S_heads.data(), lds);
-              ASSERT_EQ(0, std::memcmp(S.data(), S_heads.data(), S.size() * sizeof(float))) << "scores, heads outermost";
+              ASSERT_EQ(0, std::memcmp(S.data(), S_heads.data(), S.size() * sizeof(float)))
+                  << "scores, heads outermost";
               // Row r of S, A, P and O is head r / m's.
               const auto at = [&](int r, int c, int x) { return (static_cast<std::size_t>(r / m) * keys + c) * d + x; };
               const Check es = check_product(rows, cols, lds, d, false, S, S0, [&](int r, int c, int x) {
