@@ -3,7 +3,8 @@
 # machine. Each reference (FM_AB_REF, space-separated folders, default .ab/ref) is a `git archive` of
 # a commit to compare, or a patched copy of this tree, with this tree's bench/gpu/gpu_bench.cu copied
 # in, so every binary runs the same `--kv-probe` (graph-replayed TB/s per variant,
-# bench/gpu/gpu_bench.cu: kv_probe); the probes alternate FM_AB_ROUNDS times (default 2) and a
+# bench/gpu/gpu_bench.cu: kv_probe); the probes alternate FM_AB_ROUNDS times (default 2; the order
+# reversed every other round) and a
 # table of medians is printed last. FM_AB_TESTS: a gtest filter of
 # test_kvcache_cuda and test_fwd_cuda run on this tree's build first (default: the KV-cache tests
 # and the decoding cases), and under compute-sanitizer memcheck and racecheck (KV-cache tests;
@@ -44,7 +45,9 @@ if [ "$TESTS" != none ]; then
   done
 fi
 for r in $(seq "$ROUNDS"); do
-  for v in "${names[@]}"; do
+  order=("${names[@]}")  # reversed every other round: a fixed order times the first binary apart
+  [ $((r % 2)) = 0 ] && for ((i = ${#names[@]} - 1, j = 0; i >= 0; i--, j++)); do order[j]=${names[i]}; done
+  for v in "${order[@]}"; do
     build-ab-$v/bench/gpu/flashmonoid-gpu-bench "$PROBE" >"$OUT/probe_${v}_$r.txt" 2>"$OUT/probe_${v}_$r.err" ||
       { echo "probe $v failed"; tail -5 "$OUT/probe_${v}_$r.err"; }
   done
