@@ -250,7 +250,7 @@ inline void prefetch_rows(const void* const* rows, int lo, int hi, int d) {
   }
 }
 
-// Blocks of `kb` keys (the last one shorter) of `heads` heads, (head, first key) visited keys
+// Blocks of `kb` keys (n a multiple of kb) of `heads` heads, visit(head, first key) keys
 // outermost, or heads outermost (heads_outer) with each visit's successor's rows prefetched first
 // (prefetch_rows): Kernels::dot_rows_at and pv_rows_at.
 template <class E, class Visit>
