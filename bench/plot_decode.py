@@ -68,10 +68,10 @@ def cpu_chart(path, out):
             threads = None
         m = re.match(r"(b=\d+ s_k=\d+ h=\d+ h_k=\d+ d=\d+ \w+ s_q=\d+)\s+([\d.\s]+)$", line)
         if threads and m:
-            nums = [float(x) for x in m.group(2).split()]
-            # tiled, decode, decode head-major, torch, torch bshd, ratios...
-            if nums[0] > 0 and "s_k=5 " not in m.group(1):
-                tables[threads].append((m.group(1), nums[3] / nums[2], nums[4] / nums[1]))
+            # tiled, decode, decode head-major, torch, torch bshd us, then their ratios
+            _, dec, dec_hm, torch_hm, torch_bshd = (float(x) for x in m.group(2).split()[:5])
+            if "s_k=5 " not in m.group(1):  # the 1-us smoke shape
+                tables[threads].append((m.group(1), torch_hm / dec_hm, torch_bshd / dec))
     fig, axes = plt.subplots(1, len(tables), figsize=(13, 7), sharey=True)
     for ax, (t, rows) in zip(axes, sorted(tables.items(), reverse=True)):
         ys = range(len(rows))

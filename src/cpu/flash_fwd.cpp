@@ -619,11 +619,11 @@ bool heads_side_by_side(const detail::Strides& st) { return st.head < st.row; } 
 int task_heads(const FwdParams& p, int heads, int splits, int threads) {
   const auto tasks = [&](int g) { return std::int64_t{p.batch} * ((p.h_k + g - 1) / g) * splits; };
   // A key's heads side by side: the group's run of the row; head-major: a head's keys, any group.
-  const bool heads_adjacent = heads_side_by_side(p.k_stride);
+  const bool side_by_side = heads_side_by_side(p.k_stride);
   const auto runs_ok = [&](int g) {
-    return !heads_adjacent || std::int64_t{g} * p.d * static_cast<std::int64_t>(dtype_size(p.dtype)) >= kDecodeMinRun;
+    return !side_by_side || std::int64_t{g} * p.d * static_cast<std::int64_t>(dtype_size(p.dtype)) >= kDecodeMinRun;
   };
-  const int per_thread = !heads_adjacent ? kDecodeTasksPerThread : dtype_size(p.dtype) == 2 ? kDecodeTasksPerThreadRuns : 1;
+  const int per_thread = !side_by_side ? kDecodeTasksPerThread : dtype_size(p.dtype) == 2 ? kDecodeTasksPerThreadRuns : 1;
   while (heads > 1) {
     const int half = (heads + 1) / 2;
     const bool few = threads > 1 && tasks(heads) < std::int64_t{per_thread} * threads && runs_ok(half);
