@@ -532,55 +532,37 @@ void finish_task(const Partials& parts, int splits, std::int64_t items, std::int
 // (s_q = 16) 1.16x, 128 rows 0.95x; MHA at 64 rows 0.85x with s_k = 512.
 constexpr int kDecodeRows = 32;
 constexpr int kDecodeMaxKeys = 64;
-// Key splits per batch entry, up to 16 (the tiled path's 8 leave 8 tasks at b = 1): Xeon (AMX), b = 1,
-// h = 32, d = 128, decode us at most 8 / 16 / 32 / 64 splits, 16 threads: h_k = 8 fp32 s_k = 32k
-// 6852 / 3294 / 3298 / 2854, 4k 487 / 358 / 343 / 331, bf16 4k s_q = 4 1026 / 560 / 630 / 1073,
-// h_k = 32 bf16 1550 / 821 / 690 / 792; 2 threads: fp32 32k 21.2 / 15.0 / 16.4 / 17.7 ms, bf16 4k
-// s_q = 4 1.99 / 2.01 / 2.27 / 3.12 ms (more splits, more partials for the last task to merge).
+// Key splits per batch entry, up to 16 (the tiled path's 8 leave 8 tasks at b = 1): Xeon, b = 1,
+// h = 32, h_k = 8, d = 128, fp32, s_k = 32k: 3.3 ms at 16 threads against 6.9 with 8 splits; 32-64
+// splits gained at 16 threads on some shapes but lost at 2 (fp32 32k 16.4-17.7 ms against 15.0: more
+// partials for the last task to merge).
 constexpr int kDecodeMaxSplits = 16;
-// KV heads per task: a task folds the query rows of up to 8 KV heads (all of them with GQA's 8,
-// head groups with more), so that a key's staged rows stay a few KiB and multi-head caches give
-// more tasks. Xeon, b = 1, s_k = 4k, h = h_k = 32, d = 128, decode us, two rounds, all 32 heads /
-// groups of 8 / 4 / 2: 16 threads fp32 s_q = 1 1166-974 / 832-891 / 799-930 / 1011-1072, s_q = 4
-// 1487-1807 / 910-981 / 908-1129 / 1274-1278, bf16 s_q = 1 784-983 / 570-580 / 628-700 / 798-815;
-// 2 threads all 32 and 8 within the run's spread (fp32 6106-7270 / 6818-6983), 4 and 2 slower at
-// GQA's b = 1 32k bf16 (9.4-9.8 ms against 14.1).
+// KV heads per task: a task folds the query rows of up to 8 KV heads (all of GQA's 8, groups of 8
+// with more), so that a key's staged rows stay a few KiB and multi-head caches give more tasks (Xeon,
+// MHA, 16 threads: 832-891 us against 974-1166 with all 32 heads in one task).
 // This shape group, min(kDecodeGroupHeads, h_k), alone sets the chunk's keys and the splits (the
 // arithmetic); the thread count then sets the KV heads per task (task_heads). The bits stay: each
-// KV head folds its own rows alone (fold_chunk; dot_rows_at and pv_rows_at head by head), over the
-// same chunks and splits in any group. The dynamic schedule wants a few tasks per thread to even
-// out the threads' rates, but where a key's heads sit side by side in memory ((b, s, h_k, d)
-// caches, pages) a smaller group reads shorter runs of each key row. The group is halved while the
-// call has fewer tasks than threads; head-major (a head's keys one run in any group), while it has
-// fewer than 8 per thread; heads side by side in 2-byte caches, while it has fewer than 2 per
-// thread and the runs stay >= 1 KiB. Xeon, 16 threads, b = 1, h = 32, d = 128, decode us, medians
-// of 4 alternated rounds against the former rule (groups of 8 here; identical code read 0.91-1.11x
-// in the same run): head-major GQA 32/8 bf16 s_q = 1 146 against 193, s_q = 4 373 against 583, fp32
-// s_q = 4 398 against 585, s_k = 32k bf16 1468 against 1749, fp32 s_q = 4 4581 against 5717, MHA
-// bf16 398 against 457 (1.10-1.56x at all 13 shapes); side by side, bf16 s_k = 32k s_q = 1 1440
-// against 1761 (1.22x; 1.23x and 1.4x on two other machines), s_q = 4 517 against 566. fp32 side
-// by side lost with groups of 4 (s_q = 1 227 against 202, 32k s_q = 4 4860 against 3959) and keeps
-// halving only below one task per thread.
+// KV head folds its own rows alone (fold_chunk; dot_rows_at and pv_rows_at head by head) over the
+// same chunks and splits in any group. The group is halved while the call has fewer tasks than
+// threads (the dynamic schedule wants a few per thread to even out the threads' rates); head-major
+// (a head's keys one run in any group), while it has fewer than kDecodeTasksPerThread per thread;
+// heads side by side in 2-byte caches, while it has fewer than kDecodeTasksPerThreadRuns and a
+// task's run of a key row stays >= kDecodeMinRun bytes. Against groups of 8 (Xeon, 16 threads, b = 1,
+// h = 32, d = 128, 4 alternated rounds): head-major 1.10-1.56x at all 13 shapes, heads side by side
+// in bf16 1.22x at s_k = 32k; fp32 side by side lost with groups of 4 (s_q = 1 227 against 202 us),
+// so it halves only below one task per thread.
 constexpr int kDecodeGroupHeads = 8;
 constexpr int kDecodeTasksPerThread = 8;      // head-major memory
 constexpr int kDecodeTasksPerThreadRuns = 2;  // heads side by side, 2-byte caches
 constexpr int kDecodeMinRun = 1024;           // bytes of a key row per task, heads side by side
 // With 2-byte caches, up to this many query rows per KV head the products read K and V where the
 // cache holds them (fold_chunk_in_place, Kernels::dot_rows_at and pv_rows_at); with more, they fold
-// a stage, which converts each element once where the in-place products convert K's rows once per
-// row block and keep O in memory. In place against the stage (Xeon, 16 cores, AMX; b = 1, s_k = 4k,
-// d = 128; decode us, medians of 3 alternated rounds): 2 threads, MHA (h_k = 32) bf16 s_q = 1 2890
-// against 7193, s_q = 4 4101 against 7912, fp16 2729 against 5462, fp32 7179 against 9257; GQA 32/8
-// s_q = 1 (4 rows) bf16 995 against 1314, fp32 1020 against 1559; 8 rows (s_q = 2) 1399 against
-// 1529; 16 threads MHA bf16 473 against 767, GQA fp32 241 against 361. The stage's copies stalled
-// on the reads: every converted element stored, each read a 2 KiB run of an 8 KiB key row with MHA.
-// fp32 caches fold in place at every row count (decode_in_place): 16 rows (GQA s_q = 4) 1823
-// against 2654 at 2 threads, 493 against 668 at 16, 32 rows (s_q = 8) 3605 against 4221; AVX2 (the
-// 2-core EPYC) 16 rows 6636 against 7175. With 2-byte rows the in-place scores convert K's rows m /
-// dot_row_block times, so those stay in place only while that is at most 2 and m <= 8: bf16 16 rows
-// tied on the Xeon (2364 against 2214 us), and on AVX2 (2 rows per block, one binary, 3 rounds)
-// bf16 8 rows took 3888 against 2965 staged, 16/8 heads s_q = 4 3688 against 3329, 16 rows 6670
-// against 5224-5358, while 4 rows took 2242 against 2615 (fp16 2013 against 2490).
+// an fp32 stage (stage_chunk), which converts each element once where the in-place scores convert
+// K's rows once per row block (m / dot_row_block times). In place against the stage (Xeon, 2
+// threads, b = 1, s_k = 4k, d = 128): MHA bf16 s_q = 1 2890 against 7193 us, GQA 32/8 s_q = 1 995
+// against 1314; bf16 16 rows tied (2364 against 2214), and on AVX2 (2 rows per block) 8 rows lost
+// (3888 against 2965), hence also m <= 2·dot_row_block. fp32 caches (nothing to convert) fold in
+// place at every row count: 16 rows 1823 against 2654 us.
 constexpr int kDecodeInPlaceRows = 8;
 
 bool decode_in_place(const FwdParams& p, const Kernels& kn, int m) {
@@ -605,13 +587,9 @@ int decode_chunk_keys(const FwdParams& p, int heads) {
 // caches). The decoding mainloop reads in memory order: keys outermost where heads lie side by
 // side, else each head's keys in turn (stage_chunk; Kernels::dot_rows_at and pv_rows_at with
 // heads_outer, which also prefetch each block's successor: a block's rows are read a vector of each
-// in turn, an order within a page the hardware prefetchers do not follow). Head-major caches,
-// against keys outermost without prefetches (Xeon, b = 1, h = 32, d = 128, decode us, medians of 3
-// alternated rounds): 16 threads, h_k = 8 fp32 s_k = 32k 3111 against 4930, b = 8 s_k = 4k s_q = 4
-// 4470 against 6946, bf16 s_k = 32k 1728 against 2300, MHA (h_k = 32) fp32 967 against 1350, s_q = 4
-// 1100 against 2007; 2 threads 1.44-2.03x at the same shapes (fp32 s_k = 32k 15407 against 25749).
-// Heads outermost without the prefetches gained nothing on the Xeon; with them but prefetching 2-4
-// blocks ahead, no more than one; where heads lie side by side, heads outermost lost up to 44%.
+// in turn, an order within a page the hardware prefetchers do not follow). Head-major caches
+// against keys outermost (Xeon, 3 alternated rounds): 1.18-1.82x at 16 threads, 1.44-2.03x at 2;
+// where heads lie side by side, heads outermost lost up to 44%.
 bool heads_side_by_side(const detail::Strides& st) { return st.head < st.row; }  // strides >= 0 (validate.cpp)
 
 // KV heads per task for a call of `threads` threads: the shape's group `heads` (`splits` splits per
@@ -700,13 +678,11 @@ void chunk_rows(const FwdParams& p, int b, int hk0, int heads, std::int64_t row0
 }
 
 // ws.kc, ws.vc <- the n keys from row row0 of entry b, KV heads hk0 .. hk0 + heads, as fp32 rows of
-// dp, copied in memory order (heads_side_by_side), which the hardware prefetchers follow. With a
-// key's heads side by side, read head by head instead, a task's reads were 512-byte runs 4 KiB
-// apart, each page visited once per head: b = 1, s_k = 32k, h_k = 8, d = 128 took 37-41 ms in fp32
-// and 28-31 in bf16, against 24-26 and 15-17 key by key (2 threads, AMD EPYC; a sequential read of
-// the same bytes runs at 24 GB/s). A software prefetch of the next chunk during this one's heads
-// measured no better than the hardware prefetchers (22-26 ms). Head-major caches head by head:
-// bf16 s_q = 4 (staged) 1.2-1.5x on that EPYC, 0.99-1.21x on the Xeon.
+// dp, copied in memory order (heads_side_by_side), which the hardware prefetchers follow (a software
+// prefetch of the next chunk did no better): with a key's heads side by side, copied head by head, a
+// task read 512-byte runs 4 KiB apart and took 1.4-2.1x as long (2 threads, AMD EPYC, b = 1, s_k =
+// 32k, h_k = 8); head-major caches copied head by head, bf16 s_q = 4: 1.2-1.5x faster there,
+// 0.99-1.21x on the Xeon.
 void stage_chunk(const FwdParams& p, int b, int hk0, int heads, std::int64_t row0, int n, int keys,
                  DecodeWorkspace& ws) {
   const int dp = ws.dp;

@@ -14,15 +14,9 @@ constexpr std::size_t align_up(std::size_t n) { return (n + kAlign - 1) / kAlign
 // The fewest key tiles a split streams: enough that its partial (rows · d fp32, written, then read by
 // the combine) stays at most a quarter of the K/V it reads (2 · block_n · d 2-byte values per tile),
 // so ceil(4 · rows / block_n), at most kMinTilesPerSplit. Decoding's packed rows (4-16 of the narrow
-// tile's 64) then take 1 tile per split, so a short cache fills the resident blocks too. H100,
-// graph-replayed, x copy, b = 1, the splits this gives against those of 4 tiles per split
-// (`gpu_bench --kv-splits-short`, 33 splits standing for 32 at 2k):
-// - 1k keys, 16 splits against 4: plain 0.165 / 0.134, append 0.140 / 0.120, page 16 0.133 / 0.103,
-//   s_q 4 0.124 / 0.108;
-// - 2k, 32 against 8: plain 0.281 / 0.256, append 0.253 / 0.229, page 16 0.245 / 0.203, s_q 4
-//   0.221 / 0.206;
-// - 4k, 33 against 16: plain 0.483 / 0.466, append 0.430 / 0.413, page 16 0.426 / 0.375, s_q 4
-//   0.395 / 0.378.
+// tile's 64) then take 1 tile per split, so a short cache fills the resident blocks too: against 4
+// tiles per split (H100, graph-replayed, b = 1, plain, append, page 16 and s_q 4) 1k keys +15-29% (plain
+// 0.165 against 0.134 of copy), 2k +7-21%, 4k +4-14%.
 // Full 64-row and wide tiles keep 4 tiles (256 keys): there a partial is as large as the K/V tile
 // it sums.
 constexpr int kMinTilesPerSplit = 4;
