@@ -90,11 +90,11 @@ enum class CpuIsa : std::uint8_t { best, avx2 };
 // 4 us of host time for three kernels against 10, but its first kernel starts only once the work
 // before it has ended (~1 us of device time per call when calls run back to back; bench/NOTES.md).
 // automatic: graph for calls whose K/V capacity is at most 32 MB, kernels above: a loop of Python
-// calls (flash_attn_with_kvcache: 10.8-18.2 us of host time each with the graph on H200 VMs, ~5.5 us
-// more without) is bound by the host up to there. A C++ loop (4-7 us with the graph, 10-15 without) is
-// bound by the device from ~8 MB on, where kernels read up to 6% faster per call (H200,
-// gpu_bench --kv-eager): such a caller may set kernels. A stream being captured always gets kernels, so the caller's graph holds
-// them with their programmatic edges.
+// calls (flash_attn_with_kvcache: 9.7-19.1 us of host time each with the graph on H200 VMs, ~5.5 us
+// more without) is bound by the host up to there. A C++ loop (4.5-9 us with the graph, 10-18
+// without) is bound by the device from ~8 MB on, where kernels read up to 6% faster per call (H200,
+// gpu_bench --kv-eager): such a caller may set kernels. A stream being captured always gets
+// kernels, so the caller's graph holds them with their programmatic edges.
 enum class CallLaunch : std::uint8_t { automatic, kernels, graph };
 
 // Where and how a call runs. The library never synchronises and never allocates device memory:
