@@ -347,6 +347,18 @@ void accumulate(const Kernels& kn, const PackedKV& kv, std::int64_t tile, int m,
                        kv.panel, ws.o.data(), ws.dp);
 }
 
+// Where the scale goes: the fp32 products' Q holds it; the bf16 pair products' scores are unscaled
+// (Q stays exact), and the scale goes into the softmax's multiplier (mul), or, where a softcap or
+// ALiBi needs the scaled scores first, onto each row (rows). The tiled and the decoding mainloops.
+struct ScoreScale {
+  bool rows;
+  float mul;
+};
+ScoreScale score_scale(const FwdParams& p, bool pairs) {
+  const bool rows = pairs && (p.softcap > 0.0f || p.alibi != nullptr);
+  return {rows, pairs && !rows ? tiles::kLog2e * p.scale : tiles::kLog2e};
+}
+
 // ws.o, ws.state <- the fold of key blocks [kb_lo, kb_hi) (on the kBlockN grid of entry it.b) into
 // the item's query rows, unnormalised; returns the number of rows m.
 int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it, std::int64_t kb_lo,
@@ -367,10 +379,7 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
   // Key blocks on the kBlockN grid that hold a visible key for some row of this block.
   const std::int64_t k_begin = std::max(band.key_begin(i0, si.len_k) / kBlockN * kBlockN, kb_lo * kBlockN);
   const std::int64_t k_end = std::min<std::int64_t>({band.key_end(i0 + m, si.len_k), si.len_k, kb_hi * kBlockN});
-  // The bf16 products' scores are unscaled (Q stays exact); the scale goes into the softmax's
-  // multiplier, or, where a softcap or ALiBi needs the scaled scores first, onto each row.
-  const bool scale_rows = kv.pairs && (p.softcap > 0.0f || p.alibi != nullptr);
-  const float mul = kv.pairs && !scale_rows ? tiles::kLog2e * p.scale : tiles::kLog2e;
+  const ScoreScale sc = score_scale(p, kv.pairs);
   for (std::int64_t j0 = k_begin; j0 < k_end; j0 += kBlockN) {
     // The tile's keys up to the block's last visible one; the products run over those only.
     const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, k_end - j0));
@@ -389,7 +398,7 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
     for (int r = 0; r < m; ++r) {
       float* s = ws.s.data() + r * kBlockN;
       v_next.slice(r);
-      if (scale_rows) kn.scale_row(s, kBlockN, p.scale);
+      if (sc.rows) kn.scale_row(s, kBlockN, p.scale);
       transform_row(p, band, slope, needs_mask, i0 + r, j0, n, kBlockN, s);
       ws.m_run[r] = ws.state[r].m;
     }
@@ -397,7 +406,7 @@ int fold_keys(const FwdParams& p, const Kernels& kn, const PackedKV& kv, Item it
     // merging one is just the rescale of the running state (its own factor is 2^0 = 1): m_run moves
     // to the tile's max only where that exceeds the running m by more than kLazyRescale (else O is
     // not rescaled).
-    kn.softmax_rows(ws.s.data(), m, kBlockN, mul, kLazyRescale, ws.m_run.data(), ws.sums.data());
+    kn.softmax_rows(ws.s.data(), m, kBlockN, sc.mul, kLazyRescale, ws.m_run.data(), ws.sums.data());
     lap.charge(profile::softmax);
     for (int r = 0; r < m; ++r) {
       float* s = ws.s.data() + r * kBlockN;
@@ -568,6 +577,12 @@ constexpr int kDecodeInPlaceRows = 8;
 bool decode_in_place(const FwdParams& p, const Kernels& kn, int m) {
   return p.dtype == DType::f32 || m <= std::min(kDecodeInPlaceRows, 2 * kn.dot_row_block);
 }
+// With bf16 caches read in place, where the table has the pair products (Kernels::dot_pairs_at),
+// the scores come from pairs: K's rows as they are against Q's unscaled pairs, nothing converted,
+// the scale placed by score_scale as in the tiled path's pair products; P·V stays fp32 (pv_rows_at).
+bool decode_pairs(const FwdParams& p, const Kernels& kn, int m) {
+  return p.dtype == DType::bf16 && kn.dot_pairs_at != nullptr && decode_in_place(p, kn, m);
+}
 static_assert(kDecodeMaxKeys % 8 == 0, "chunks start on a Philox column group and fill whole 8-lane vectors");
 
 // Keys per chunk: a multiple of 8 up to 64, the chunk's K and V for a task's `heads` KV heads
@@ -615,8 +630,9 @@ int task_heads(const FwdParams& p, int heads, int splits, int threads) {
 // first), query row i; its KV head hk0 + hk's rows are the contiguous run [hk·m, (hk + 1)·m),
 // m = len_q·group.
 struct DecodeWorkspace {
-  int dp = 0;
+  int dp = 0, dp2 = 0;
   AlignedFloats q;   // (rows, dp)  scale · Q
+  std::vector<std::uint32_t> q2;  // (rows, dp2)  Q's pairs along d, unscaled, zero past them (decode_pairs)
   AlignedFloats o;   // (rows, dp)  unnormalised output
   std::vector<RowState> state;  // (rows)
   std::vector<float> slope;     // (rows)
@@ -638,7 +654,9 @@ DecodeWorkspace& decode_workspace(int rows, int keys, int heads, bool staged, co
     if (v.size() < n) v.resize(n);
   };
   ws.dp = tiles::round_up(p.d, kLanes);
+  ws.dp2 = tiles::round_up((p.d + 1) / 2, kLanes);
   grow(ws.q, static_cast<std::size_t>(rows) * ws.dp);
+  if (p.dtype == DType::bf16) grow(ws.q2, static_cast<std::size_t>(rows) * ws.dp2);
   grow(ws.o, static_cast<std::size_t>(rows) * ws.dp);
   grow(ws.state, rows);
   grow(ws.slope, rows);
@@ -704,20 +722,21 @@ void stage_chunk(const FwdParams& p, int b, int hk0, int heads, std::int64_t row
 }
 
 // KV head hk's m rows (from row r0 = hk·m of the task's, state and o there) over keys j0 .. j0 + n
-// given their scores s (m rows of cols): the stages of fold_keys between the products:
-// transform_row, Kernels::softmax_rows, the monoid's merge, dropout, the rescale of O. s then holds
-// the probabilities.
-void fold_scores(const FwdParams& p, const Kernels& kn, const SeqInfo& si, const detail::Band& band, int hq0, int hk,
-                 int m, std::int64_t j0, int n, bool first, float* s, DecodeWorkspace& ws) {
+// given their scores s (m rows of cols, scaled as sc says): the stages of fold_keys between the
+// products: the scale, transform_row, Kernels::softmax_rows, the monoid's merge, dropout, the
+// rescale of O. s then holds the probabilities.
+void fold_scores(const FwdParams& p, const Kernels& kn, const SeqInfo& si, const detail::Band& band, ScoreScale sc,
+                 int hq0, int hk, int m, std::int64_t j0, int n, bool first, float* s, DecodeWorkspace& ws) {
   const int dp = ws.dp, cols = tiles::round_up(n, kLanes), r0 = hk * m;
   float* o = ws.o.data() + static_cast<std::ptrdiff_t>(r0) * dp;
   RowState* state = ws.state.data() + r0;
   const bool needs_mask = band.tile_needs_mask(0, si.len_q, j0, j0 + n, si.len_k);
   for (int r = 0; r < m; ++r) {
+    if (sc.rows) kn.scale_row(s + r * cols, cols, p.scale);
     transform_row(p, band, ws.slope[r0 + r], needs_mask, (r0 + r) % si.len_q, j0, n, cols, s + r * cols);
     ws.m_run[r] = state[r].m;
   }
-  kn.softmax_rows(s, m, cols, tiles::kLog2e, kLazyRescale, ws.m_run, ws.sums);
+  kn.softmax_rows(s, m, cols, sc.mul, kLazyRescale, ws.m_run, ws.sums);
   for (int r = 0; r < m; ++r) {
     float fa, fb;
     state[r] = detail::merge(state[r], RowState{ws.m_run[r], ws.sums[r]}, &fa, &fb);
@@ -735,7 +754,7 @@ void fold_chunk(const FwdParams& p, const Kernels& kn, const SeqInfo& si, const 
   const float* k = ws.kc.data() + static_cast<std::ptrdiff_t>(hk) * keys * dp;  // (cols, dp)
   const float* v = ws.vc.data() + static_cast<std::ptrdiff_t>(hk) * keys * dp;  // (n, dp)
   kn.dot_rows(m, cols, dp, ws.q.data() + static_cast<std::ptrdiff_t>(r0) * dp, dp, k, dp, ws.s.data(), cols);
-  fold_scores(p, kn, si, band, hq0, hk, m, j0, n, first, ws.s.data(), ws);
+  fold_scores(p, kn, si, band, score_scale(p, false), hq0, hk, m, j0, n, first, ws.s.data(), ws);
   float* o = ws.o.data() + static_cast<std::ptrdiff_t>(r0) * dp;
   (first ? kn.gemm : kn.gemm_acc)(m, dp, n, ws.s.data(), cols, v, dp, o, dp);
 }
@@ -753,10 +772,13 @@ void fold_chunk_in_place(const FwdParams& p, const Kernels& kn, const SeqInfo& s
     std::fill(k_rows + n, k_rows + cols, k_rows[0]);
   }
   if (first) std::fill(ws.o.begin(), ws.o.begin() + static_cast<std::ptrdiff_t>(heads) * m * dp, 0.0f);
-  kn.dot_rows_at[t](heads, m, cols, p.d, ws.q.data(), dp, ws.k_rows.data(), keys, !heads_side_by_side(p.k_stride),
-                    ws.s.data(), cols);
+  const bool pairs = decode_pairs(p, kn, m), heads_outer = !heads_side_by_side(p.k_stride);
+  if (pairs)
+    kn.dot_pairs_at(heads, m, cols, p.d, ws.q2.data(), ws.dp2, ws.k_rows.data(), keys, heads_outer, ws.s.data(), cols);
+  else
+    kn.dot_rows_at[t](heads, m, cols, p.d, ws.q.data(), dp, ws.k_rows.data(), keys, heads_outer, ws.s.data(), cols);
   for (int hk = 0; hk < heads; ++hk)
-    fold_scores(p, kn, si, band, hk0 * p.group(), hk, m, j0, n, first,
+    fold_scores(p, kn, si, band, score_scale(p, pairs), hk0 * p.group(), hk, m, j0, n, first,
                 ws.s.data() + static_cast<std::ptrdiff_t>(hk) * m * cols, ws);
   kn.pv_rows_at[t](heads, m, n, p.d, ws.s.data(), cols, ws.v_rows.data(), keys, !heads_side_by_side(p.v_stride),
                    ws.o.data(), dp);
@@ -771,11 +793,19 @@ int decode_fold(const FwdParams& p, const Kernels& kn, int b, int hk0, int heads
   const detail::Band band = band_of(p, si);
   const int dp = ws.dp, m = si.len_q * p.group(), rows = heads * m, hq0 = hk0 * p.group();
   if (rows == 0) return 0;
+  const bool pairs = decode_pairs(p, kn, m);
   for (int r = 0; r < rows; ++r) {
     const int hq = hq0 + r / si.len_q;
-    float* q = ws.q.data() + static_cast<std::ptrdiff_t>(r) * dp;
-    tiles::load_row(p.q, p.dtype, detail::offset_of(p.q_stride, b, si.q_row0 + r % si.len_q, hq), p.d, p.scale, q);
-    std::fill(q + p.d, q + dp, 0.0f);
+    const std::int64_t at = detail::offset_of(p.q_stride, b, si.q_row0 + r % si.len_q, hq);
+    if (pairs) {
+      std::uint32_t* q2 = ws.q2.data() + static_cast<std::ptrdiff_t>(r) * ws.dp2;
+      tiles::pairs_of_row(static_cast<const std::uint16_t*>(p.q) + at, p.d, q2);
+      std::fill(q2 + (p.d + 1) / 2, q2 + ws.dp2, 0u);
+    } else {
+      float* q = ws.q.data() + static_cast<std::ptrdiff_t>(r) * dp;
+      tiles::load_row(p.q, p.dtype, at, p.d, p.scale, q);
+      std::fill(q + p.d, q + dp, 0.0f);
+    }
     ws.slope[r] = detail::alibi_slope(p, b, hq);
     ws.state[r] = RowState{};
   }

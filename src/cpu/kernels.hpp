@@ -89,6 +89,13 @@ struct Kernels {
                             int ld_rows, bool heads_outer, float* O, int ldo);
   RowsDotFn dot_rows_at[3] = {};
   RowsPvFn pv_rows_at[3] = {};
+  // Only where the ISA has a bf16 dot product (VDPBF16PS), else nullptr: dot_rows_at's scores of
+  // bf16 rows from pairs, one VDPBF16PS per two products where the fp32 ones convert each element
+  // first: A's rows of ceil(d / 2) pairs (unscaled Q; zero past them to a multiple of 8 pairs)
+  // against the cache's rows read as pairs along d as they are.
+  using RowsDotPairsFn = void (*)(int heads, int m, int n, int d, const std::uint32_t* A, int lda,
+                                  const void* const* rows, int ld_rows, bool heads_outer, float* S, int lds);
+  RowsDotPairsFn dot_pairs_at = nullptr;
   // Rows of A per register block of dot_rows / dot_rows_at (2 at 8 lanes, 4 at 16): dot_rows_at
   // converts each 2-byte K row once per block of this many rows.
   int dot_row_block = 2;

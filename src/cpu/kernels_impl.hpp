@@ -51,9 +51,7 @@ struct Bf16Pairs {
   using Elem = std::uint32_t;
   template <class V>
   static simd::u32_of<V> load_b(const std::uint32_t* p) {
-    simd::u32_of<V> v;
-    std::memcpy(&v, p, sizeof(v));
-    return v;
+    return simd::load_pairs<V>(p);
   }
   template <class V>
   static V madd(V c, std::uint32_t a, simd::u32_of<V> b) {
@@ -132,15 +130,17 @@ constexpr int kDotRows = simd::lanes<V> == 16 ? 4 : 2;
 inline f32x8 to8(f32x8 v) { return v; }
 inline f32x8 to8(simd::f32x16 v) { return simd::half<0>(v) + simd::half<1>(v); }
 
-// Cache rows in their own element type as fp32 vectors W (Kernels::dot_rows_at, pv_rows_at):
-// Row<kRowF32> floats, Row<kRowBf16> and Row<kRowF16> the bits of bf16 and fp16 values.
-// load<W>(p) reads lanes<W> elements; load_part<W, R>(p, n) only the first n (< lanes<W>), the
-// rest 0.
+// Cache rows in their own element type as vectors of W's shape (Kernels::dot_rows_at, dot_pairs_at,
+// pv_rows_at): Row<kRowF32> floats, Row<kRowBf16> and Row<kRowF16> the bits of bf16 and fp16
+// values, as fp32 vectors W; RowPairs bf16 rows as they are, pairs along the row
+// (simd_bf16.hpp). load<W>(p) reads one vector: lanes<W> · kPerLane elements; load_part<W, R>(p, n)
+// only the first n (fewer), the rest 0.
 template <int T>
 struct Row;
 template <>
 struct Row<kRowF32> {
   using E = float;
+  static constexpr int kPerLane = 1;
   template <class W>
   static W load(const float* p) {
     return simd::loadu<W>(p);
@@ -149,6 +149,7 @@ struct Row<kRowF32> {
 template <>
 struct Row<kRowBf16> {
   using E = std::uint16_t;
+  static constexpr int kPerLane = 1;
   template <class W>
   static W load(const std::uint16_t* p) {  // bf16 is fp32's upper half: zero-extend, shift
     typedef std::uint16_t H __attribute__((vector_size(sizeof(W) / 2)));
@@ -160,6 +161,7 @@ struct Row<kRowBf16> {
 template <>
 struct Row<kRowF16> {
   using E = std::uint16_t;
+  static constexpr int kPerLane = 1;
   template <class W>
   static W load(const std::uint16_t* p) {  // F16C (x86-64-v3), 8 lanes per conversion without AVX-512
     if constexpr (simd::lanes<W> == 8) {
@@ -177,39 +179,69 @@ struct Row<kRowF16> {
   }
 };
 
+struct RowPairs {
+  using E = std::uint16_t;
+  static constexpr int kPerLane = 2;
+  template <class W>
+  static simd::u32_of<W> load(const std::uint16_t* p) {
+    return simd::load_pairs<W>(p);
+  }
+};
+
 template <class W, class R, class E>
-inline W load_part(const E* p, int n) {
-  E buf[simd::lanes<W>] = {};
+inline auto load_part(const E* p, int n) {
+  E buf[simd::lanes<W> * R::kPerLane] = {};
   std::memcpy(buf, p, sizeof(E) * static_cast<std::size_t>(n));
   return R::template load<W>(buf);
 }
 
-// Elements x .. x + lanes<W> of a row of d (those past d read as 0, never loaded).
+// Lanes x .. x + lanes<W> of a row of d elements (elements past d read as 0, never loaded).
 template <class W, class R, class E>
-inline W load_upto(const E* row, int x, int d) {
-  return x + simd::lanes<W> <= d ? R::template load<W>(row + x) : load_part<W, R>(row + x, d - x);
+inline auto load_upto(const E* row, int x, int d) {
+  constexpr int k = R::kPerLane;
+  return (x + simd::lanes<W>) * k <= d ? R::template load<W>(row + x * k) : load_part<W, R>(row + x * k, d - x * k);
 }
 
-// Kernels::dot_rows and dot_rows_at: RB rows of A against 4 rows of B (b[c], d elements of R), the
-// register block and reduction described at kDotRows.
-template <class V, int RB, class R, class E = typename R::E>
-inline void dot_block(int d, const float* A, int lda, const E* const* b, float* S, int lds) {
+// A's rows for dot_block: fp32 vectors, or pairs of bf16 (against RowPairs).
+template <class W>
+inline W load_a(const float* p) {
+  return simd::loadu<W>(p);
+}
+template <class W>
+inline simd::u32_of<W> load_a(const std::uint32_t* p) {
+  return simd::load_pairs<W>(p);
+}
+// acc + a·b lane by lane: one FMA for fp32 vectors, one VDPBF16PS (two products) for pairs.
+template <class W>
+inline W madd(W acc, W a, W b) {
+  return acc + a * b;
+}
+template <class W>
+inline W madd(W acc, simd::u32_of<W> a, simd::u32_of<W> b) {
+  return simd::dot_bf16_pairs(acc, a, b);
+}
+
+// Kernels::dot_rows, dot_rows_at and dot_pairs_at: RB rows of A (fp32, or bf16 pairs with
+// RowPairs) against 4 rows of B (b[c], d elements of R), the register block and reduction described
+// at kDotRows.
+template <class V, int RB, class R, class A_, class E = typename R::E>
+inline void dot_block(int d, const A_* A, int lda, const E* const* b, float* S, int lds) {
   constexpr int L = simd::lanes<V>;
-  const int dp = (d + 7) / 8 * 8, full = dp / L * L;
+  const int dp = ((d + R::kPerLane - 1) / R::kPerLane + 7) / 8 * 8, full = dp / L * L;  // lanes
   V acc[RB][4];
 #pragma GCC unroll 8
   for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) acc[r][c] = V{};
   for (int x = 0; x < full; x += L) {
-    V bv[4];
+    decltype(R::template load<V>(b[0])) bv[4];
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) bv[c] = load_upto<V, R>(b[c], x, d);
 #pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
-      const V a = simd::loadu<V>(A + r * lda + x);
+      const auto a = load_a<V>(A + r * lda + x);
 #pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) acc[r][c] += a * bv[c];
+      for (int c = 0; c < 4; ++c) acc[r][c] = madd<V>(acc[r][c], a, bv[c]);
     }
   }
 #pragma GCC unroll 8
@@ -218,7 +250,7 @@ inline void dot_block(int d, const float* A, int lda, const E* const* b, float* 
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
       s[c] = to8(acc[r][c]);
-      if (full < dp) s[c] += simd::loadu<f32x8>(A + r * lda + full) * load_upto<f32x8, R>(b[c], full, d);
+      if (full < dp) s[c] = madd<f32x8>(s[c], load_a<f32x8>(A + r * lda + full), load_upto<f32x8, R>(b[c], full, d));
     }
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
     _mm_storeu_ps(S + r * lds, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
@@ -270,16 +302,15 @@ inline void walk_blocks(int heads, int n, int kb, bool heads_outer, const void* 
     }
 }
 
-template <class V, int T>
-void dot_rows_at(int heads, int m, int n, int d, const float* A, int lda, const void* const* rows, int ld_rows,
+template <class V, class R, class A_>
+void dot_rows_at(int heads, int m, int n, int d, const A_* A, int lda, const void* const* rows, int ld_rows,
                  bool heads_outer, float* S, int lds) {
-  using R = Row<T>;
   using E = typename R::E;
   constexpr int RB = kDotRows<V>;
   walk_blocks<E>(heads, n, 4, heads_outer, rows, ld_rows, d, [&](int h, int c) {
     const E* b[4];
     for (int u = 0; u < 4; ++u) b[u] = static_cast<const E*>(rows[h * ld_rows + c + u]);
-    const float* a = A + static_cast<std::int64_t>(h) * m * lda;
+    const A_* a = A + static_cast<std::int64_t>(h) * m * lda;
     float* s = S + static_cast<std::int64_t>(h) * m * lds + c;
     int r = 0;
     for (; r + RB <= m; r += RB) dot_block<V, RB, R>(d, a + r * lda, lda, b, s + r * lds, lds);
@@ -440,9 +471,9 @@ constexpr Kernels make_kernels(Isa isa) {
             gemm<F32, V, true, true>, softmax_rows<V>, scale_row<V>, softmax_grad<V>,
             Tile<V>::NV * simd::lanes<V>, simd::lanes<V> == 8, dot_rows<V>};
   k.dot_row_block = kDotRows<V>;
-  k.dot_rows_at[kRowF32] = dot_rows_at<V, kRowF32>;
-  k.dot_rows_at[kRowBf16] = dot_rows_at<V, kRowBf16>;
-  k.dot_rows_at[kRowF16] = dot_rows_at<V, kRowF16>;
+  k.dot_rows_at[kRowF32] = dot_rows_at<V, Row<kRowF32>, float>;
+  k.dot_rows_at[kRowBf16] = dot_rows_at<V, Row<kRowBf16>, float>;
+  k.dot_rows_at[kRowF16] = dot_rows_at<V, Row<kRowF16>, float>;
   k.pv_rows_at[kRowF32] = pv_rows_at<V, kRowF32>;
   k.pv_rows_at[kRowBf16] = pv_rows_at<V, kRowBf16>;
   k.pv_rows_at[kRowF16] = pv_rows_at<V, kRowF16>;
@@ -450,6 +481,7 @@ constexpr Kernels make_kernels(Isa isa) {
     k.gemm_bf16 = gemm<Bf16Pairs, V, false, false>;
     k.gemm_bf16_acc = gemm<Bf16Pairs, V, true, false>;
     k.to_bf16_pairs = simd::to_bf16_pairs;
+    k.dot_pairs_at = dot_rows_at<V, RowPairs, std::uint32_t>;
   }
   return k;
 }

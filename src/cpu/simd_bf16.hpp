@@ -30,6 +30,14 @@ typedef std::uint32_t u32x16 __attribute__((vector_size(64)));
 template <class V>
 using u32_of = std::conditional_t<lanes<V> == 16, u32x16, u32x8>;
 
+// lanes<V> pairs from p, unaligned.
+template <class V>
+inline u32_of<V> load_pairs(const void* p) {
+  u32_of<V> v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
 #ifndef __AVX512BF16__
 // x with a zero or denormal value replaced by zero of its sign: the "denormals are zero" of
 // VDPBF16PS's inputs and, applied to a result, its "flush to zero" (tininess after rounding, as x86

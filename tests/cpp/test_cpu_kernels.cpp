@@ -502,5 +502,47 @@ TEST(CpuIsa, ContextSelectsTheKernels) {
   EXPECT_EQ(o_best.buf, o_def.buf);
 }
 
+// The in-place decoding scores from bf16 pairs (dot_pairs_at) on every table with them, against
+// float64: Q's pairs against K's rows read as pairs, exact products summed in fp32; the same cases
+// and checks as the fp32 products above (no element past d read: NaN there), heads outermost the
+// same bits.
+TEST(CpuKernels, InPlaceDecodingPairProductsMatchFloat64) {
+  namespace cpu = flashmonoid::cpu;
+  using flashmonoid::DType;
+  std::mt19937 gen(78);
+  std::normal_distribution<float> normal;
+  auto bf16_normal = [&] { return cpu::round_to(DType::bf16, normal(gen)); };
+  auto half = [](std::uint32_t p, int h) { return static_cast<double>(float_of(h ? p & 0xFFFF0000u : p << 16)); };
+  for (const Table& tb : bf16_tables()) {
+    ASSERT_NE(tb.kn->dot_pairs_at, nullptr) << tb.name;
+    for (int heads : {1, 3})
+      for (int m : {1, 2, 4, 5, 9})
+        for (int n : {4, 5, 12, 63, 64})
+          for (int d : {8, 24, 40, 59, 64, 111, 128, 136}) {
+            SCOPED_TRACE(tb.name + " heads " + std::to_string(heads) + " m " + std::to_string(m) + " n " +
+                         std::to_string(n) + " d " + std::to_string(d));
+            const int keys = 64, d2 = (d + 1) / 2, lda = (d2 + 7) / 8 * 8, rows = heads * m;
+            const int cols = (n + 3) / 4 * 4, lds = cols + 4;
+            const CacheRows k = cache_rows(DType::bf16, heads, keys, d, gen);
+            std::vector<std::uint32_t> A(static_cast<std::size_t>(rows) * lda, 0u);
+            for (int r = 0; r < rows; ++r)
+              for (int j = 0; j < d2; ++j) A[r * lda + j] = pair(bf16_normal(), 2 * j + 1 < d ? bf16_normal() : 0.0f);
+            std::vector<float> S(static_cast<std::size_t>(rows) * lds);
+            for (float& x : S) x = normal(gen);
+            const std::vector<float> S0 = S;
+            tb.kn->dot_pairs_at(heads, m, cols, d, A.data(), lda, k.rows.data(), keys, false, S.data(), lds);
+            std::vector<float> S_heads = S0;
+            tb.kn->dot_pairs_at(heads, m, cols, d, A.data(), lda, k.rows.data(), keys, true, S_heads.data(), lds);
+            ASSERT_EQ(0, std::memcmp(S.data(), S_heads.data(), S.size() * sizeof(float))) << "scores, heads outermost";
+            const auto at = [&](int r, int c, int x) { return (static_cast<std::size_t>(r / m) * keys + c) * d + x; };
+            const Check es = check_product(rows, cols, lds, d, false, S, S0, [&](int r, int c, int x) {
+              return half(A[r * lda + x / 2], x % 2) * k.value[at(r, c, x)];
+            });
+            ASSERT_FALSE(es.wrote_past_n) << "scores past n";
+            ASSERT_LE(es.worst, (d + 1) * 6e-8) << "scores";
+          }
+  }
+}
+
 }  // namespace
 }  // namespace fmtest

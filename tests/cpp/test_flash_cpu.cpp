@@ -243,7 +243,8 @@ TEST(FlashBackward, OneKeyRowsUnderDropoutMeetTheRule) {
 }
 
 // The decoding mainloop (flash_forward_decode: K/V rows read in place) called directly, on both
-// kernel widths, over few query rows per KV head: s_q 1..8, keys around the 64-key chunks (1, 63,
+// kernel widths and the tables with bf16 pair products (bf16 caches then fold on pairs,
+// decode_pairs), over few query rows per KV head: s_q 1..8, keys around the 64-key chunks (1, 63,
 // 64, 65, 700), MHA/GQA/MQA, every score option and dropout, odd head dims, varlen with empty
 // sequences, and KV heads in uneven groups (kDecodeGroupHeads) under dropout; then the same
 // problems through flash_forward_tiled, which must agree with the reference as well (the dispatch
@@ -305,7 +306,8 @@ TEST(FlashDecode, MainloopsMatchFloat64Reference) {
   for (const Shape& s : decode_grid()) {
     SCOPED_TRACE(s.str());
     Problem pb(s);
-    for (const cpu::Kernels* kn : {&cpu::kernels_avx2(), &cpu::kernels_avx512_emulated()})
+    for (const cpu::Kernels* kn : {&cpu::kernels_avx2(), &cpu::kernels_avx512_emulated(),
+                                   &cpu::kernels_avx512_bf16_emulated(), &cpu::kernels_amx_emulated()})
       for (auto fwd : {cpu::flash_forward_decode, cpu::flash_forward_tiled}) {
         SCOPED_TRACE(std::string(cpu::to_string(kn->isa)) + (fwd == cpu::flash_forward_decode ? " decode" : " tiled"));
         auto [out, lse] = pb.flash(*kn, 0, fwd);
@@ -346,7 +348,8 @@ TEST(FlashDecode, BitIdenticalForAnyThreadCount) {
   for (const Shape& s : {splits11, d256, heads12, heads7, splits9, splits9_bf16, splits9_head_major}) {
     SCOPED_TRACE(s.str());
     Problem pb(s);
-    for (const cpu::Kernels* kn : {&cpu::kernels_avx2(), &cpu::kernels_avx512_emulated()}) {
+    for (const cpu::Kernels* kn : {&cpu::kernels_avx2(), &cpu::kernels_avx512_emulated(),
+                                   &cpu::kernels_avx512_bf16_emulated()}) {
       SCOPED_TRACE(cpu::to_string(kn->isa));
       auto [o, l] = pb.flash(*kn, 1, cpu::flash_forward_decode);
       expect_forward_close(pb, o, l);
