@@ -298,6 +298,17 @@ std::vector<Shape> decode_grid() {
   groups.d = 64;
   groups.dropout_p = 0.2f;
   out.push_back(groups);
+  // bf16 with a softcap (the pair scores' scale goes onto the rows first, score_scale), odd d
+  Shape softcap;
+  softcap.s_q = 2;
+  softcap.s_k = 130;
+  softcap.h = 8;
+  softcap.h_k = 2;
+  softcap.d = 59;
+  softcap.dtype = DType::bf16;
+  softcap.softcap = 2.0f;
+  softcap.causal = true;
+  out.push_back(softcap);
   return out;
 }
 
