@@ -248,7 +248,8 @@ CacheRows cache_rows(flashmonoid::DType t, int heads, int keys, int d, std::mt19
 // The in-place decoding products against float64, every element type, head dims with and without
 // a vector remainder (d mod 16 and 8), several heads and row counts; scores past n and O's columns
 // past d untouched, no element past a row's d read (the NaN after each row); heads outermost (the
-// head-major walk) the same bits as keys outermost.
+// head-major walk) the same bits as keys outermost; 2-byte rows the same bits as fp32 rows of their
+// values.
 TEST(CpuKernels, InPlaceDecodingProductsMatchFloat64) {
   namespace cpu = flashmonoid::cpu;
   using flashmonoid::DType;
@@ -297,6 +298,20 @@ TEST(CpuKernels, InPlaceDecodingProductsMatchFloat64) {
               });
               ASSERT_FALSE(eo.wrote_past_n) << "O past d";
               ASSERT_LE(eo.worst, (n + 1) * 6e-8) << "P·V";
+              if (t == cpu::kRowF32) continue;
+              // 2-byte rows convert exactly: the same bits as their values' fp32 rows through the fp32
+              // products (the same FMAs in the same order, however the conversion is arranged).
+              std::vector<float> kf(k.value.begin(), k.value.end()), vf(v.value.begin(), v.value.end());
+              std::vector<const void*> kr(k.rows.size()), vr(v.rows.size());
+              for (std::size_t i = 0; i < kr.size(); ++i) {
+                kr[i] = kf.data() + i * d;
+                vr[i] = vf.data() + i * d;
+              }
+              std::vector<float> S_f = S0, O_f = O0;
+              tb.kn->dot_rows_at[cpu::kRowF32](heads, m, cols, d, A.data(), dp, kr.data(), keys, false, S_f.data(), lds);
+              tb.kn->pv_rows_at[cpu::kRowF32](heads, m, n, d, P.data(), lds, vr.data(), keys, false, O_f.data(), dp);
+              ASSERT_EQ(0, std::memcmp(S.data(), S_f.data(), S.size() * sizeof(float))) << "scores against fp32 rows";
+              ASSERT_EQ(0, std::memcmp(O.data(), O_f.data(), O.size() * sizeof(float))) << "P·V against fp32 rows";
             }
 }
 
