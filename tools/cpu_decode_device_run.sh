@@ -8,7 +8,10 @@
 # swapped every other round) on FM_CPU_SHAPES, on (b, s, h_k, d) K/V and, with
 # FM_CPU_AB_HEAD_MAJOR=1, on head-major K/V too. The tables (tools/cpu_decode_table.py) in
 # $OUT/summary.txt and on stdout; everything in $OUT/all.tgz; FM_CPU_TABLE=0 skips the full table,
-# FM_CPU_CTEST=0 the CPU suite.
+# FM_CPU_CTEST=0 the CPU suite. OpenMP threads are pinned, one per core, in both libraries
+# (OMP_PROC_BIND=spread, OMP_PLACES=cores unless set): between an unpinned and a pinned run a
+# minute apart on one of these VMs, ours moved up to 1.5x and torch's up to 2x at 2 threads
+# (bench/NOTES.md, 2026-11-29).
 set -uo pipefail
 OUT=${OUT:-$PWD/cpu_out}
 mkdir -p "$OUT"
@@ -27,6 +30,7 @@ if [ "${FM_CPU_CTEST:-1}" != 0 ]; then
   echo "ctest -L cpu rc=$?: $(grep -E 'tests passed|tests failed' "$OUT/ctest_cpu.log")"
 fi
 lscpu | grep -E 'Model name|^CPU\(s\)|Flags' | cut -c1-200 >"$OUT/cpu.txt"
+export OMP_PROC_BIND=${OMP_PROC_BIND:-spread} OMP_PLACES=${OMP_PLACES:-cores}  # the timings only
 if [ -n "${FM_CPU_REF:-}" ]; then
   S=${FM_CPU_SHAPES:-"1,512,32,8,128,fp32,1 1,512,32,8,128,fp32,4 1,512,32,8,128,bf16,1 1,512,32,8,128,bf16,4 1,4096,32,8,128,fp32,1 1,32768,32,8,128,bf16,1 8,4096,32,8,128,fp32,1 1,4096,32,32,128,bf16,1"}
   layouts=(""); [ "${FM_CPU_AB_HEAD_MAJOR:-0}" = 1 ] && layouts+=(--head-major)
