@@ -827,6 +827,7 @@ int decode_fold(const FwdParams& p, const Kernels& kn, int b, int hk0, int heads
     for (int hk = 0; hk < heads; ++hk) fold_chunk(p, kn, si, band, hq0, hk, m, j0, n, keys, j0 == k_begin, ws);
   }
   if (k_begin >= k_end) std::fill(ws.o.begin(), ws.o.begin() + static_cast<std::ptrdiff_t>(rows) * dp, 0.0f);
+  if (in_place && p.dtype == DType::bf16) kn.join_bf16_rows(ws.o.data(), rows, p.d, dp);  // pv_rows_at's split
   return rows;
 }
 

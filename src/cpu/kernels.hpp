@@ -89,6 +89,10 @@ struct Kernels {
                             int ld_rows, bool heads_outer, float* O, int ldo);
   RowsDotFn dot_rows_at[3] = {};
   RowsPvFn pv_rows_at[3] = {};
+  // pv_rows_at[kRowBf16] keeps O's rows with each whole block of `panel` columns split, its even
+  // columns then its odd ones (the columns past the last whole block in order): O = 0 and scale_row
+  // are the same either way; join_bf16_rows(O, rows, d, ldo) puts the rows' columns back in order.
+  void (*join_bf16_rows)(float* O, int rows, int d, int ldo) = nullptr;
   // Only where the ISA has a bf16 dot product (VDPBF16PS), else nullptr: dot_rows_at's scores of
   // bf16 rows from pairs, one VDPBF16PS per two products where the fp32 ones convert each element
   // first: A's rows of ceil(d / 2) pairs (unscaled Q; zero past them to a multiple of 8 pairs)

@@ -333,16 +333,8 @@ inline void pv_block_at(int x, int d, int m, const float* P, int ldp, const E* c
   }
 }
 
-// Columns x .. x + 2·lanes<W> apart into even and odd lanes (a, b: the first and second lanes<W>),
-// and back together: pv_block_bf16.
-inline void split_even_odd(f32x8 a, f32x8 b, f32x8* even, f32x8* odd) {
-  *even = __builtin_shufflevector(a, b, 0,2,4,6,8,10,12,14);
-  *odd = __builtin_shufflevector(a, b, 1,3,5,7,9,11,13,15);
-}
-inline void split_even_odd(simd::f32x16 a, simd::f32x16 b, simd::f32x16* even, simd::f32x16* odd) {
-  *even = __builtin_shufflevector(a, b, 0,2,4,6,8,10,12,14,16,18,20,22,24,26,28,30);
-  *odd = __builtin_shufflevector(a, b, 1,3,5,7,9,11,13,15,17,19,21,23,25,27,29,31);
-}
+// Even lanes (the columns x, x + 2, ...) and odd lanes of 2·lanes<W> columns back in column order:
+// join_bf16_rows.
 inline void join_even_odd(f32x8 even, f32x8 odd, f32x8* a, f32x8* b) {
   *a = __builtin_shufflevector(even, odd, 0,8,1,9,2,10,3,11);
   *b = __builtin_shufflevector(even, odd, 4,12,5,13,6,14,7,15);
@@ -354,12 +346,12 @@ inline void join_even_odd(simd::f32x16 even, simd::f32x16 odd, simd::f32x16* a, 
 
 // pv_block_at for bf16 rows over 2·lanes<W> columns from x: each 32-bit lane of a V row's load
 // holds two elements, the even one made fp32 by a shift and the odd one by a mask (one operation
-// per lanes<W> elements where the widening load takes two), so each O row's columns are split into
-// even and odd lanes for the KB keys and joined after: the same FMAs in the same key order per
-// element as pv_block_at's. One query row per KV head only (pv_keys_at): per 8 keys and 2·lanes<W>
-// columns the split saves 16 conversions and costs 4 shuffles per row (one row: 48 operations ->
-// 36; four rows: even). Against pv_block_at at one row (Xeon, medians of 6 alternated rounds): MHA
-// 1.03-1.65x at 1, 2 and 16 threads, 1.19x with the AVX2 table at 2.
+// per lanes<W> elements where the widening load takes two), and O's rows hold those columns split,
+// the even ones then the odd ones (join_bf16_rows puts them back in order once per task): the same
+// FMAs in the same key order per element as pv_block_at's. Per 8 keys and 2·lanes<W> columns, 16
+// conversions instead of 32 at any row count. Xeon, against pv_block_at, one row per KV head (O split
+// and joined per block then): MHA 1.03-1.65x at 1, 2 and 16 threads; AMD EPYC (Zen 4), 1 thread,
+// this layout against that: GQA 32/8 1.15-1.19x, 2 rows 1.08x, 8 rows 1.21x, one row 0.98-0.99x.
 template <class W, int KB>
 inline void pv_block_bf16(int x, int d, int m, const float* P, int ldp, const std::uint16_t* const* v, float* O,
                           int ldo) {
@@ -373,19 +365,31 @@ inline void pv_block_bf16(int x, int d, int m, const float* P, int ldp, const st
   }
   for (int r = 0; r < m; ++r) {
     float* o = O + static_cast<std::int64_t>(r) * ldo + x;
-    W even, odd;
-    split_even_odd(simd::loadu<W>(o), simd::loadu<W>(o + L), &even, &odd);
+    W even = simd::loadu<W>(o), odd = simd::loadu<W>(o + L);
 #pragma GCC unroll 8
     for (int c = 0; c < KB; ++c) {
       const float p = P[static_cast<std::int64_t>(r) * ldp + c];
       even = even + p * ev[c];
       odd = odd + p * od[c];
     }
-    W lo, hi;
-    join_even_odd(even, odd, &lo, &hi);
-    simd::storeu(o, lo);
-    simd::storeu(o + L, hi);
+    simd::storeu(o, even);
+    simd::storeu(o + L, odd);
   }
+}
+
+// Kernels::join_bf16_rows: rows of O written by pv_rows_at[kRowBf16] back to column order.
+template <class V>
+void join_bf16_rows(float* O, int rows, int d, int ldo) {
+  constexpr int L = simd::lanes<V>;
+  const int dp = (d + 7) / 8 * 8;
+  for (int r = 0; r < rows; ++r)
+    for (int x = 0; x + 2 * L <= dp; x += 2 * L) {
+      float* o = O + static_cast<std::int64_t>(r) * ldo + x;
+      V lo, hi;
+      join_even_odd(simd::loadu<V>(o), simd::loadu<V>(o + L), &lo, &hi);
+      simd::storeu(o, lo);
+      simd::storeu(o + L, hi);
+    }
 }
 
 template <class V, int KB, class R, class E = typename R::E>
@@ -394,8 +398,7 @@ inline void pv_keys_at(int d, int m, const float* P, int ldp, const E* const* v,
   const int dp = (d + 7) / 8 * 8;
   int x = 0;
   if constexpr (std::is_same_v<R, Row<kRowBf16>>)
-    if (m == 1)
-      for (; x + 2 * L <= dp; x += 2 * L) pv_block_bf16<V, KB>(x, d, m, P, ldp, v, O, ldo);
+    for (; x + 2 * L <= dp; x += 2 * L) pv_block_bf16<V, KB>(x, d, m, P, ldp, v, O, ldo);
   for (; x + L <= dp; x += L) pv_block_at<V, KB, R>(x, d, m, P, ldp, v, O, ldo);
   if constexpr (L > 8)
     if (x < dp) pv_block_at<f32x8, KB, R>(x, d, m, P, ldp, v, O, ldo);
@@ -535,6 +538,7 @@ constexpr Kernels make_kernels(Isa isa) {
   k.pv_rows_at[kRowF32] = pv_rows_at<V, kRowF32>;
   k.pv_rows_at[kRowBf16] = pv_rows_at<V, kRowBf16>;
   k.pv_rows_at[kRowF16] = pv_rows_at<V, kRowF16>;
+  k.join_bf16_rows = join_bf16_rows<V>;
   if constexpr (Bf16) {
     k.gemm_bf16 = gemm<Bf16Pairs, V, false, false>;
     k.gemm_bf16_acc = gemm<Bf16Pairs, V, true, false>;

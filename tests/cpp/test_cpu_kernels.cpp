@@ -245,6 +245,19 @@ CacheRows cache_rows(flashmonoid::DType t, int heads, int keys, int d, std::mt19
   return c;
 }
 
+// O's rows (rows, ld) with each whole block of `block` columns split, its even columns then its odd
+// ones: the layout pv_rows_at[kRowBf16] keeps (Kernels::join_bf16_rows undoes it).
+std::vector<float> split_rows(const std::vector<float>& o, int rows, int ld, int block) {
+  std::vector<float> out = o;
+  for (int r = 0; r < rows; ++r)
+    for (int x = 0; x + block <= ld; x += block)
+      for (int i = 0; i < block / 2; ++i) {
+        out[r * ld + x + i] = o[r * ld + x + 2 * i];
+        out[r * ld + x + block / 2 + i] = o[r * ld + x + 2 * i + 1];
+      }
+  return out;
+}
+
 // The in-place decoding products against float64, every element type, head dims with and without
 // a vector remainder (d mod 16 and 8), several heads and row counts; scores past n and O's columns
 // past d untouched, no element past a row's d read (the NaN after each row); heads outermost (the
@@ -289,9 +302,15 @@ TEST(CpuKernels, InPlaceDecodingProductsMatchFloat64) {
               for (int r = 0; r < rows; ++r)
                 for (int x = 0; x < dp; ++x) O[r * dp + x] = x < d ? normal(gen) : 0.0f;
               const std::vector<float> O0 = O;
-              tb.kn->pv_rows_at[t](heads, m, n, d, P.data(), lds, v.rows.data(), keys, false, O.data(), dp);
+              // bf16: O's rows go in and come out split (Kernels::join_bf16_rows)
+              const auto pv = [&](bool heads_outer, std::vector<float>& o) {
+                if (t == cpu::kRowBf16) o = split_rows(o, rows, dp, tb.kn->panel);
+                tb.kn->pv_rows_at[t](heads, m, n, d, P.data(), lds, v.rows.data(), keys, heads_outer, o.data(), dp);
+                if (t == cpu::kRowBf16) tb.kn->join_bf16_rows(o.data(), rows, d, dp);
+              };
+              pv(false, O);
               std::vector<float> O_heads = O0;
-              tb.kn->pv_rows_at[t](heads, m, n, d, P.data(), lds, v.rows.data(), keys, true, O_heads.data(), dp);
+              pv(true, O_heads);
               ASSERT_EQ(0, std::memcmp(O.data(), O_heads.data(), O.size() * sizeof(float))) << "P·V, heads outermost";
               const Check eo = check_product(rows, d, dp, n, true, O, O0, [&](int r, int x, int c) {
                 return static_cast<double>(P[r * lds + c]) * v.value[at(r, c, x)];
