@@ -571,21 +571,26 @@ constexpr int kDecodeMinRun = 1024;           // bytes of a key row per task, he
 // threads, b = 1, s_k = 4k, d = 128): MHA bf16 s_q = 1 2890 against 7193 us, GQA 32/8 s_q = 1 995
 // against 1314; bf16 16 rows tied (2364 against 2214), and on AVX2 (2 rows per block) 8 rows lost
 // (3888 against 2965), hence also m <= 2·dot_row_block. fp32 caches (nothing to convert) fold in
-// place at every row count: 16 rows 1823 against 2654 us.
+// place at every row count: 16 rows 1823 against 2654 us. So do bf16 caches where the scores come
+// from pairs (decode_pairs: nothing to convert in K, and P·V converts each V element once for all
+// rows): against the stage (AMD EPYC, Zen 4, two rounds), 1 thread: GQA 32/8 s_q 4 and 8 (16 and
+// 32 rows) 1.34-1.47x, MHA s_q 16 1.42-1.43x, 134-537 MB calls 0.92-1.03x; 2 threads: head-major
+// 134-537 MB 1.39-1.47x, on (b, s, h_k, d) caches 0.93-1.00x, d = 64 1.22x. Not measured on the Xeon.
 constexpr int kDecodeInPlaceRows = 8;
 
-bool decode_in_place(const FwdParams& p, const Kernels& kn, int m) {
-  return p.dtype == DType::f32 || m <= std::min(kDecodeInPlaceRows, 2 * kn.dot_row_block);
-}
-// With bf16 caches read in place, where the table has the pair products (Kernels::dot_pairs_at),
-// the scores come from pairs: K's rows as they are against Q's unscaled pairs, nothing converted,
-// the scale placed by score_scale as in the tiled path's pair products; P·V stays fp32 (pv_rows_at).
+// With bf16 caches, where the table has the pair products (Kernels::dot_pairs_at), the products
+// read the cache in place at every row count and the scores come from pairs: K's rows as they are
+// against Q's unscaled pairs, nothing converted, the scale placed by score_scale as in the tiled
+// path's pair products; P·V stays fp32 (pv_rows_at).
 // Against fp32 scores, Xeon (AMX table), medians of 6 alternated rounds: MHA 1.03-1.42x at 1, 2
 // and 16 threads, GQA 32/8 0.95-1.35x, calls of 134 MB 1.00-1.07x; AMD EPYC (Zen 4), 1 thread:
 // 1.07-1.28x. P·V from pairs as well (P rounded, V paired in registers) lost on the Xeon: 0.72-0.88x
 // on GQA.
-bool decode_pairs(const FwdParams& p, const Kernels& kn, int m) {
-  return p.dtype == DType::bf16 && kn.dot_pairs_at != nullptr && decode_in_place(p, kn, m);
+bool decode_pairs(const FwdParams& p, const Kernels& kn) {
+  return p.dtype == DType::bf16 && kn.dot_pairs_at != nullptr;
+}
+bool decode_in_place(const FwdParams& p, const Kernels& kn, int m) {
+  return p.dtype == DType::f32 || decode_pairs(p, kn) || m <= std::min(kDecodeInPlaceRows, 2 * kn.dot_row_block);
 }
 static_assert(kDecodeMaxKeys % 8 == 0, "chunks start on a Philox column group and fill whole 8-lane vectors");
 
@@ -776,7 +781,7 @@ void fold_chunk_in_place(const FwdParams& p, const Kernels& kn, const SeqInfo& s
     std::fill(k_rows + n, k_rows + cols, k_rows[0]);
   }
   if (first) std::fill(ws.o.begin(), ws.o.begin() + static_cast<std::ptrdiff_t>(heads) * m * dp, 0.0f);
-  const bool pairs = decode_pairs(p, kn, m), heads_outer = !heads_side_by_side(p.k_stride);
+  const bool pairs = decode_pairs(p, kn), heads_outer = !heads_side_by_side(p.k_stride);
   if (pairs)
     kn.dot_pairs_at(heads, m, cols, p.d, ws.q2.data(), ws.dp2, ws.k_rows.data(), keys, heads_outer, ws.s.data(), cols);
   else
@@ -797,7 +802,7 @@ int decode_fold(const FwdParams& p, const Kernels& kn, int b, int hk0, int heads
   const detail::Band band = band_of(p, si);
   const int dp = ws.dp, m = si.len_q * p.group(), rows = heads * m, hq0 = hk0 * p.group();
   if (rows == 0) return 0;
-  const bool pairs = decode_pairs(p, kn, m);
+  const bool pairs = decode_pairs(p, kn);
   for (int r = 0; r < rows; ++r) {
     const int hq = hq0 + r / si.len_q;
     const std::int64_t at = detail::offset_of(p.q_stride, b, si.q_row0 + r % si.len_q, hq);
