@@ -656,16 +656,18 @@ struct DecodeWorkspace {
 };
 
 // The calling thread's workspace, kept across calls (allocated per call it was page faults per
-// call), grown to this call's sizes.
-DecodeWorkspace& decode_workspace(int rows, int keys, int heads, bool staged, const FwdParams& p) {
+// call), grown to this call's sizes: Q's fp32 rows, or its pairs (decode_pairs).
+DecodeWorkspace& decode_workspace(int rows, int keys, int heads, bool staged, bool pairs, const FwdParams& p) {
   thread_local DecodeWorkspace ws;
   const auto grow = [](auto& v, std::size_t n) {
     if (v.size() < n) v.resize(n);
   };
   ws.dp = tiles::round_up(p.d, kLanes);
   ws.dp2 = tiles::round_up((p.d + 1) / 2, kLanes);
-  grow(ws.q, static_cast<std::size_t>(rows) * ws.dp);
-  if (p.dtype == DType::bf16) grow(ws.q2, static_cast<std::size_t>(rows) * ws.dp2);
+  if (pairs)
+    grow(ws.q2, static_cast<std::size_t>(rows) * ws.dp2);
+  else
+    grow(ws.q, static_cast<std::size_t>(rows) * ws.dp);
   grow(ws.o, static_cast<std::size_t>(rows) * ws.dp);
   grow(ws.state, rows);
   grow(ws.slope, rows);
@@ -922,7 +924,7 @@ void flash_forward_decode(const FwdParams& p, int num_threads, const Kernels& kn
   const int threads = static_cast<int>(std::min<std::int64_t>(wanted, tasks));
 #pragma omp parallel num_threads(std::max(threads, 1))
   {
-    DecodeWorkspace& ws = decode_workspace(rows, keys, group_heads, staged, p);
+    DecodeWorkspace& ws = decode_workspace(rows, keys, group_heads, staged, decode_pairs(p, kn), p);
 #pragma omp for schedule(dynamic, 1) nowait
     for (std::int64_t task = 0; task < tasks; ++task) {
       const std::int64_t item = task % items;

@@ -299,13 +299,7 @@ std::vector<Shape> decode_grid() {
   groups.dropout_p = 0.2f;
   out.push_back(groups);
   // bf16 with a softcap (the pair scores' scale goes onto the rows first, score_scale), odd d
-  Shape softcap;
-  softcap.s_q = 2;
-  softcap.s_k = 130;
-  softcap.h = 8;
-  softcap.h_k = 2;
-  softcap.d = 59;
-  softcap.dtype = DType::bf16;
+  Shape softcap = shape_of(DType::bf16, 1, 2, 130, 8, 2, 59);
   softcap.softcap = 2.0f;
   softcap.causal = true;
   out.push_back(softcap);
