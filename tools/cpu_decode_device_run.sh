@@ -5,7 +5,7 @@
 # (bench/decode_cpu_torch.py, head-major K/V and views of our (b, s, h_k, d) layout) at 16 and 2
 # threads. With FM_CPU_REF (a source tree: `git archive` of a commit), also an A/B of the decoding
 # mainloop alone, this tree against that one, alternated FM_CPU_ROUNDS times (default 3; the order
-# swapped every other round) on FM_CPU_SHAPES, on (b, s, h_k, d) K/V and, with
+# swapped every other round) at FM_CPU_AB_THREADS (default "16 2") on FM_CPU_SHAPES, on (b, s, h_k, d) K/V and, with
 # FM_CPU_AB_HEAD_MAJOR=1, on head-major K/V too. The tables (tools/cpu_decode_table.py) in
 # $OUT/summary.txt and on stdout; everything in $OUT/all.tgz; FM_CPU_TABLE=0 skips the full table,
 # FM_CPU_CTEST=0 the CPU suite. OpenMP threads are pinned, one per core, in both libraries
@@ -35,7 +35,7 @@ if [ -n "${FM_CPU_REF:-}" ]; then
   S=${FM_CPU_SHAPES:-"1,512,32,8,128,fp32,1 1,512,32,8,128,fp32,4 1,512,32,8,128,bf16,1 1,512,32,8,128,bf16,4 1,4096,32,8,128,fp32,1 1,32768,32,8,128,bf16,1 8,4096,32,8,128,fp32,1 1,4096,32,32,128,bf16,1"}
   layouts=(""); [ "${FM_CPU_AB_HEAD_MAJOR:-0}" = 1 ] && layouts+=(--head-major)
   for r in $(seq "${FM_CPU_ROUNDS:-3}"); do
-    for t in 16 2; do
+    for t in ${FM_CPU_AB_THREADS:-16 2}; do
       for lay in "${layouts[@]}"; do
         order="new ref"; [ $((r % 2)) = 0 ] && order="ref new"  # the first of a pair ran ~8% faster at 2 threads
         for v in $order; do

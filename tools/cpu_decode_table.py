@@ -46,21 +46,23 @@ for t in (16, 2):
               f"{tb.get(s, 0):10.1f}   {ratio(th.get(s), hm.get(s)):>5}   {ratio(tb.get(s), dec[s]):>5}   "
               f"{ratio(tiled.get(s), dec[s]):>5}")
 
-ab = collections.defaultdict(list)
+ab = collections.defaultdict(dict)  # (threads, shape, new|ref) -> {round: us}
 for path in glob.glob(f"{out}/ab_*_t*_*.txt"):
-    m = re.match(r"ab_(new|ref)(_hm)?_t(\d+)_\d+\.txt", os.path.basename(path))
+    m = re.match(r"ab_(new|ref)(_hm)?_t(\d+)_(\d+)\.txt", os.path.basename(path))
     if m:
         for s, us in times(path, "decode").items():
-            ab[(int(m.group(3)), s + (" head-major" if m.group(2) else ""), m.group(1))].append(us)
-for t in (16, 2):
+            ab[(int(m.group(3)), s + (" head-major" if m.group(2) else ""), m.group(1))][int(m.group(4))] = us
+for t in sorted({k[0] for k in ab}, reverse=True):
     shapes = sorted({k[1] for k in ab if k[0] == t})
-    if not shapes:
-        continue
-    print(f"A/B threads {t}: shape | new median (min-max) | ref median (min-max) | ref/new")
+    print(f"A/B threads {t}: shape | new median (min-max) | ref median (min-max) | ref/new of the medians | "
+          "median of the rounds' ref/new | each round's ref/new")
     for s in shapes:
-        cell = {v: ab.get((t, s, v), []) for v in ("new", "ref")}
+        cell = {v: ab.get((t, s, v), {}) for v in ("new", "ref")}
         if not all(cell.values()):
             continue
-        med = {v: statistics.median(x) for v, x in cell.items()}
-        print(f"{s:<60} " + " ".join(f"{med[v]:9.1f} ({min(cell[v]):.0f}-{max(cell[v]):.0f})" for v in ("new", "ref")) +
-              f"   {med['ref'] / med['new']:.2f}")
+        med = {v: statistics.median(x.values()) for v, x in cell.items()}
+        rounds = sorted(set(cell["new"]) & set(cell["ref"]))
+        per = [cell["ref"][r] / cell["new"][r] for r in rounds]
+        print(f"{s:<60} " + " ".join(f"{med[v]:9.1f} ({min(cell[v].values()):.0f}-{max(cell[v].values()):.0f})"
+                                     for v in ("new", "ref")) +
+              f"   {med['ref'] / med['new']:.2f}   {statistics.median(per):.2f}   " + " ".join(f"{x:.2f}" for x in per))

@@ -15,7 +15,6 @@
 // in fp32 after its product and dK at its store, and P and dS are rounded to bf16 before the
 // products that read them, as the FlashAttention rule's input-precision reference rounds them.
 #include <omp.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -353,7 +352,7 @@ bool tile_visible(const Band& band, std::int64_t i0, int m, std::int64_t j0, int
 // d = 128, 2 threads ran 2617-2692 ms with 4 and 2463-2637 with 8 (three alternated rounds), and
 // no slower at s = 1k-4k or d = 64.
 int key_group() {
-  static const int group = sysconf(_SC_LEVEL2_CACHE_SIZE) >= (2L << 20) ? 8 : 4;
+  static const int group = cache_bytes(2, 0) >= (2L << 20) ? 8 : 4;
   return group;
 }
 

@@ -575,7 +575,10 @@ constexpr int kDecodeMinRun = 1024;           // bytes of a key row per task, he
 // from pairs (decode_pairs: nothing to convert in K, and P·V converts each V element once for all
 // rows): against the stage (AMD EPYC, Zen 4, two rounds), 1 thread: GQA 32/8 s_q 4 and 8 (16 and
 // 32 rows) 1.34-1.47x, MHA s_q 16 1.42-1.43x, 134-537 MB calls 0.92-1.03x; 2 threads: head-major
-// 134-537 MB 1.39-1.47x, on (b, s, h_k, d) caches 0.93-1.00x, d = 64 1.22x. Not measured on the Xeon.
+// 134-537 MB 1.39-1.47x, on (b, s, h_k, d) caches 0.93-1.00x, d = 64 1.22x. Xeon, medians of 5-6
+// alternated rounds: head-major 0.93-1.13x at 16 threads; (b, s, h_k, d) caches 0.81-1.00x at 16-32
+// rows while their walk was keys outermost, and since walk_heads_outer, at 1, 2 and 16 threads,
+// b = 8 s_q 4 0.97-1.20x, b = 1 32k s_q 2 0.96-1.79x, 4k keys s_q 4-8 0.86-1.08x.
 constexpr int kDecodeInPlaceRows = 8;
 
 // With bf16 caches, where the table has the pair products (Kernels::dot_pairs_at), the products
@@ -615,6 +618,24 @@ int decode_chunk_keys(const FwdParams& p, int heads) {
 // against keys outermost (Xeon, 3 alternated rounds): 1.18-1.82x at 16 threads, 1.44-2.03x at 2;
 // where heads lie side by side, heads outermost lost up to 44%.
 bool heads_side_by_side(const detail::Strides& st) { return st.head < st.row; }  // strides >= 0 (validate.cpp)
+
+// The in-place products walk a chunk keys outermost (memory order, where heads lie side by side)
+// while the task's rows, Q, O and the scores of every head, fit in this CPU's L1 (cache_bytes;
+// 32 KiB where the OS does not say); past that every key block's visit of every head passed them
+// through L2, so the walk goes heads outermost, each head's rows staying in L1 over the chunk's keys
+// (its successor's rows prefetched, walk_blocks). The order changes no bits. Heads outermost against
+// keys outermost on (b, s, h_k, d) caches, medians of alternated rounds:
+// - AMD EPYC (Zen 4, 32 KiB L1), 3 rounds: GQA 32/8 s_q 2-8 (8-32 rows of 8 heads, 64-256 KiB of
+//   rows) 1.10-1.40x at 1 and 2 threads, b = 8 s_q 4 (134 MB) 1.34-1.55x, fp32 s_q 4 1.22-1.47x,
+//   fp32 s_q 1 (40 KiB) 0.96-1.18x; bf16 s_q 1 (32 KiB) 0.81-0.90x at 1 thread.
+// - Xeon (48 KiB L1), 5 rounds: b = 8 s_q 4 1.22-1.37x at 1, 2 and 16 threads, b = 1 32k s_q 2
+//   1.24-1.75x at 1 and 2; fp32 s_q 1 (40 KiB) 0.80-0.90x.
+bool walk_heads_outer(const FwdParams& p, const detail::Strides& st, int heads, int m, int keys, bool pairs) {
+  if (!heads_side_by_side(st)) return true;
+  const std::int64_t dp = tiles::round_up(p.d, kLanes), q = pairs ? tiles::round_up((p.d + 1) / 2, kLanes) : dp;
+  const std::int64_t row_bytes = 4 * (q + dp + tiles::round_up(keys, kLanes));
+  return std::int64_t{heads} * m * row_bytes > cache_bytes(1, 32 << 10);
+}
 
 // KV heads per task for a call of `threads` threads: the shape's group `heads` (`splits` splits per
 // item), halved by the rule at kDecodeGroupHeads (one thread has nothing to balance).
@@ -771,8 +792,8 @@ void fold_chunk(const FwdParams& p, const Kernels& kn, const SeqInfo& si, const 
 }
 
 // The chunk's KV heads folded with K and V read where the cache holds them (Kernels::dot_rows_at,
-// pv_rows_at, in the cache's memory order: heads_side_by_side): every head's scores, each head's
-// fold_scores, every head's O += P·V. The same arithmetic as fold_chunk over a stage.
+// pv_rows_at, in the order walk_heads_outer picks): every head's scores, each head's fold_scores,
+// every head's O += P·V. The same arithmetic as fold_chunk over a stage.
 void fold_chunk_in_place(const FwdParams& p, const Kernels& kn, const SeqInfo& si, const detail::Band& band, int b,
                          int hk0, int heads, int m, std::int64_t j0, int n, int keys, bool first, DecodeWorkspace& ws) {
   const int dp = ws.dp, cols = tiles::round_up(n, kLanes);
@@ -783,16 +804,18 @@ void fold_chunk_in_place(const FwdParams& p, const Kernels& kn, const SeqInfo& s
     std::fill(k_rows + n, k_rows + cols, k_rows[0]);
   }
   if (first) std::fill(ws.o.begin(), ws.o.begin() + static_cast<std::ptrdiff_t>(heads) * m * dp, 0.0f);
-  const bool pairs = decode_pairs(p, kn), heads_outer = !heads_side_by_side(p.k_stride);
+  const bool pairs = decode_pairs(p, kn);
   if (pairs)
-    kn.dot_pairs_at(heads, m, cols, p.d, ws.q2.data(), ws.dp2, ws.k_rows.data(), keys, heads_outer, ws.s.data(), cols);
+    kn.dot_pairs_at(heads, m, cols, p.d, ws.q2.data(), ws.dp2, ws.k_rows.data(), keys,
+                    walk_heads_outer(p, p.k_stride, heads, m, keys, pairs), ws.s.data(), cols);
   else
-    kn.dot_rows_at[t](heads, m, cols, p.d, ws.q.data(), dp, ws.k_rows.data(), keys, heads_outer, ws.s.data(), cols);
+    kn.dot_rows_at[t](heads, m, cols, p.d, ws.q.data(), dp, ws.k_rows.data(), keys,
+                      walk_heads_outer(p, p.k_stride, heads, m, keys, pairs), ws.s.data(), cols);
   for (int hk = 0; hk < heads; ++hk)
     fold_scores(p, kn, si, band, score_scale(p, pairs), hk0 * p.group(), hk, m, j0, n, first,
                 ws.s.data() + static_cast<std::ptrdiff_t>(hk) * m * cols, ws);
-  kn.pv_rows_at[t](heads, m, n, p.d, ws.s.data(), cols, ws.v_rows.data(), keys, !heads_side_by_side(p.v_stride),
-                   ws.o.data(), dp);
+  kn.pv_rows_at[t](heads, m, n, p.d, ws.s.data(), cols, ws.v_rows.data(), keys,
+                   walk_heads_outer(p, p.v_stride, heads, m, keys, pairs), ws.o.data(), dp);
 }
 
 // ws.o, ws.state <- the fold of key chunks [c_lo, c_hi) (chunks of `keys` keys of entry b) into

@@ -37,4 +37,8 @@ Isa default_isa();
 // The ISA a call with this Context::cpu_isa runs.
 Isa isa_for(CpuIsa requested);
 
+// This CPU's data cache of level 1 or 2, per core, in bytes (as the OS reports it, read once per
+// level), or `fallback` where the OS does not say: the CPU loops' blockings that depend on it.
+std::int64_t cache_bytes(int level, std::int64_t fallback);
+
 }  // namespace flashmonoid::cpu

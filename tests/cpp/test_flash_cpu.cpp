@@ -331,7 +331,9 @@ TEST(FlashDecode, MainloopsMatchFloat64Reference) {
 // - 8 heads over 9 splits: 8 / 8 / 8 / 8 / 4 / 1 (8 splits if counted from the 8 groups of 1);
 //   in bf16 at d = 128 (2 tasks per thread, runs of 1 KiB): 8 / 8 / 8 / 4 / 4 / 1; head-major
 //   (8 tasks per thread): 8 / 4 / 2 / 1 / 1 / 1.
-// Dropout and ALiBi number rows and slopes by query head across the regrouping.
+// Dropout and ALiBi number rows and slopes by query head across the regrouping. The d = 256 shape's
+// tasks of 8 heads (68 KiB of rows) walk heads outermost, those of 2 heads (17 KiB) keys outermost
+// (walk_heads_outer, with an L1 of 32 or 48 KiB): the same bits either way.
 TEST(FlashDecode, BitIdenticalForAnyThreadCount) {
   namespace cpu = flashmonoid::cpu;
   Shape splits11 = shape_of(DType::f32, 1, 2, 700, 8, 2, 72);
