@@ -620,21 +620,46 @@ int decode_chunk_keys(const FwdParams& p, int heads) {
 bool heads_side_by_side(const detail::Strides& st) { return st.head < st.row; }  // strides >= 0 (validate.cpp)
 
 // The in-place products walk a chunk keys outermost (memory order, where heads lie side by side)
-// while the task's rows, Q, O and the scores of every head, fit in this CPU's L1 (cache_bytes;
-// 32 KiB where the OS does not say); past that every key block's visit of every head passed them
-// through L2, so the walk goes heads outermost, each head's rows staying in L1 over the chunk's keys
-// (its successor's rows prefetched, walk_blocks). The order changes no bits. Heads outermost against
-// keys outermost on (b, s, h_k, d) caches, medians of alternated rounds:
-// - AMD EPYC (Zen 4, 32 KiB L1), 3 rounds: GQA 32/8 s_q 2-8 (8-32 rows of 8 heads, 64-256 KiB of
-//   rows) 1.10-1.40x at 1 and 2 threads, b = 8 s_q 4 (134 MB) 1.34-1.55x, fp32 s_q 4 1.22-1.47x,
-//   fp32 s_q 1 (40 KiB) 0.96-1.18x; bf16 s_q 1 (32 KiB) 0.81-0.90x at 1 thread.
-// - Xeon (48 KiB L1), 5 rounds: b = 8 s_q 4 1.22-1.37x at 1, 2 and 16 threads, b = 1 32k s_q 2
-//   1.24-1.75x at 1 and 2; fp32 s_q 1 (40 KiB) 0.80-0.90x.
-bool walk_heads_outer(const FwdParams& p, const detail::Strides& st, int heads, int m, int keys, bool pairs) {
+// unless one of two costs of that order applies; then heads outermost, each head's keys in turn with
+// the next block's rows prefetched (walk_blocks). The order changes no bits.
+// 1. The task's rows, Q, O and the scores of every head, exceed this CPU's L1 (cache_bytes; 32 KiB
+//    where the OS does not say): keys outermost, every block's visit of every head passed them
+//    through L2. Heads outermost against keys outermost on (b, s, h_k, d) caches, alternated rounds:
+//    - AMD EPYC (Zen 5, 48 KiB L1), 3 rounds, past 8 rows: GQA 32/8 s_q 2-8 (8-32 rows of 8 heads,
+//      64-256 KiB of rows) 1.10-1.40x at 1 and 2 threads, b = 8 s_q 4 (134 MB) 1.34-1.55x, fp32
+//      s_q 4 1.22-1.47x, fp32 s_q 1 (40 KiB) 0.96-1.18x;
+//    - Xeon (48 KiB L1), 5 rounds, past 32 KiB: b = 8 s_q 4 1.22-1.37x at 1, 2 and 16 threads,
+//      b = 1 32k s_q 2 1.24-1.75x at 1 and 2; fp32 s_q 1 (40 KiB) 0.80-0.90x.
+// 2. `streams`: a 2-byte cache larger than the threads' L2s together (decode_streams), whose chunk
+//    spans at most kDecodeWalkSpan: the reads come from L3 or DRAM, and the prefetched walk waits
+//    less for them. Against keys outermost, GQA 32/8 s_q 1 (4 rows of 8 heads, 128 KiB chunks),
+//    Xeon, medians of 4 alternated rounds at 16 / 2 / 1 threads: 134 MB 1.13-1.24 / 1.53-1.67 /
+//    1.14x, 537 MB 1.32 / 1.25 / 1.24x, 67 MB (h_k 4, 16k keys, d = 64) 0.98-1.05 / 1.14-1.42 /
+//    1.16-1.59x, fp16 134 MB 1.02 / 1.16 / 1.23x. Heads outermost lost where a chunk spans more
+//    (MHA, 8 KiB key rows: 512 KiB, 128 pages, visited once per head): Xeon 0.81-0.89x, AMD EPYC
+//    0.87-0.91x; and on fp32 caches (Xeon, 33 MB: 0.85-0.90x); and by 10-14% on the EPYC's caches
+//    of 4-17 MB at 1 thread (hence the size rule).
+constexpr std::int64_t kDecodeWalkSpan = 256 << 10;
+bool walk_heads_outer(const FwdParams& p, const detail::Strides& st, int heads, int m, int keys, bool pairs,
+                      bool streams) {
   if (!heads_side_by_side(st)) return true;
+  if (streams && std::int64_t{keys} * st.row * static_cast<std::int64_t>(dtype_size(p.dtype)) <= kDecodeWalkSpan)
+    return true;
   const std::int64_t dp = tiles::round_up(p.d, kLanes), q = pairs ? tiles::round_up((p.d + 1) / 2, kLanes) : dp;
   const std::int64_t row_bytes = 4 * (q + dp + tiles::round_up(keys, kLanes));
   return std::int64_t{heads} * m * row_bytes > cache_bytes(1, 32 << 10);
+}
+
+// Whether a call's K/V (2-byte) exceed the L2s of the threads that fold them and kDecodeStreamMin
+// (walk_heads_outer). The floor: on the AMD EPYC at 1 thread, GQA calls of 4 and 17 MB (over its
+// 1 MiB L2, inside its 32 MiB L3) ran 0.90x and 0.86x heads outermost, 67-134 MB 1.12-1.23x.
+constexpr std::int64_t kDecodeStreamMin = 32 << 20;
+bool decode_streams(const FwdParams& p, int threads) {
+  if (dtype_size(p.dtype) != 2) return false;
+  std::int64_t keys = 0;
+  for (int b = 0; b < p.batch; ++b) keys += seq_info(p, b).len_k;
+  const std::int64_t bytes = 2 * keys * p.h_k * p.d * 2;
+  return bytes > kDecodeStreamMin && bytes > std::int64_t{threads} * cache_bytes(2, 1 << 20);
 }
 
 // KV heads per task for a call of `threads` threads: the shape's group `heads` (`splits` splits per
@@ -674,6 +699,7 @@ struct DecodeWorkspace {
   // place); cols: the chunk's keys rounded up to 8
   AlignedFloats s;
   float m_run[kDecodeRows], sums[kDecodeRows];
+  bool streams = false;  // this call's decode_streams
 };
 
 // The calling thread's workspace, kept across calls (allocated per call it was page faults per
@@ -807,15 +833,15 @@ void fold_chunk_in_place(const FwdParams& p, const Kernels& kn, const SeqInfo& s
   const bool pairs = decode_pairs(p, kn);
   if (pairs)
     kn.dot_pairs_at(heads, m, cols, p.d, ws.q2.data(), ws.dp2, ws.k_rows.data(), keys,
-                    walk_heads_outer(p, p.k_stride, heads, m, keys, pairs), ws.s.data(), cols);
+                    walk_heads_outer(p, p.k_stride, heads, m, keys, pairs, ws.streams), ws.s.data(), cols);
   else
     kn.dot_rows_at[t](heads, m, cols, p.d, ws.q.data(), dp, ws.k_rows.data(), keys,
-                      walk_heads_outer(p, p.k_stride, heads, m, keys, pairs), ws.s.data(), cols);
+                      walk_heads_outer(p, p.k_stride, heads, m, keys, pairs, ws.streams), ws.s.data(), cols);
   for (int hk = 0; hk < heads; ++hk)
     fold_scores(p, kn, si, band, score_scale(p, pairs), hk0 * p.group(), hk, m, j0, n, first,
                 ws.s.data() + static_cast<std::ptrdiff_t>(hk) * m * cols, ws);
   kn.pv_rows_at[t](heads, m, n, p.d, ws.s.data(), cols, ws.v_rows.data(), keys,
-                   walk_heads_outer(p, p.v_stride, heads, m, keys, pairs), ws.o.data(), dp);
+                   walk_heads_outer(p, p.v_stride, heads, m, keys, pairs, ws.streams), ws.o.data(), dp);
 }
 
 // ws.o, ws.state <- the fold of key chunks [c_lo, c_hi) (chunks of `keys` keys of entry b) into
@@ -945,9 +971,11 @@ void flash_forward_decode(const FwdParams& p, int num_threads, const Kernels& kn
   Partials parts;
   if (splits > 1) parts.place(tasks, items, rows, dp, kept_scratch(Partials::bytes(tasks, items, rows, dp), parts.owned));
   const int threads = static_cast<int>(std::min<std::int64_t>(wanted, tasks));
+  const bool streams = decode_streams(p, std::max(threads, 1));
 #pragma omp parallel num_threads(std::max(threads, 1))
   {
     DecodeWorkspace& ws = decode_workspace(rows, keys, group_heads, staged, decode_pairs(p, kn), p);
+    ws.streams = streams;
 #pragma omp for schedule(dynamic, 1) nowait
     for (std::int64_t task = 0; task < tasks; ++task) {
       const std::int64_t item = task % items;

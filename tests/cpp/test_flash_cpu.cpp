@@ -369,6 +369,28 @@ TEST(FlashDecode, BitIdenticalForAnyThreadCount) {
   }
 }
 
+// A 2-byte cache larger than 32 MiB and the threads' L2s together (64 MiB here) walks heads
+// outermost (decode_streams, walk_heads_outer) at 1 thread and keys outermost at 64 requested
+// threads (64 tasks: 64-128 MiB of L2): the rule met both ways, and the same bits.
+TEST(FlashDecode, LargeCachesWalkEitherWayWithTheSameBits) {
+  namespace cpu = flashmonoid::cpu;
+  for (DType t : {DType::bf16, DType::f16}) {
+    const Shape s = shape_of(t, 1, 1, 32768, 32, 8, 64);
+    SCOPED_TRACE(s.str());
+    Problem pb(s);
+    std::vector<const cpu::Kernels*> tables{&cpu::kernels_avx2(), &cpu::kernels_avx512_emulated()};
+    if (t == DType::bf16) tables = bf16_tables();
+    for (const cpu::Kernels* kn : tables) {
+      SCOPED_TRACE(cpu::to_string(kn->isa));
+      auto [o, l] = pb.flash(*kn, 1, cpu::flash_forward_decode);
+      expect_forward_close(pb, o, l);
+      auto [o2, l2] = pb.flash(*kn, 64, cpu::flash_forward_decode);
+      EXPECT_EQ(o.buf, o2.buf);
+      EXPECT_EQ(l.buf, l2.buf);
+    }
+  }
+}
+
 // decode_path: every sequence's s_q · group at most 32.
 TEST(FlashDecode, DispatchSwitchesAboveThirtyTwoRowsPerKvHead) {
   const auto decode_path = [](const Shape& s) {
