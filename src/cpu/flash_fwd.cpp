@@ -658,7 +658,7 @@ bool decode_streams(const FwdParams& p, int threads) {
   if (dtype_size(p.dtype) != 2) return false;
   std::int64_t keys = 0;
   for (int b = 0; b < p.batch; ++b) keys += seq_info(p, b).len_k;
-  const std::int64_t bytes = 2 * keys * p.h_k * p.d * 2;
+  const std::int64_t bytes = 2 * keys * p.h_k * p.d * static_cast<std::int64_t>(dtype_size(p.dtype));
   return bytes > kDecodeStreamMin && bytes > std::int64_t{threads} * cache_bytes(2, 1 << 20);
 }
 

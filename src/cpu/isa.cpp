@@ -80,16 +80,16 @@ Isa read_default() {
 
 }  // namespace
 
-// The bf16-pair products measured, 2 threads, bf16 forward, against torch's bf16 CPU SDPA: on an AMD
-// EPYC (Zen 4) 1.66-2.09x against the fp32 products' 1.10-1.25x; on Intel Xeons 0.55-0.85x the fp32
-// products (16 threads) and 0.94-1.03x against their 1.55-1.76x (2 threads) (bench/NOTES.md, issue 13).
-// So they run by default on AMD CPUs and stay opt-in on Intel ones.
 std::int64_t cache_bytes(int level, std::int64_t fallback) {
   static const long l1 = sysconf(_SC_LEVEL1_DCACHE_SIZE), l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);  // <= 0: unknown
   const long n = level == 1 ? l1 : l2;
   return n > 0 ? std::int64_t{n} : fallback;
 }
 
+// The bf16-pair products measured, 2 threads, bf16 forward, against torch's bf16 CPU SDPA: on an AMD
+// EPYC (Zen 4) 1.66-2.09x against the fp32 products' 1.10-1.25x; on Intel Xeons 0.55-0.85x the fp32
+// products (16 threads) and 0.94-1.03x against their 1.55-1.76x (2 threads) (bench/NOTES.md, issue 13).
+// So they run by default on AMD CPUs and stay opt-in on Intel ones.
 bool bf16_products_by_default() {
   static const bool amd = detect_amd();
   return amd;

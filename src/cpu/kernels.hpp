@@ -73,11 +73,12 @@ struct Kernels {
   // cache holds them and converted in registers, without a stage: over `heads` KV heads
   // at once, rows[h·ld_rows + c] pointing at key c's row of head h, d elements of the cache's type
   // (index kRowF32, kRowBf16, kRowF16), never read past them. Blocks of keys (4 for the scores, 8
-  // for P·V) in the cache's memory order: keys outermost, heads inside, for a (keys, h_k, d) cache;
-  // with heads_outer (head-major caches, (h_k, keys, d)) each head's keys in turn, each block's
-  // successor prefetched into L1 in address order (a block's rows are read a vector of each in
-  // turn, which the hardware prefetchers do not follow within a page; measured at flash_fwd.cpp's
-  // heads_side_by_side). The order changes no bits: each head's sums are its own. Rows of A, S, P
+  // for P·V): keys outermost, heads inside (a (keys, h_k, d) cache's memory order); or with
+  // heads_outer (head-major caches, (h_k, keys, d), and where flash_fwd.cpp's walk_heads_outer says)
+  // each head's keys in turn, each block's successor prefetched into L1 in address order (a block's
+  // rows are read a vector of each in turn, which the hardware prefetchers do not follow within a
+  // page; measured at heads_side_by_side and walk_heads_outer). The order changes no bits: each
+  // head's sums are its own. Rows of A, S, P
   // and O for head h start at row h·m; A and O rows hold dp = d rounded up to 8 floats, A's zero
   // past d.
   //   dot_rows_at: S[h·m + r][c] = A[h·m + r] · K_c for c < n (n a multiple of 4), summed as
