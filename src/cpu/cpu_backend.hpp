@@ -27,6 +27,9 @@ void flash_forward(const detail::FwdParams& p, int num_threads, const Kernels& k
 void flash_forward_tiled(const detail::FwdParams& p, int num_threads, const Kernels& kn);
 void flash_forward_decode(const detail::FwdParams& p, int num_threads, const Kernels& kn);
 bool decode_path(const detail::FwdParams& p);
+// Whether flash_forward_decode, run by `threads` threads, walks p's 2-byte K/V as streams: more
+// bytes than 32 MiB and than the threads' L2s together (flash_fwd.cpp, walk_heads_outer).
+bool decode_streams(const detail::FwdParams& p, int threads);
 void flash_backward(const detail::BwdParams& p, int num_threads, const Kernels& kn);
 
 void merge(const detail::MergeParams& p);

@@ -640,27 +640,17 @@ bool heads_side_by_side(const detail::Strides& st) { return st.head < st.row; } 
 //    0.87-0.91x; and on fp32 caches (Xeon, 33 MB: 0.85-0.90x); and by 10-14% on the EPYC's caches
 //    of 4-17 MB at 1 thread (hence the size rule).
 constexpr std::int64_t kDecodeWalkSpan = 256 << 10;
-bool walk_heads_outer(const FwdParams& p, const detail::Strides& st, int heads, int m, int keys, bool pairs,
-                      bool streams) {
+// The walk of K or V (strides st) for a task whose rows (Q, O, scores of every head) take
+// rows_bytes, over chunks of `keys` keys.
+bool walk_heads_outer(const FwdParams& p, const detail::Strides& st, std::int64_t rows_bytes, int keys, bool streams) {
   if (!heads_side_by_side(st)) return true;
   if (streams && std::int64_t{keys} * st.row * static_cast<std::int64_t>(dtype_size(p.dtype)) <= kDecodeWalkSpan)
     return true;
-  const std::int64_t dp = tiles::round_up(p.d, kLanes), q = pairs ? tiles::round_up((p.d + 1) / 2, kLanes) : dp;
-  const std::int64_t row_bytes = 4 * (q + dp + tiles::round_up(keys, kLanes));
-  return std::int64_t{heads} * m * row_bytes > cache_bytes(1, 32 << 10);
+  return rows_bytes > cache_bytes(1, 32 << 10);
 }
-
-// Whether a call's K/V (2-byte) exceed the L2s of the threads that fold them and kDecodeStreamMin
-// (walk_heads_outer). The floor: on the AMD EPYC at 1 thread, GQA calls of 4 and 17 MB (over its
-// 1 MiB L2, inside its 32 MiB L3) ran 0.90x and 0.86x heads outermost, 67-134 MB 1.12-1.23x.
+// decode_streams' floor (cpu_backend.hpp): on the AMD EPYC at 1 thread, GQA calls of 4 and 17 MB
+// (over its 1 MiB L2, inside its 32 MiB L3) ran 0.90x and 0.86x heads outermost, 67-134 MB 1.12-1.23x.
 constexpr std::int64_t kDecodeStreamMin = 32 << 20;
-bool decode_streams(const FwdParams& p, int threads) {
-  if (dtype_size(p.dtype) != 2) return false;
-  std::int64_t keys = 0;
-  for (int b = 0; b < p.batch; ++b) keys += seq_info(p, b).len_k;
-  const std::int64_t bytes = 2 * keys * p.h_k * p.d * static_cast<std::int64_t>(dtype_size(p.dtype));
-  return bytes > kDecodeStreamMin && bytes > std::int64_t{threads} * cache_bytes(2, 1 << 20);
-}
 
 // KV heads per task for a call of `threads` threads: the shape's group `heads` (`splits` splits per
 // item), halved by the rule at kDecodeGroupHeads (one thread has nothing to balance).
@@ -831,17 +821,18 @@ void fold_chunk_in_place(const FwdParams& p, const Kernels& kn, const SeqInfo& s
   }
   if (first) std::fill(ws.o.begin(), ws.o.begin() + static_cast<std::ptrdiff_t>(heads) * m * dp, 0.0f);
   const bool pairs = decode_pairs(p, kn);
+  const std::int64_t rows_bytes =  // the task's Q (fp32 rows or pairs), O and scores
+      4 * std::int64_t{heads} * m * ((pairs ? ws.dp2 : dp) + dp + tiles::round_up(keys, kLanes));
+  const bool k_heads_outer = walk_heads_outer(p, p.k_stride, rows_bytes, keys, ws.streams);
   if (pairs)
-    kn.dot_pairs_at(heads, m, cols, p.d, ws.q2.data(), ws.dp2, ws.k_rows.data(), keys,
-                    walk_heads_outer(p, p.k_stride, heads, m, keys, pairs, ws.streams), ws.s.data(), cols);
+    kn.dot_pairs_at(heads, m, cols, p.d, ws.q2.data(), ws.dp2, ws.k_rows.data(), keys, k_heads_outer, ws.s.data(), cols);
   else
-    kn.dot_rows_at[t](heads, m, cols, p.d, ws.q.data(), dp, ws.k_rows.data(), keys,
-                      walk_heads_outer(p, p.k_stride, heads, m, keys, pairs, ws.streams), ws.s.data(), cols);
+    kn.dot_rows_at[t](heads, m, cols, p.d, ws.q.data(), dp, ws.k_rows.data(), keys, k_heads_outer, ws.s.data(), cols);
   for (int hk = 0; hk < heads; ++hk)
     fold_scores(p, kn, si, band, score_scale(p, pairs), hk0 * p.group(), hk, m, j0, n, first,
                 ws.s.data() + static_cast<std::ptrdiff_t>(hk) * m * cols, ws);
   kn.pv_rows_at[t](heads, m, n, p.d, ws.s.data(), cols, ws.v_rows.data(), keys,
-                   walk_heads_outer(p, p.v_stride, heads, m, keys, pairs, ws.streams), ws.o.data(), dp);
+                   walk_heads_outer(p, p.v_stride, rows_bytes, keys, ws.streams), ws.o.data(), dp);
 }
 
 // ws.o, ws.state <- the fold of key chunks [c_lo, c_hi) (chunks of `keys` keys of entry b) into
@@ -935,6 +926,14 @@ bool decode_path(const FwdParams& p) {
   for (int b = 0; b < p.batch; ++b)
     if (static_cast<std::int64_t>(seq_info(p, b).len_q) * p.group() > kDecodeRows) return false;
   return true;
+}
+
+bool decode_streams(const FwdParams& p, int threads) {
+  if (dtype_size(p.dtype) != 2) return false;
+  std::int64_t keys = 0;
+  for (int b = 0; b < p.batch; ++b) keys += seq_info(p, b).len_k;
+  const std::int64_t bytes = 2 * keys * p.h_k * p.d * static_cast<std::int64_t>(dtype_size(p.dtype));
+  return bytes > kDecodeStreamMin && bytes > std::int64_t{threads} * cache_bytes(2, 1 << 20);
 }
 
 // Decoding, the second mainloop (decode_fold above): one parallel region without a barrier, tasks

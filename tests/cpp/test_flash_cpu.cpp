@@ -370,14 +370,21 @@ TEST(FlashDecode, BitIdenticalForAnyThreadCount) {
 }
 
 // A 2-byte cache larger than 32 MiB and the threads' L2s together (64 MiB here) walks heads
-// outermost (decode_streams, walk_heads_outer) at 1 thread and keys outermost at 64 requested
-// threads (64 tasks: 64-128 MiB of L2): the rule met both ways, and the same bits.
+// outermost (decode_streams, walk_heads_outer) at 1 thread and, where the L2s hold 1 MiB or more,
+// keys outermost at 64 requested threads (64 tasks): the rule met both ways, and the same bits.
 TEST(FlashDecode, LargeCachesWalkEitherWayWithTheSameBits) {
   namespace cpu = flashmonoid::cpu;
   for (DType t : {DType::bf16, DType::f16}) {
     const Shape s = shape_of(t, 1, 1, 32768, 32, 8, 64);
     SCOPED_TRACE(s.str());
     Problem pb(s);
+    {
+      HostTensor o = pb.new_out(), l = pb.new_lse();
+      const auto p =
+          flashmonoid::detail::make_fwd_params(pb.q.view, pb.k.view, pb.v.view, o.view, l.view, pb.opt, pb.varlen());
+      ASSERT_TRUE(cpu::decode_streams(p, 1));  // the premise: both walks below (with L2s of 1 MiB or more)
+      if (cpu::cache_bytes(2, 0) >= (1 << 20)) ASSERT_FALSE(cpu::decode_streams(p, 64));
+    }
     std::vector<const cpu::Kernels*> tables{&cpu::kernels_avx2(), &cpu::kernels_avx512_emulated()};
     if (t == DType::bf16) tables = bf16_tables();
     for (const cpu::Kernels* kn : tables) {
