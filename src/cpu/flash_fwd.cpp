@@ -554,14 +554,16 @@ constexpr int kDecodeMaxSplits = 16;
 // KV head folds its own rows alone (fold_chunk; dot_rows_at and pv_rows_at head by head) over the
 // same chunks and splits in any group. The group is halved while the call has fewer tasks than
 // threads (the dynamic schedule wants a few per thread to even out the threads' rates); head-major
-// (a head's keys one run in any group), while it has fewer than kDecodeTasksPerThread per thread;
-// heads side by side in 2-byte caches, while it has fewer than kDecodeTasksPerThreadRuns and a
-// task's run of a key row stays >= kDecodeMinRun bytes. Against groups of 8 (Xeon, 16 threads, b = 1,
-// h = 32, d = 128, 4 alternated rounds): head-major 1.10-1.56x at all 13 shapes, heads side by side
-// in bf16 1.22x at s_k = 32k; fp32 side by side lost with groups of 4 (s_q = 1 227 against 202 us),
-// so it halves only below one task per thread.
+// (a head's keys one run in any group) and fp32 caches, while it has fewer than
+// kDecodeTasksPerThread per thread; heads side by side in 2-byte caches, while it has fewer than
+// kDecodeTasksPerThreadRuns; side by side, only while a task's run of a key row stays >=
+// kDecodeMinRun bytes. Against groups of 8 (Xeon, 16 threads, b = 1, h = 32, d = 128, alternated
+// rounds): head-major 1.10-1.56x at all 13 shapes, heads side by side in bf16 1.22x at s_k = 32k;
+// fp32 side by side at 8 tasks per thread against 1 (groups of 2 instead of 8 at h_k = 8), 5
+// alternated rounds: GQA s_q = 2 / 4 / 8 1.13 / 1.22 / 1.41x, MHA s_q = 1 1.11x, GQA s_q = 1
+// 0.98-1.07x; bf16 side by side at 8 lost (MHA s_q = 4 0.90-0.91x).
 constexpr int kDecodeGroupHeads = 8;
-constexpr int kDecodeTasksPerThread = 8;      // head-major memory
+constexpr int kDecodeTasksPerThread = 8;      // head-major memory, fp32 caches
 constexpr int kDecodeTasksPerThreadRuns = 2;  // heads side by side, 2-byte caches
 constexpr int kDecodeMinRun = 1024;           // bytes of a key row per task, heads side by side
 // With 2-byte caches, up to this many query rows per KV head the products read K and V where the
@@ -661,7 +663,7 @@ int task_heads(const FwdParams& p, int heads, int splits, int threads) {
   const auto runs_ok = [&](int g) {
     return !side_by_side || std::int64_t{g} * p.d * static_cast<std::int64_t>(dtype_size(p.dtype)) >= kDecodeMinRun;
   };
-  const int per_thread = !side_by_side ? kDecodeTasksPerThread : dtype_size(p.dtype) == 2 ? kDecodeTasksPerThreadRuns : 1;
+  const int per_thread = side_by_side && dtype_size(p.dtype) == 2 ? kDecodeTasksPerThreadRuns : kDecodeTasksPerThread;
   while (heads > 1) {
     const int half = (heads + 1) / 2;
     const bool few = threads > 1 && tasks(heads) < std::int64_t{per_thread} * threads && runs_ok(half);

@@ -326,13 +326,14 @@ TEST(FlashDecode, MainloopsMatchFloat64Reference) {
 // only the partition: the same bits for any thread count, and the rule met. Per shape, the KV heads
 // per task at 1 / 2 / 3 / 5 / 16 / 64 threads:
 // - 2 heads, 11 splits of 11 chunks: 2 / 2 / 2 / 2 / 1 / 1;
-// - 8 heads at d = 256 (32-key chunks, 64 in groups of 4): 8 / 8 / 4 / 2 / 1 / 1;
+// - 8 heads at d = 256 (32-key chunks, 64 in groups of 4): 8 / 1 / 1 / 1 / 1 / 1 (fp32: 8 tasks per
+//   thread, runs of 1 KiB);
 // - 12 heads: 8+4 / 8+4 / 8+4 / 4 / 1 / 1;  7 heads: 7 / 7 / 4+3 / 2+2+2+1 / 1 / 1;
-// - 8 heads over 9 splits: 8 / 8 / 8 / 8 / 4 / 1 (8 splits if counted from the 8 groups of 1);
+// - 8 heads over 9 splits: 8 / 4 / 4 / 4 / 4 / 1 (8 splits if counted from the 8 groups of 1);
 //   in bf16 at d = 128 (2 tasks per thread, runs of 1 KiB): 8 / 8 / 8 / 4 / 4 / 1; head-major
 //   (8 tasks per thread): 8 / 4 / 2 / 1 / 1 / 1.
 // Dropout and ALiBi number rows and slopes by query head across the regrouping. The d = 256 shape's
-// tasks of 8 heads (68 KiB of rows) walk heads outermost, those of 2 heads (17 KiB) keys outermost
+// tasks of 8 heads (68 KiB of rows) walk heads outermost, those of 1 head (9 KiB) keys outermost
 // (walk_heads_outer, with an L1 of 32 or 48 KiB): the same bits either way.
 TEST(FlashDecode, BitIdenticalForAnyThreadCount) {
   namespace cpu = flashmonoid::cpu;
