@@ -888,8 +888,6 @@ int decode_fold(const FwdParams& p, const Kernels& kn, int b, int hk0, int heads
   return rows;
 }
 
-}  // namespace
-
 // The tiled forward's tasks dealt as contiguous ranges: a thread takes its own range's tasks in
 // order, then the other ranges' from their fronts (thread i + 1's first). Tasks are numbered query
 // block innermost, so a thread's consecutive tasks fold the same head's (or KV group's) packed K/V,
@@ -922,6 +920,8 @@ class RangeQueue {
   int n_;
   std::unique_ptr<Range[]> r_;
 };
+
+}  // namespace
 
 void flash_forward_tiled(const FwdParams& p, int num_threads, const Kernels& kn) {
   const Tasks tasks = make_tasks(p);
