@@ -196,9 +196,9 @@ struct Align64 {
 using AlignedFloats = std::vector<float, Align64<float>>;
 
 // One thread's tiles. dp = d rounded up to the 8-wide vector; d2 = pairs along d. The q2, p2 and
-// staging2 tiles serve bf16 pair products and are empty otherwise, as q is then. The fp32 products'
-// K and V go straight into their panels (tiles::load_rows_panels), with no staging tile: s = 1k,
-// 2 threads, AMD EPYC, 1.5% faster at d = 64 than through a staging tile and to_panels, 3-4% on AVX2.
+// row2 tiles serve bf16 pair products and are empty otherwise, as q is then. V goes straight into
+// its panels (tiles::load_rows_panels, pack_tile), with no staging tile: s = 1k, 2 threads, AMD
+// EPYC, fp32 1.5% faster at d = 64 than through a staging tile and to_panels, 3-4% on AVX2.
 struct Workspace {
   int d, dp, d2;
   AlignedFloats q;   // (kBlockM, d)   scale · Q
@@ -207,7 +207,7 @@ struct Workspace {
   std::vector<float> row;  // (8, d)    staging rows for packing Kᵀ (tiles::load_rows_transposed_panels)
   std::vector<std::uint32_t> q2;        // (kBlockM, d2)  Q's pairs along d, unscaled
   std::vector<std::uint32_t> p2;        // (kBlockM, kBlockN / 2)  P's pairs along the keys
-  std::vector<std::uint32_t> staging2;  // (max(d2, kBlockN / 2), max(kBlockN, dp))  pairs before to_panels
+  std::vector<std::uint32_t> row2;      // (8, d2)  staging rows for packing Kᵀ's pairs (tiles::rows_transposed_panels)
   std::vector<RowState> state;  // (kBlockM)
   std::vector<float> alpha;     // (kBlockM)  rescale of o for the current key block
   std::vector<float> m_run, sums;  // (kBlockM)  Kernels::softmax_rows' running maxima and row sums
@@ -218,7 +218,7 @@ struct Workspace {
     if (pairs) {
       q2.resize(static_cast<std::size_t>(kBlockM) * d2);
       p2.resize(kBlockM * kBlockN / 2);
-      staging2.resize(static_cast<std::size_t>(std::max(d2, kBlockN / 2)) * std::max(kBlockN, dp));
+      row2.resize(static_cast<std::size_t>(8) * d2);
     } else {
       q.resize(static_cast<std::size_t>(kBlockM) * d);
     }
@@ -260,18 +260,23 @@ void pack_tile(const FwdParams& p, PackedKV& kv, std::int64_t t, Workspace& ws) 
   // AMX: element by element the packing was ~10% of the forward at s = 1k).
   const auto* k = static_cast<const std::uint16_t*>(p.k);
   tiles::rows_transposed_panels([&](int r, std::uint32_t* out) { tiles::pairs_of_row(k + rows.k(r), p.d, out); }, n,
-                                kv.d2, kBlockN, kv.panel, ws.staging2.data(), kv.kt2_tile(t));
-  // V pairs (kBlockN / 2, dp): row j pairs keys 2j and 2j + 1; keys past n are zero.
+                                kv.d2, kBlockN, kv.panel, ws.row2.data(), kv.kt2_tile(t));
+  // V pairs (kBlockN / 2, vp): row j pairs keys 2j and 2j + 1, written straight into the panels;
+  // keys past n and columns past d are zero. With V in cache, 1.8 us a tile of d = 128 against 8.9
+  // through a row-major stage, to_panels and the scalar pairs (AMD EPYC); in a forward at 1k keys the
+  // packing's share stayed ~8%: it waits on its first reads of K and V from memory.
   const auto* v = static_cast<const std::uint16_t*>(p.v);
   for (int j = 0; j < kBlockN / 2; ++j) {
     const int r0 = 2 * j, r1 = 2 * j + 1;
-    std::uint32_t* dst = ws.staging2.data() + static_cast<std::int64_t>(j) * kv.dp;
-    if (r0 < n)
-      tiles::pairs_across_rows(v + rows.v(r0), r1 < n ? v + rows.v(r1) : nullptr, p.d, kv.dp, dst);
-    else
-      std::fill(dst, dst + kv.dp, 0u);
+    for (int c = 0; c < kv.vp; c += kv.panel) {
+      std::uint32_t* dst = kv.v2_tile(t) + static_cast<std::int64_t>(c) * (kBlockN / 2) + j * kv.panel;
+      if (r0 < n)
+        tiles::pairs_across_rows(v + rows.v(r0) + c, r1 < n ? v + rows.v(r1) + c : nullptr,
+                                 std::clamp(p.d - c, 0, kv.panel), kv.panel, dst);
+      else
+        std::fill(dst, dst + kv.panel, 0u);
+    }
   }
-  tiles::to_panels(ws.staging2.data(), kBlockN / 2, kv.dp, kv.dp, kv.panel, kv.v2_tile(t));
 }
 
 // Score transforms in the order detail/mask.hpp defines them, in natural units (tiles::kLog2e

@@ -272,9 +272,18 @@ inline void pairs_of_row(const std::uint16_t* src, int d, std::uint32_t* dst) {
 
 // dst[c] <- (r0[c], r1[c]) for c < d, zero for c in [d, ld); r1 = nullptr reads zeros: two rows of
 // a bf16 tensor paired across rows (V paired along the keys, the B operand of O += P·V).
+// 8 columns at a time by interleaving the two rows' 16-bit halves: the scalar loop as compiled took
+// ~3x as long (a forward's V tile of d = 128 in cache, AMD EPYC).
 inline void pairs_across_rows(const std::uint16_t* r0, const std::uint16_t* r1, int d, int ld, std::uint32_t* dst) {
-  for (int c = 0; c < d; ++c) dst[c] = r0[c] | (r1 ? static_cast<std::uint32_t>(r1[c]) << 16 : 0u);
-  for (int c = d; c < ld; ++c) dst[c] = 0;
+  int c = 0;
+  for (; c + 8 <= d; c += 8) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r0 + c));
+    const __m128i b = r1 != nullptr ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(r1 + c)) : _mm_setzero_si128();
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + c), _mm_unpacklo_epi16(a, b));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + c + 4), _mm_unpackhi_epi16(a, b));
+  }
+  for (; c < d; ++c) dst[c] = r0[c] | (r1 ? static_cast<std::uint32_t>(r1[c]) << 16 : 0u);
+  for (c = d; c < ld; ++c) dst[c] = 0;
 }
 
 // The row at element `offset` of a tensor of dtype t <- mul · src[0, d) (fp32), rounded to nearest
