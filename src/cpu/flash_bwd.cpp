@@ -8,7 +8,8 @@
 //           order.
 // Five block products per tile pair, as FlashAttention-2 with atomic dQ. The earlier version
 // recomputed S and dP in a separate dQ pass (7 products); the partials cost O(chunks·total_q·h·d)
-// memory instead, with the chunk count bounded by kMaxChunks.
+// memory instead, with the chunk count bounded by kMaxChunks. The packed copies and the partials
+// are one region of the calling thread's kept scratch (cpu/scratch.hpp) up to 64 MiB.
 //
 // As in the forward (flash_fwd.cpp), bf16 inputs run the products on bf16 pairs where the kernel
 // table has a bf16 dot product (AVX512_BF16): Q, K, V and dO stay exactly the input, Sᵀ is scaled
@@ -25,6 +26,7 @@
 #include "cpu/cpu_backend.hpp"
 #include "cpu/flash_tiles.hpp"
 #include "cpu/kernels.hpp"
+#include "cpu/scratch.hpp"
 #include "flashmonoid/detail/philox.hpp"
 
 namespace flashmonoid::cpu {
@@ -83,16 +85,23 @@ std::pair<std::int64_t, std::int64_t> chunk_blocks(const BlockGrid& kgrid, int b
   return {nb * c / used, nb * (c + 1) / used};
 }
 
-// An uninitialised array. The packed copies and the dQ partials are written in full by the
-// workers before anything reads them; std::vector's zero fill of them (24 MiB at s = 1k, d = 128,
+// An uninitialised array, a slice of the call's scratch (kept_scratch; flash_backward places every
+// array once the shape has sized them). The packed copies and the dQ partials are written in full by
+// the workers before anything reads them; std::vector's zero fill of them (24 MiB at s = 1k, d = 128,
 // h = 4) ran on one thread before the parallel region and took every page fault there. Dropping it,
 // with skipping untouched partials, took that shape (causal, 2 threads) from 39.6 to 26.5 ms.
 template <class T>
 struct Uninit {
-  std::unique_ptr<T[]> p;
-  void resize(std::size_t n) { p = std::make_unique_for_overwrite<T[]>(n); }
-  T* data() { return p.get(); }
-  const T* data() const { return p.get(); }
+  T* p = nullptr;
+  std::size_t n = 0;
+  void resize(std::size_t count) { n = count; }
+  std::size_t bytes() const { return (n * sizeof(T) + 63) / 64 * 64; }
+  void place(std::byte*& at) {
+    p = reinterpret_cast<T*>(at);
+    at += bytes();
+  }
+  T* data() { return p; }
+  const T* data() const { return p; }
 };
 using Floats = Uninit<float>;
 using Pairs = Uninit<std::uint32_t>;  // bf16 pairs (src/cpu/simd_bf16.hpp)
@@ -519,6 +528,13 @@ void flash_backward(const BwdParams& p, int num_threads, const Kernels& kn) {
   // chunks uses only the first ones (chunk_blocks would give the others no block).
   Floats dq_parts;
   dq_parts.resize(static_cast<std::size_t>(chunks) * n_qtiles * kBlockM * pq.dp);
+  std::unique_ptr<std::byte[]> owned;
+  const auto place = [&](auto&... x) {
+    std::byte* at = kept_scratch((x.bytes() + ...), owned);
+    (x.place(at), ...);
+  };
+  place(kv.k, kv.v, kv.k2, kv.v2, kv.kx2, pq.qt, pq.dot, pq.q, pq.dout, pq.qt2, pq.dot2, pq.q2, pq.dout2, pq.lse,
+        pq.dsum, dq_parts);
   std::vector<unsigned char> touched(static_cast<std::size_t>(chunks) * n_qtiles, 0);
   const std::int64_t n_tasks = static_cast<std::int64_t>(p.batch) * chunks * p.h_k;
 

@@ -23,6 +23,7 @@
 #include "cpu/flash_tiles.hpp"
 #include "cpu/kernels.hpp"
 #include "cpu/profile.hpp"
+#include "cpu/scratch.hpp"
 #include "flashmonoid/detail/monoid.hpp"
 #include "flashmonoid/error.hpp"
 #include "flashmonoid/detail/philox.hpp"
@@ -131,29 +132,6 @@ struct PackedKV {
   const void* kt_any(std::int64_t t) const { return pairs ? static_cast<const void*>(kt2_tile(t)) : kt_tile(t); }
   const void* v_any(std::int64_t t) const { return pairs ? static_cast<const void*>(v2_tile(t)) : v_tile(t); }
 };
-
-// Scratch of `bytes`, uninitialised. Up to kKeepScratchBytes it is the calling thread's, kept across
-// calls: allocated per call, the packed K/V's pages were faulted in (and zeroed by the kernel) on
-// every call, ~1k minor faults for 4 MB at s = 1k, and keeping them made the forward 3-10% faster
-// at s = 1k, 2 threads, inside the torch benchmark process (AMD EPYC, d = 128: 22.1 against 24.4
-// ms); at 32 MiB (s = 4k, d = 128, h = 8) the 8192 page faults of a fresh buffer still cost 2-3% of
-// the call, hence 64 MiB (s = 8k, d = 128, h = 8). Larger scratch is the call's own (`owned`), so that a
-// thread does not hold it. The pages stay where the packing threads first touched them.
-constexpr std::size_t kKeepScratchBytes = std::size_t{64} << 20;
-std::byte* align64(std::byte* p) { return p + (-reinterpret_cast<std::uintptr_t>(p) & 63); }
-std::byte* kept_scratch(std::size_t bytes, std::unique_ptr<std::byte[]>& owned) {
-  if (bytes > kKeepScratchBytes) {
-    owned = std::make_unique_for_overwrite<std::byte[]>(bytes + 64);
-    return align64(owned.get());
-  }
-  thread_local std::unique_ptr<std::byte[]> kept;
-  thread_local std::size_t kept_bytes = 0;
-  if (bytes > kept_bytes) {
-    kept = std::make_unique_for_overwrite<std::byte[]>(bytes + 64);
-    kept_bytes = bytes;
-  }
-  return align64(kept.get());
-}
 
 // Whether this call's products run on bf16 pairs.
 bool pair_products(const FwdParams& p, const Kernels& kn) { return p.dtype == DType::bf16 && kn.gemm_bf16 != nullptr; }
