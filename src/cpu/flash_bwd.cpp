@@ -422,9 +422,12 @@ void accumulate(const Kernels& kn, const PackedKV& kv, const PackedQ& pq, std::i
   const int m2 = (m + 1) / 2, n2 = (n + 1) / 2;
   tiles::gemm_panels(kn.gemm_bf16_acc, n, dp, m2, ws.pt2.data(), kM2, pq.dout2_tile(qtile), kM2, pq.panel, dv, dp);
   tiles::gemm_panels(kn.gemm_bf16_acc, n, dp, m2, ws.dst2.data(), kM2, pq.q2_tile(qtile), kM2, pq.panel, dk, dp);
-  auto ds_t = [&](int r, int i) { return r < n ? ws.dst2[r * kM2 + i / 2] >> (16 * (i % 2)) & 0xFFFFu : 0u; };
-  for (int i = 0; i < m; ++i)
-    for (int j = 0; j < n2; ++j) ws.ds2[i * kN2 + j] = ds_t(2 * j, i) | ds_t(2 * j + 1, i) << 16;
+  // dS's pairs along the keys: the 16-bit transpose of dSᵀ's, over whole 8 × 8 blocks, rows past n
+  // zeroed first (the last pair of an odd n is (dS, 0)); element by element it took ~10% of the
+  // backward (bf16, d = 128, s = 1k, AMD EPYC).
+  const int n8 = tiles::round_up(n, 8), m8 = tiles::round_up(m, 8);
+  std::fill(ws.dst2.begin() + n * kM2, ws.dst2.begin() + n8 * kM2, 0u);
+  tiles::transpose_u16(ws.dst2.data(), n8, m8, kBlockM, ws.ds2.data(), kBlockN);
   (first_dq ? kn.gemm_bf16 : kn.gemm_bf16_acc)(m, dp, n2, ws.ds2.data(), kN2, kv.kx2_tile(tile), dp, dq, dp);
 }
 

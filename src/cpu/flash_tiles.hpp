@@ -160,6 +160,35 @@ inline void transpose8x8(const float* s, int lds, float* d, int ldd) {
   }
 }
 
+// The same for 16-bit elements, rows and cols multiples of 8 (strides in elements): 8×8 blocks in
+// three rounds of unpacks. Only vector loads and stores touch the memory, so any 16-bit data (bf16
+// bits in uint32 pair arrays among them) may pass through.
+inline void transpose_u16(const void* src, int rows, int cols, int lds, void* dst, int ldd) {
+  const auto* s = static_cast<const std::uint16_t*>(src);
+  auto* d = static_cast<std::uint16_t*>(dst);
+  for (int r0 = 0; r0 < rows; r0 += 8)
+    for (int c0 = 0; c0 < cols; c0 += 8) {
+      __m128i x[8], a[8], b[8];
+      for (int i = 0; i < 8; ++i)
+        x[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + static_cast<std::int64_t>(r0 + i) * lds + c0));
+      for (int i = 0; i < 8; i += 2) {  // rows i, i + 1 interleaved: columns 0-3, then 4-7
+        a[i] = _mm_unpacklo_epi16(x[i], x[i + 1]);
+        a[i + 1] = _mm_unpackhi_epi16(x[i], x[i + 1]);
+      }
+      for (int i = 0; i < 8; i += 4) {  // rows i .. i + 3: columns (0, 1), (2, 3), (4, 5), (6, 7)
+        b[i] = _mm_unpacklo_epi32(a[i], a[i + 2]);
+        b[i + 1] = _mm_unpackhi_epi32(a[i], a[i + 2]);
+        b[i + 2] = _mm_unpacklo_epi32(a[i + 1], a[i + 3]);
+        b[i + 3] = _mm_unpackhi_epi32(a[i + 1], a[i + 3]);
+      }
+      for (int c = 0; c < 8; ++c) {  // column c: rows 0-3 from b[c / 2], rows 4-7 from b[4 + c / 2]
+        const __m128i col = c % 2 == 0 ? _mm_unpacklo_epi64(b[c / 2], b[4 + c / 2])
+                                       : _mm_unpackhi_epi64(b[c / 2], b[4 + c / 2]);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(d + static_cast<std::int64_t>(c0 + c) * ldd + r0), col);
+      }
+    }
+}
+
 // dst[c·ldd + r] = src[r·lds + c] for r < rows, c < cols: 8×8 blocks, the edges element by element.
 // T: any 4-byte element (floats, or bf16 pairs: the shuffles move bits, never round them).
 template <class T>
