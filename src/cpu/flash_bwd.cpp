@@ -9,7 +9,7 @@
 // Five block products per tile pair, as FlashAttention-2 with atomic dQ. The earlier version
 // recomputed S and dP in a separate dQ pass (7 products); the partials cost O(chunks·total_q·h·d)
 // memory instead, with the chunk count bounded by kMaxChunks. The packed copies and the partials
-// are one region of the calling thread's kept scratch (cpu/scratch.hpp) up to 64 MiB.
+// are one region of the calling thread's kept scratch (cpu/scratch.hpp) up to 256 MiB.
 //
 // As in the forward (flash_fwd.cpp), bf16 inputs run the products on bf16 pairs where the kernel
 // table has a bf16 dot product (AVX512_BF16): Q, K, V and dO stay exactly the input, Sᵀ is scaled

@@ -1,7 +1,7 @@
 // CPU flash forward: for each (batch, head, block of kBlockM query rows) a fold of the
 // online-softmax monoid (detail/monoid.hpp) over blocks of kBlockN keys. Per thread the only
 // scores alive are one (kBlockM, kBlockN) tile. Extra memory: K and V packed once
-// (O(total_k·h_k·d); up to 64 MiB of it kept by the calling thread for its next call, kept_scratch)
+// (O(total_k·h_k·d); up to 256 MiB of it kept by the calling thread for its next call, kept_scratch)
 // and the per-thread tiles (O(kBlockM·d)).
 //
 // The two block products run on fp32 operands (K, V and Q converted when packed), or, for bf16

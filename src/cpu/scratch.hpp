@@ -13,13 +13,14 @@ namespace flashmonoid::cpu {
 // on every call. The forward's packed K/V, ~1k minor faults for 4 MB at s = 1k: kept, the forward
 // 3-10% faster at s = 1k, 2 threads, inside the torch benchmark process (AMD EPYC, d = 128: 22.1
 // against 24.4 ms); at 32 MiB (s = 4k, d = 128, h = 8) the 8192 page faults of a fresh buffer still
-// cost 2-3% of the call, hence 64 MiB (s = 8k, d = 128, h = 8). The backward's packed Q, dO, K, V and
-// dQ partials (~22 MB at b = 1, h = 8, s = 1k, d = 128, bf16; twice that in fp32), kept against
-// fresh per call (AMD EPYC, 2 threads, alternated runs): bf16 d = 128 17.8-20.1 against 22.6-23.1 ms,
-// fp32 d = 128 26.2 against 34.6-35.4, fp32 d = 64 12.5-12.6 against 17.5. Larger scratch is the
-// call's own (`owned`), so that a thread does not hold it. The pages stay where the packing threads first touched them.
+// cost 2-3% of the call. The backward's packed Q, dO, K, V and dQ partials (~22 MB at b = 1, h = 8,
+// s = 1k, d = 128, bf16; twice that in fp32), kept against fresh per call (AMD EPYC, 2 threads,
+// alternated runs): bf16 d = 128 17.8-20.1 against 22.6-23.1 ms, fp32 d = 128 26.2 against
+// 34.6-35.4, fp32 d = 64 12.5-12.6 against 17.5; at s = 4k (88 MB) 213-219 against 241 ms. Hence
+// 256 MiB: the forward to s = 32k and the backward to s = 8k (bf16, d = 128, h = 8) keep theirs; a
+// thread holds what its largest call needed, no more. Larger scratch is the call's own (`owned`). The pages stay where the packing threads first touched them.
 // Every call returns the same memory: a pass takes one region and lays all its arrays out in it.
-inline constexpr std::size_t kKeepScratchBytes = std::size_t{64} << 20;
+inline constexpr std::size_t kKeepScratchBytes = std::size_t{256} << 20;
 inline std::byte* align64(std::byte* p) { return p + (-reinterpret_cast<std::uintptr_t>(p) & 63); }
 inline std::byte* kept_scratch(std::size_t bytes, std::unique_ptr<std::byte[]>& owned) {
   if (bytes > kKeepScratchBytes) {
