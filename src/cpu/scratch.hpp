@@ -15,8 +15,10 @@ namespace flashmonoid::cpu {
 // against 24.4 ms); at 32 MiB (s = 4k, d = 128, h = 8) the 8192 page faults of a fresh buffer still
 // cost 2-3% of the call. The backward's packed Q, dO, K, V and dQ partials (~22 MB at b = 1, h = 8,
 // s = 1k, d = 128, bf16; twice that in fp32), kept against fresh per call (AMD EPYC, 2 threads,
-// alternated runs): bf16 d = 128 17.8-20.1 against 22.6-23.1 ms, fp32 d = 128 26.2 against
-// 34.6-35.4, fp32 d = 64 12.5-12.6 against 17.5; at s = 4k (88 MB) 213-219 against 241 ms. Hence
+// alternated runs, a C++ process calling the API): bf16 d = 128 17.8-20.1 against 22.6-23.1 ms, fp32
+// d = 128 26.2 against 34.6-35.4, fp32 d = 64 12.5-12.6 against 17.5; at s = 4k (88 MB) 213-219
+// against 241 ms (inside bench/cpu_vs_torch.py's process the same with and without: glibc was
+// reusing the freed memory there). Hence
 // 256 MiB: the forward to s = 32k and the backward to s = 8k (bf16, d = 128, h = 8) keep theirs; a
 // thread holds what its largest call needed, no more. Larger scratch is the call's own (`owned`).
 // The pages stay where the packing threads first touched them. Every call returns the same memory:
