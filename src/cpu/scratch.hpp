@@ -18,11 +18,10 @@ namespace flashmonoid::cpu {
 // alternated runs, a C++ process calling the API): bf16 d = 128 17.8-20.1 against 22.6-23.1 ms, fp32
 // d = 128 26.2 against 34.6-35.4, fp32 d = 64 12.5-12.6 against 17.5; at s = 4k (88 MB) 213-219
 // against 241 ms (inside bench/cpu_vs_torch.py's process the same with and without: glibc was
-// reusing the freed memory there). Hence
-// 256 MiB: the forward to s = 32k and the backward to s = 8k (bf16, d = 128, h = 8) keep theirs; a
-// thread holds what its largest call needed, no more. Larger scratch is the call's own (`owned`).
-// The pages stay where the packing threads first touched them. Every call returns the same memory:
-// a pass takes one region and lays all its arrays out in it.
+// reusing the freed memory there). Hence 256 MiB: the forward to s = 32k and the backward to s = 8k
+// (bf16, d = 128, h = 8) keep theirs; a thread holds what its largest call needed, no more. Larger
+// scratch is the call's own (`owned`). The pages stay where the packing threads first touched them.
+// Every call returns the same memory: a pass takes one region and lays all its arrays out in it.
 inline constexpr std::size_t kKeepScratchBytes = std::size_t{256} << 20;
 inline std::byte* align64(std::byte* p) { return p + (-reinterpret_cast<std::uintptr_t>(p) & 63); }
 inline std::byte* kept_scratch(std::size_t bytes, std::unique_ptr<std::byte[]>& owned) {
