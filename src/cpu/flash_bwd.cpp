@@ -79,10 +79,30 @@ int used_chunks(const BlockGrid& kgrid, int b, int chunks) {
   return static_cast<int>(std::min<std::int64_t>(chunks, kgrid.first[b + 1] - kgrid.first[b]));
 }
 
-// Key block range [begin, end) of chunk c of batch entry b: chunks split the entry's blocks evenly.
-std::pair<std::int64_t, std::int64_t> chunk_blocks(const BlockGrid& kgrid, int b, int used, int c) {
+// First key block of each of batch entry b's `used` chunks, then the entry's block count (used + 1
+// values). The chunks split the entry's work, the query blocks that see each key block
+// (Band::query_begin / query_end), into about equal shares, the blocks in order, each block in one
+// chunk (a chunk may get none); evenly by block count where no query sees any key. Split by block
+// count instead, a causal call's first chunk holds 3/4 of the work at 2 chunks (every later query
+// sees its keys): at b = 1, h_k = 8 (16 tasks) on 16 threads, the balanced split made the whole
+// causal backward 1.25-1.34x faster on a 16-core Xeon; unchanged without a mask (bench/NOTES.md).
+void chunk_starts(const BwdParams& p, const BlockGrid& kgrid, int b, int used, std::int64_t* starts) {
   const std::int64_t nb = kgrid.first[b + 1] - kgrid.first[b];
-  return {nb * c / used, nb * (c + 1) / used};
+  const SeqInfo si = seq_info(p, b);
+  const Band band = band_of(p, si);
+  std::vector<std::int64_t> before(nb + 1, 0);  // work of key blocks [0, kb)
+  for (std::int64_t kb = 0; kb < nb; ++kb) {
+    const std::int64_t j0 = kb * kBlockN, j1 = std::min<std::int64_t>(j0 + kBlockN, si.len_k);
+    const std::int64_t q0 = band.query_begin(j0), q1 = band.query_end(j1, si.len_q);
+    before[kb + 1] = before[kb] + (q1 > q0 ? (q1 + kBlockM - 1) / kBlockM - q0 / kBlockM : 0);
+  }
+  const std::int64_t total = before[nb];
+  for (int c = 0; c < used; ++c)
+    starts[c] = total == 0 ? nb * c / used
+                           : std::partition_point(before.begin(), before.end(),
+                                                  [&](std::int64_t w) { return w * used < total * c; }) -
+                                 before.begin();
+  starts[used] = nb;
 }
 
 // An uninitialised array, a slice of the call's scratch (kept_scratch; flash_backward places every
@@ -528,7 +548,7 @@ void flash_backward(const BwdParams& p, int num_threads, const Kernels& kn) {
   const std::int64_t n_ktiles = kgrid.total() * p.h_k, n_qtiles = qgrid.total() * p.h;
   const int chunks = chunks_per_entry(p);
   // Chunk c's partial dQ, tiles laid out like PackedQ's; an entry with fewer key blocks than
-  // chunks uses only the first ones (chunk_blocks would give the others no block).
+  // chunks uses only the first ones (chunk_starts gives the others no block).
   Floats dq_parts;
   dq_parts.resize(static_cast<std::size_t>(chunks) * n_qtiles * kBlockM * pq.dp);
   std::unique_ptr<std::byte[]> owned;
@@ -540,6 +560,8 @@ void flash_backward(const BwdParams& p, int num_threads, const Kernels& kn) {
         pq.dsum, dq_parts);
   std::vector<unsigned char> touched(static_cast<std::size_t>(chunks) * n_qtiles, 0);
   const std::int64_t n_tasks = static_cast<std::int64_t>(p.batch) * chunks * p.h_k;
+  std::vector<std::int64_t> starts(static_cast<std::size_t>(p.batch) * (chunks + 1));  // entry b's at b·(chunks + 1)
+  for (int b = 0; b < p.batch; ++b) chunk_starts(p, kgrid, b, used_chunks(kgrid, b, chunks), starts.data() + b * (chunks + 1));
 
   // One parallel region, its loops separated by barriers: on a loaded 2-core machine each
   // fork/join cost ~10 ms (see flash_fwd.cpp).
@@ -551,8 +573,7 @@ void flash_backward(const BwdParams& p, int num_threads, const Kernels& kn) {
 #pragma omp for schedule(static)
     for (std::int64_t t = 0; t < n_ktiles; ++t) pack_tile(p, kgrid, kv, t);
 
-    // Dynamic, chunks in ascending order: under causal masks chunk 0 sees the most query blocks,
-    // so the largest tasks start first.
+    // Dynamic, chunks in ascending order (chunk_starts balances their work).
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t t = 0; t < n_tasks; ++t) {
       const int c = static_cast<int>(t / (static_cast<std::int64_t>(p.batch) * p.h_k));
@@ -560,8 +581,8 @@ void flash_backward(const BwdParams& p, int num_threads, const Kernels& kn) {
       const int hk = static_cast<int>(t % p.h_k);
       const int used = used_chunks(kgrid, b, chunks);
       if (c >= used) continue;
-      auto [kb_begin, kb_end] = chunk_blocks(kgrid, b, used, c);
-      key_chunk(p, kn, kv, kgrid, qgrid, pq, b, hk, kb_begin, kb_end,
+      const std::int64_t* st = starts.data() + static_cast<std::size_t>(b) * (chunks + 1);
+      key_chunk(p, kn, kv, kgrid, qgrid, pq, b, hk, st[c], st[c + 1],
                 dq_parts.data() + static_cast<std::size_t>(c) * n_qtiles * kBlockM * pq.dp, touched.data() + c * n_qtiles,
                 ws);
     }
