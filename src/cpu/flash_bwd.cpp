@@ -8,7 +8,7 @@
 //           order.
 // Five block products per tile pair, as FlashAttention-2 with atomic dQ. The earlier version
 // recomputed S and dP in a separate dQ pass (7 products); the partials cost O(chunks·total_q·h·d)
-// memory instead, with the chunk count bounded by kMaxChunks. The packed copies and the partials
+// memory instead, the chunk count bounded by kMaxChunks and kMaxPartialBytes (ChunkPlan). The packed copies and the partials
 // are one region of the calling thread's kept scratch (cpu/scratch.hpp) up to 256 MiB.
 //
 // As in the forward (flash_fwd.cpp), bf16 inputs run the products on bf16 pairs where the kernel
@@ -61,49 +61,70 @@ struct BlockGrid {
   }
 };
 
-// Key chunks of pass 1: enough (batch, chunk, KV head) tasks to balance the threads, at most
-// kMaxChunks partial dQ buffers (each the size of Q in fp32). Depends on the shape only, never on
-// the thread count, so the order of the dQ sum is the same for any number of threads. 16 tasks
-// (4 chunks at b·h_k = 4) ran as fast as 32 with 2 threads (s = 1k-4k, causal and not, within
-// noise) and need half the partials.
-constexpr int kTargetTasks = 16;
+// Key chunks of pass 1, from the shape alone (never the thread count), so the order of the dQ sum
+// is the same for any number of threads. A batch entry with nb key blocks takes
+//   min(nb, max(lo, min(hi, nb / kMinChunkBlocks)))
+// chunks: lo gives kMinTasks (batch, chunk, KV head) tasks whatever the chunks' size; hi up to
+// kTargetTasks while a chunk keeps kMinChunkBlocks key blocks (one key group, key_group(), on
+// the Xeon: smaller chunks read the query side once more per chunk) and the partial dQ buffers
+// past lo's (each the size of Q in fp32) stay within kMaxPartialBytes. On a 16-core Xeon (b = 1,
+// h = h_k = 8, alternated rounds): 64 tasks against 16 at 4k keys, 16 threads, 1.20-1.27x causal or
+// not; at 12 threads (16 tasks leave 4 threads a second round) 1.09-1.23x; 8 chunks of 2 blocks
+// at 1k keys gained nothing there and cost 5-10% at 2 threads on the EPYC (bench/NOTES.md).
+constexpr int kMinTasks = 16;
+constexpr int kTargetTasks = 64;
+constexpr int kMinChunkBlocks = 8;
 constexpr int kMaxChunks = 8;
+constexpr std::int64_t kMaxPartialBytes = std::int64_t{128} << 20;
 
-int chunks_per_entry(const BwdParams& p) {
-  const int per_entry = (kTargetTasks + p.batch * p.h_k - 1) / (p.batch * p.h_k);
-  return std::clamp(per_entry, 1, kMaxChunks);
-}
+// The chunks of every batch entry. The chunks split an entry's work, the query blocks that see
+// each key block (Band::query_begin / query_end), into about equal shares, the blocks in order,
+// each block in one chunk (a chunk may get none); evenly by block count where no query sees any
+// key. Split by block count instead, a causal call's first chunk holds 3/4 of the work at 2 chunks
+// (every later query sees its keys): at b = 1, h_k = 8 (16 tasks) on 16 threads the balanced split
+// made the whole causal backward 1.25-1.34x faster on the Xeon; unchanged without a mask.
+struct ChunkPlan {
+  int max = 0;                       // the most chunks an entry takes: the number of dQ partials
+  std::vector<int> used;             // (batch) chunks of each entry
+  std::vector<std::int64_t> starts;  // (batch, kMaxChunks + 1) first key block of each chunk, then nb
 
-// Chunks of batch entry b: one per key block when it has fewer blocks than chunks (0 if no key).
-int used_chunks(const BlockGrid& kgrid, int b, int chunks) {
-  return static_cast<int>(std::min<std::int64_t>(chunks, kgrid.first[b + 1] - kgrid.first[b]));
-}
-
-// First key block of each of batch entry b's `used` chunks, then the entry's block count (used + 1
-// values). The chunks split the entry's work, the query blocks that see each key block
-// (Band::query_begin / query_end), into about equal shares, the blocks in order, each block in one
-// chunk (a chunk may get none); evenly by block count where no query sees any key. Split by block
-// count instead, a causal call's first chunk holds 3/4 of the work at 2 chunks (every later query
-// sees its keys): at b = 1, h_k = 8 (16 tasks) on 16 threads, the balanced split made the whole
-// causal backward 1.25-1.34x faster on a 16-core Xeon; unchanged without a mask (bench/NOTES.md).
-void chunk_starts(const BwdParams& p, const BlockGrid& kgrid, int b, int used, std::int64_t* starts) {
-  const std::int64_t nb = kgrid.first[b + 1] - kgrid.first[b];
-  const SeqInfo si = seq_info(p, b);
-  const Band band = band_of(p, si);
-  std::vector<std::int64_t> before(nb + 1, 0);  // work of key blocks [0, kb)
-  for (std::int64_t kb = 0; kb < nb; ++kb) {
-    const std::int64_t j0 = kb * kBlockN, j1 = std::min<std::int64_t>(j0 + kBlockN, si.len_k);
-    const std::int64_t q0 = band.query_begin(j0), q1 = band.query_end(j1, si.len_q);
-    before[kb + 1] = before[kb] + (q1 > q0 ? (q1 + kBlockM - 1) / kBlockM - q0 / kBlockM : 0);
+  ChunkPlan(const BwdParams& p, const BlockGrid& kgrid, std::int64_t partial_bytes)
+      : used(p.batch), starts(static_cast<std::size_t>(p.batch) * (kMaxChunks + 1)) {
+    const auto chunks_for = [&](int tasks) {
+      return std::clamp((tasks + p.batch * p.h_k - 1) / (p.batch * p.h_k), 1, kMaxChunks);
+    };
+    const int lo = chunks_for(kMinTasks);
+    const int hi = static_cast<int>(std::clamp<std::int64_t>(lo + kMaxPartialBytes / partial_bytes, lo, chunks_for(kTargetTasks)));
+    for (int b = 0; b < p.batch; ++b) {
+      const std::int64_t nb = kgrid.first[b + 1] - kgrid.first[b];
+      used[b] = static_cast<int>(std::min<std::int64_t>(nb, std::clamp<std::int64_t>(nb / kMinChunkBlocks, lo, hi)));
+      max = std::max(max, used[b]);
+      split(p, b, nb);
+    }
   }
-  const std::int64_t total = before[nb];
-  for (int c = 0; c < used; ++c)
-    starts[c] = total == 0 ? nb * c / used
-                           : std::partition_point(before.begin(), before.end(),
-                                                  [&](std::int64_t w) { return w * used < total * c; }) -
-                                 before.begin();
-  starts[used] = nb;
-}
+  const std::int64_t* of(int b) const { return starts.data() + static_cast<std::size_t>(b) * (kMaxChunks + 1); }
+
+ private:
+  void split(const BwdParams& p, int b, std::int64_t nb) {
+    const SeqInfo si = seq_info(p, b);
+    const Band band = band_of(p, si);
+    std::vector<std::int64_t> before(nb + 1, 0);  // work of key blocks [0, kb)
+    for (std::int64_t kb = 0; kb < nb; ++kb) {
+      const std::int64_t j0 = kb * kBlockN, j1 = std::min<std::int64_t>(j0 + kBlockN, si.len_k);
+      const std::int64_t q0 = band.query_begin(j0), q1 = band.query_end(j1, si.len_q);
+      before[kb + 1] = before[kb] + (q1 > q0 ? (q1 + kBlockM - 1) / kBlockM - q0 / kBlockM : 0);
+    }
+    const std::int64_t total = before[nb];
+    const int n = used[b];
+    std::int64_t* st = starts.data() + static_cast<std::size_t>(b) * (kMaxChunks + 1);
+    for (int c = 0; c < n; ++c)
+      st[c] = total == 0 ? nb * c / n
+                         : std::partition_point(before.begin(), before.end(),
+                                                [&](std::int64_t w) { return w * n < total * c; }) -
+                               before.begin();
+    st[n] = nb;
+  }
+};
 
 // An uninitialised array, a slice of the call's scratch (kept_scratch; flash_backward places every
 // array once the shape has sized them). The packed copies and the dQ partials are written in full by
@@ -511,8 +532,8 @@ void key_chunk(const BwdParams& p, const Kernels& kn, const PackedKV& kv, const 
 
 // Pass 2: dQ rows of query tile qtile = scale · (partial_0 + partial_1 + ...), the touched chunks in
 // order. row: (dp) staging row.
-void reduce_dq(const BwdParams& p, const BlockGrid& kgrid, const BlockGrid& qgrid, const Floats& dq_parts,
-               const std::vector<unsigned char>& touched, int chunks, std::int64_t qtile, int dp, float* row) {
+void reduce_dq(const BwdParams& p, const BlockGrid& qgrid, const Floats& dq_parts,
+               const std::vector<unsigned char>& touched, const ChunkPlan& plan, std::int64_t qtile, int dp, float* row) {
   const std::int64_t block = qtile / p.h;
   const int hq = static_cast<int>(qtile % p.h);
   const int b = qgrid.batch_of(block);
@@ -521,7 +542,7 @@ void reduce_dq(const BwdParams& p, const BlockGrid& kgrid, const BlockGrid& qgri
   const int m = static_cast<int>(std::min<std::int64_t>(kBlockM, si.len_q - i0));
   const std::int64_t n_qtiles = qgrid.total() * p.h;
   const std::size_t part_size = static_cast<std::size_t>(n_qtiles) * kBlockM * dp;
-  const int used = used_chunks(kgrid, b, chunks);
+  const int used = plan.used[b];
   const __m256 scale = _mm256_set1_ps(p.scale);
   for (int r = 0; r < m; ++r) {
     const float* src = dq_parts.data() + (qtile * kBlockM + r) * dp;
@@ -546,11 +567,12 @@ void flash_backward(const BwdParams& p, int num_threads, const Kernels& kn) {
   PackedQ pq;
   size_packed(p, qgrid, kn.panel, pairs, pq);
   const std::int64_t n_ktiles = kgrid.total() * p.h_k, n_qtiles = qgrid.total() * p.h;
-  const int chunks = chunks_per_entry(p);
-  // Chunk c's partial dQ, tiles laid out like PackedQ's; an entry with fewer key blocks than
-  // chunks uses only the first ones (chunk_starts gives the others no block).
+  // Chunk c's partial dQ, tiles laid out like PackedQ's; an entry with fewer chunks than the
+  // plan's most uses only the first ones.
+  const std::size_t part_size = static_cast<std::size_t>(n_qtiles) * kBlockM * pq.dp;
+  const ChunkPlan plan(p, kgrid, static_cast<std::int64_t>(part_size * sizeof(float)));
   Floats dq_parts;
-  dq_parts.resize(static_cast<std::size_t>(chunks) * n_qtiles * kBlockM * pq.dp);
+  dq_parts.resize(plan.max * part_size);
   std::unique_ptr<std::byte[]> owned;
   const auto place = [&](auto&... x) {
     std::byte* at = kept_scratch((x.bytes() + ...), owned);
@@ -558,10 +580,8 @@ void flash_backward(const BwdParams& p, int num_threads, const Kernels& kn) {
   };
   place(kv.k, kv.v, kv.k2, kv.v2, kv.kx2, pq.qt, pq.dot, pq.q, pq.dout, pq.qt2, pq.dot2, pq.q2, pq.dout2, pq.lse,
         pq.dsum, dq_parts);
-  std::vector<unsigned char> touched(static_cast<std::size_t>(chunks) * n_qtiles, 0);
-  const std::int64_t n_tasks = static_cast<std::int64_t>(p.batch) * chunks * p.h_k;
-  std::vector<std::int64_t> starts(static_cast<std::size_t>(p.batch) * (chunks + 1));  // entry b's at b·(chunks + 1)
-  for (int b = 0; b < p.batch; ++b) chunk_starts(p, kgrid, b, used_chunks(kgrid, b, chunks), starts.data() + b * (chunks + 1));
+  std::vector<unsigned char> touched(static_cast<std::size_t>(plan.max) * n_qtiles, 0);
+  const std::int64_t n_tasks = static_cast<std::int64_t>(p.batch) * plan.max * p.h_k;
 
   // One parallel region, its loops separated by barriers: on a loaded 2-core machine each
   // fork/join cost ~10 ms (see flash_fwd.cpp).
@@ -573,21 +593,18 @@ void flash_backward(const BwdParams& p, int num_threads, const Kernels& kn) {
 #pragma omp for schedule(static)
     for (std::int64_t t = 0; t < n_ktiles; ++t) pack_tile(p, kgrid, kv, t);
 
-    // Dynamic, chunks in ascending order (chunk_starts balances their work).
+    // Dynamic, chunks in ascending order (ChunkPlan balances their work).
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t t = 0; t < n_tasks; ++t) {
       const int c = static_cast<int>(t / (static_cast<std::int64_t>(p.batch) * p.h_k));
       const int b = static_cast<int>(t / p.h_k % p.batch);
       const int hk = static_cast<int>(t % p.h_k);
-      const int used = used_chunks(kgrid, b, chunks);
-      if (c >= used) continue;
-      const std::int64_t* st = starts.data() + static_cast<std::size_t>(b) * (chunks + 1);
-      key_chunk(p, kn, kv, kgrid, qgrid, pq, b, hk, st[c], st[c + 1],
-                dq_parts.data() + static_cast<std::size_t>(c) * n_qtiles * kBlockM * pq.dp, touched.data() + c * n_qtiles,
-                ws);
+      if (c >= plan.used[b]) continue;
+      key_chunk(p, kn, kv, kgrid, qgrid, pq, b, hk, plan.of(b)[c], plan.of(b)[c + 1], dq_parts.data() + c * part_size,
+                touched.data() + c * n_qtiles, ws);
     }
 #pragma omp for schedule(static) nowait
-    for (std::int64_t t = 0; t < n_qtiles; ++t) reduce_dq(p, kgrid, qgrid, dq_parts, touched, chunks, t, pq.dp, ws.dk.data());
+    for (std::int64_t t = 0; t < n_qtiles; ++t) reduce_dq(p, qgrid, dq_parts, touched, plan, t, pq.dp, ws.dk.data());
   }
 }
 
