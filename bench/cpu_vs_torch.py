@@ -19,8 +19,9 @@ FLASHMONOID_CPU_ISA caps what flashmonoid picks for the whole process (avx512: A
 bf16 products, to compare them with the fp32 products on one machine); the JSON records it as
 cpu_isa_env.
 Passes: fwd (under no_grad), fwd_bwd (forward and backward through autograd, both libraries).
-FLOPs: 4·b·h·s²·d for the forward, 2.5x that for the backward (fwd_bwd counts 3.5x).
-Records: {impl, pass, dtype, threads, batch, nheads, hdim, seqlen, ms, gflops, cpu}; each
+FLOPs: 4·b·h·s²·d for the forward, 2.5x that for the backward (fwd_bwd counts 3.5x), halved with
+--causal (both libraries then mask; torch through is_causal).
+Records: {impl, pass, dtype, threads, batch, nheads, hdim, seqlen, causal, ms, gflops, cpu}; each
 flashmonoid record also carries max_abs_diff, its output's largest difference from torch's.
 Not part of CI: it takes minutes.
 """
@@ -49,6 +50,7 @@ def parse_args():
     ap.add_argument("--bf16-passes", default="fwd", help="passes timed for bf16 (fp32 gets --passes)")
     ap.add_argument("--impls", default="flashmonoid,flashmonoid_avx2,torch_cpu")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--causal", action="store_true", help="causal masks in both libraries (FLOPs halved)")
     ap.add_argument("--installed", action="store_true", help="use an importable flashmonoid, build nothing")
     return ap.parse_args()
 
@@ -148,14 +150,14 @@ def main():
 
             def attn(q, k, v):
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    return F.scaled_dot_product_attention(q, k, v)
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=args.causal)
         else:
             isa = "avx2" if impl == "flashmonoid_avx2" else "best"
 
             def attn(q, k, v):
                 fm.set_cpu_isa(isa)
                 try:
-                    return fm.attention(q, k, v)
+                    return fm.attention(q, k, v, causal=args.causal)
                 finally:
                     fm.set_cpu_isa("best")
         if pas == "fwd":
@@ -190,13 +192,13 @@ def main():
                             t0 = time.perf_counter()
                             calls[impl]()
                             times[impl].append((time.perf_counter() - t0) * 1e3)
-                    flops = 4.0 * b * h * s * s * d * (3.5 if pas == "fwd_bwd" else 1.0)
+                    flops = 4.0 * b * h * s * s * d * (3.5 if pas == "fwd_bwd" else 1.0) * (0.5 if args.causal else 1.0)
                     ref = outs.get("torch_cpu")
                     line = []
                     for impl in impls:
                         ms = statistics.median(times[impl])
                         rec = dict(impl=impl, pas=pas, dtype=dtype_name, threads=args.threads, batch=b, nheads=h,
-                                   hdim=d, seqlen=s, ms=round(ms, 3), gflops=round(flops / ms / 1e6, 2), cpu=cpu)
+                                   hdim=d, seqlen=s, causal=args.causal, ms=round(ms, 3), gflops=round(flops / ms / 1e6, 2), cpu=cpu)
                         rec["pass"] = rec.pop("pas")
                         if ref is not None and impl != "torch_cpu":
                             diff = (outs[impl].float() - ref.transpose(1, 2).float()).abs().max().item()
@@ -207,7 +209,7 @@ def main():
                     if "torch_cpu" in times and "flashmonoid" in times:
                         speed = statistics.median(times["torch_cpu"]) / statistics.median(times["flashmonoid"])
                         ratio = f"  flashmonoid/torch speed {speed:.2f}x"
-                    print(f"{dtype_name} {pas:7s} d={d:3d} s={s:5d} | " + " | ".join(line) + ratio, flush=True)
+                    print(f"{dtype_name} {pas:7s} d={d:3d} s={s:5d}{' causal' if args.causal else ''} | " + " | ".join(line) + ratio, flush=True)
                     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
                     with open(out, "w") as f:
                         json.dump({"cpu": cpu, "threads": args.threads, "torch": torch.__version__,
