@@ -8,8 +8,8 @@
 //           order.
 // Five block products per tile pair, as FlashAttention-2 with atomic dQ. The earlier version
 // recomputed S and dP in a separate dQ pass (7 products); the partials cost O(chunks·total_q·h·d)
-// memory instead, the chunk count bounded by kMaxChunks and kMaxPartialBytes (ChunkPlan). The packed copies and the partials
-// are one region of the calling thread's kept scratch (cpu/scratch.hpp) up to 256 MiB.
+// memory instead, the chunk count bounded by kMaxChunks (ChunkPlan). The packed copies and the
+// partials are one region of the calling thread's kept scratch (cpu/scratch.hpp) up to 256 MiB.
 //
 // As in the forward (flash_fwd.cpp), bf16 inputs run the products on bf16 pairs where the kernel
 // table has a bf16 dot product (AVX512_BF16): Q, K, V and dO stay exactly the input, Sᵀ is scaled
@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -66,8 +67,9 @@ struct BlockGrid {
 //   min(nb, max(lo, min(hi, nb / kMinChunkBlocks)))
 // chunks: lo gives kMinTasks (batch, chunk, KV head) tasks whatever the chunks' size; hi up to
 // kTargetTasks while a chunk keeps kMinChunkBlocks key blocks (one key group, key_group(), on
-// the Xeon: smaller chunks read the query side once more per chunk) and the partial dQ buffers
-// past lo's (each the size of Q in fp32) stay within kMaxPartialBytes. On a 16-core Xeon (b = 1,
+// the Xeon: smaller chunks read the query side once more per chunk) and the call's scratch with
+// the partial dQ buffers past lo's (each the size of Q in fp32) stays within what a thread keeps
+// (kKeepScratchBytes: past it every call faults its pages in again). On a 16-core Xeon (b = 1,
 // h = h_k = 8, alternated rounds): 64 tasks against 16 at 4k keys, 16 threads, 1.20-1.27x causal or
 // not; at 12 threads (16 tasks leave 4 threads a second round) 1.09-1.23x; 8 chunks of 2 blocks
 // at 1k keys gained nothing there and cost 5-10% at 2 threads on the EPYC (bench/NOTES.md).
@@ -75,7 +77,6 @@ constexpr int kMinTasks = 16;
 constexpr int kTargetTasks = 64;
 constexpr int kMinChunkBlocks = 8;
 constexpr int kMaxChunks = 8;
-constexpr std::int64_t kMaxPartialBytes = std::int64_t{128} << 20;
 
 // The chunks of every batch entry. The chunks split an entry's work, the query blocks that see
 // each key block (Band::query_begin / query_end), into about equal shares, the blocks in order,
@@ -88,13 +89,16 @@ struct ChunkPlan {
   std::vector<int> used;             // (batch) chunks of each entry
   std::vector<std::int64_t> starts;  // (batch, kMaxChunks + 1) first key block of each chunk, then nb
 
-  ChunkPlan(const BwdParams& p, const BlockGrid& kgrid, std::int64_t partial_bytes)
+  // partial_bytes: one dQ partial's scratch; other_bytes: the rest of the call's scratch.
+  ChunkPlan(const BwdParams& p, const BlockGrid& kgrid, std::int64_t partial_bytes, std::int64_t other_bytes)
       : used(p.batch), starts(static_cast<std::size_t>(p.batch) * (kMaxChunks + 1)) {
     const auto chunks_for = [&](int tasks) {
       return std::clamp((tasks + p.batch * p.h_k - 1) / (p.batch * p.h_k), 1, kMaxChunks);
     };
     const int lo = chunks_for(kMinTasks);
-    const int hi = static_cast<int>(std::clamp<std::int64_t>(lo + kMaxPartialBytes / partial_bytes, lo, chunks_for(kTargetTasks)));
+    const std::int64_t room = static_cast<std::int64_t>(kKeepScratchBytes) - other_bytes - lo * partial_bytes;
+    const int hi = static_cast<int>(
+        std::clamp<std::int64_t>(lo + std::max<std::int64_t>(room, 0) / partial_bytes, lo, chunks_for(kTargetTasks)));
     for (int b = 0; b < p.batch; ++b) {
       const std::int64_t nb = kgrid.first[b + 1] - kgrid.first[b];
       used[b] = static_cast<int>(std::min<std::int64_t>(nb, std::clamp<std::int64_t>(nb / kMinChunkBlocks, lo, hi)));
@@ -570,16 +574,20 @@ void flash_backward(const BwdParams& p, int num_threads, const Kernels& kn) {
   // Chunk c's partial dQ, tiles laid out like PackedQ's; an entry with fewer chunks than the
   // plan's most uses only the first ones.
   const std::size_t part_size = static_cast<std::size_t>(n_qtiles) * kBlockM * pq.dp;
-  const ChunkPlan plan(p, kgrid, static_cast<std::int64_t>(part_size * sizeof(float)));
+  const auto packed = std::tie(kv.k, kv.v, kv.k2, kv.v2, kv.kx2, pq.qt, pq.dot, pq.q, pq.dout, pq.qt2, pq.dot2, pq.q2,
+                               pq.dout2, pq.lse, pq.dsum);
+  const auto bytes = [](const auto&... x) { return (x.bytes() + ...); };
+  const ChunkPlan plan(p, kgrid, static_cast<std::int64_t>(part_size * sizeof(float)),
+                       static_cast<std::int64_t>(std::apply(bytes, packed)));
   Floats dq_parts;
   dq_parts.resize(plan.max * part_size);
   std::unique_ptr<std::byte[]> owned;
-  const auto place = [&](auto&... x) {
-    std::byte* at = kept_scratch((x.bytes() + ...), owned);
-    (x.place(at), ...);
-  };
-  place(kv.k, kv.v, kv.k2, kv.v2, kv.kx2, pq.qt, pq.dot, pq.q, pq.dout, pq.qt2, pq.dot2, pq.q2, pq.dout2, pq.lse,
-        pq.dsum, dq_parts);
+  std::apply(
+      [&](auto&... x) {
+        std::byte* at = kept_scratch(bytes(x..., dq_parts), owned);
+        (x.place(at), ..., dq_parts.place(at));
+      },
+      packed);
   std::vector<unsigned char> touched(static_cast<std::size_t>(plan.max) * n_qtiles, 0);
   const std::int64_t n_tasks = static_cast<std::int64_t>(p.batch) * plan.max * p.h_k;
 
