@@ -69,10 +69,11 @@ struct BlockGrid {
 // kTargetTasks while a chunk keeps kMinChunkBlocks key blocks (one key group, key_group(), on
 // the Xeon: smaller chunks read the query side once more per chunk) and the call's scratch with
 // the partial dQ buffers past lo's (each the size of Q in fp32) stays within what a thread keeps
-// (kKeepScratchBytes: past it every call faults its pages in again). On a 16-core Xeon (b = 1,
-// h = h_k = 8, alternated rounds): 64 tasks against 16 at 4k keys, 16 threads, 1.20-1.27x causal or
-// not; at 12 threads (16 tasks leave 4 threads a second round) 1.09-1.23x; 8 chunks of 2 blocks
-// at 1k keys gained nothing there and cost 5-10% at 2 threads on the EPYC (bench/NOTES.md).
+// (kKeepScratchBytes: past it every call faults its pages in again; 6 chunks at 8k keys lost 10%
+// to that). On a 16-core Xeon (b = 1, h = h_k = 8, alternated rounds), against 16 tasks: 4k keys
+// 1.19-1.23x at 16 threads, 1.15x at 12 (16 tasks leave 4 threads a second round), 1.11-1.22x at
+// 8; 8k 1.27-1.31x at 16. At 2 threads on the EPYC 4k costs 2.5-5% (the partials' traffic). 8
+// chunks of 2 blocks at 1k keys gained nothing on the Xeon and cost 5-10% at 2 threads.
 constexpr int kMinTasks = 16;
 constexpr int kTargetTasks = 64;
 constexpr int kMinChunkBlocks = 8;
