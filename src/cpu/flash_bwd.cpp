@@ -330,9 +330,7 @@ void pack_tile(const BwdParams& p, const BlockGrid& qgrid, PackedQ& pq, std::int
       const std::int64_t idx = lse_index(p, b, hq, si, i0 + r);
       lse[r] = p.lse[idx] == -INFINITY ? INFINITY : p.lse[idx] * tiles::kLog2e;
       tiles::load_row(p.out, p.dtype, offset_of(p.o_stride, b, r0 + r, hq), d, 1.0f, o);
-      double acc = 0.0;
-      for (int c = 0; c < d; ++c) acc += static_cast<double>(o[c]) * dout[r * dp + c];
-      dsum[r] = static_cast<float>(acc);
+      dsum[r] = static_cast<float>(tiles::dot_f64(o, dout.data() + r * dp, d));
     } else {
       lse[r] = INFINITY;
       dsum[r] = 0.0f;

@@ -62,6 +62,25 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Σ a[c]·b[c] over c < n in double, in 4 x 4 independent lanes (the lanes then summed in a fixed
+// order, so the result depends on n and the data only). The backward's D = rowsum(dO ∘ O) ran as
+// one chain of dependent double FMAs: ~1/3 of its Q packing's time (perf, EPYC).
+inline double dot_f64(const float* a, const float* b, int n) {
+  __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
+  int c = 0;
+  for (; c + 16 <= n; c += 16)
+    for (int k = 0; k < 4; ++k)
+      acc[k] = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm_loadu_ps(a + c + 4 * k)), _mm256_cvtps_pd(_mm_loadu_ps(b + c + 4 * k)),
+                               acc[k]);
+  for (; c + 4 <= n; c += 4)
+    acc[0] = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm_loadu_ps(a + c)), _mm256_cvtps_pd(_mm_loadu_ps(b + c)), acc[0]);
+  const __m256d s = _mm256_add_pd(_mm256_add_pd(acc[0], acc[1]), _mm256_add_pd(acc[2], acc[3]));
+  const __m128d h = _mm_add_pd(_mm256_castpd256_pd128(s), _mm256_extractf128_pd(s, 1));
+  double sum = _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
+  for (; c < n; ++c) sum += static_cast<double>(a[c]) * b[c];
+  return sum;
+}
+
 // Software prefetch into L2 of [p, p + bytes) in `parts` slices: callers spread one tile's prefetch
 // over the iterations of a loop that runs before the tile is read, slice(i) in iteration i. The
 // slice size is computed once (64-bit divisions per slice cost ~3% of the forward's time).

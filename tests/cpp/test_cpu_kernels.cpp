@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "attention_case.hpp"
+#include "cpu/flash_tiles.hpp"
 #include "cpu/isa.hpp"
 #include "cpu/kernels.hpp"
 #include "cpu/numeric.hpp"
@@ -431,6 +432,25 @@ float dot_lane(const cpu::Kernels& kn, float c, std::uint32_t a, std::uint32_t b
   kn.gemm_bf16_acc(1, 8, 1, &a, 1, bs, 8, cs, 8);
   for (int i = 1; i < 8; ++i) EXPECT_EQ(bits_of(cs[i]), bits_of(cs[0]));
   return cs[0];
+}
+
+// tiles::dot_f64 (the backward's D = rowsum(dO ∘ O)): within double rounding of a long double sum
+// at every length (the 16-, 4- and 1-element steps), and the same bits on a second call.
+TEST(CpuTiles, DotF64MatchesLongDouble) {
+  std::mt19937 gen(20261129);
+  std::normal_distribution<float> normal;
+  for (int n : {0, 1, 3, 4, 5, 15, 16, 17, 20, 31, 59, 64, 111, 128, 256}) {
+    std::vector<float> a(n), b(n);
+    for (int c = 0; c < n; ++c) a[c] = normal(gen), b[c] = normal(gen);
+    long double exact = 0.0L, magnitude = 0.0L;
+    for (int c = 0; c < n; ++c) {
+      exact += static_cast<long double>(a[c]) * b[c];
+      magnitude += std::fabs(static_cast<long double>(a[c]) * b[c]);
+    }
+    const double got = cpu::tiles::dot_f64(a.data(), b.data(), n);
+    EXPECT_LE(std::fabs(static_cast<long double>(got) - exact), (n + 1) * 0x1p-52L * magnitude) << "n " << n;
+    EXPECT_EQ(got, cpu::tiles::dot_f64(a.data(), b.data(), n)) << "n " << n;
+  }
 }
 
 TEST(CpuKernels, Bf16DotFollowsIntelPseudoCode) {
