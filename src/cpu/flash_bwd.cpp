@@ -97,9 +97,10 @@ struct ChunkPlan {
       return std::clamp((tasks + p.batch * p.h_k - 1) / (p.batch * p.h_k), 1, kMaxChunks);
     };
     const int lo = chunks_for(kMinTasks);
+    // No query rows (partial_bytes 0): no partials to bound; the chunks still split dK, dV's blocks.
     const std::int64_t room = static_cast<std::int64_t>(kKeepScratchBytes) - other_bytes - lo * partial_bytes;
-    const int hi = static_cast<int>(
-        std::clamp<std::int64_t>(lo + std::max<std::int64_t>(room, 0) / partial_bytes, lo, chunks_for(kTargetTasks)));
+    const std::int64_t extra = partial_bytes > 0 ? std::max<std::int64_t>(room, 0) / partial_bytes : kMaxChunks;
+    const int hi = static_cast<int>(std::clamp<std::int64_t>(lo + extra, lo, chunks_for(kTargetTasks)));
     for (int b = 0; b < p.batch; ++b) {
       const std::int64_t nb = kgrid.first[b + 1] - kgrid.first[b];
       used[b] = static_cast<int>(std::min<std::int64_t>(nb, std::clamp<std::int64_t>(nb / kMinChunkBlocks, lo, hi)));
