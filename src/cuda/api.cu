@@ -2,6 +2,7 @@
 // and the launches (forward and its split-KV plan, backward, the public merge).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -222,6 +223,37 @@ __global__ void __launch_bounds__(kMergeWarps * 32) merge_kernel(const __grid_co
   if (lane == 0) a.lse[lse_i] = lse;
 }
 
+// Zeroes d elements of `elem_bytes` at every (entry, row, head) of a strided view: `rows` rows in
+// each of `entries` batch entries (varlen: one entry of all the packed rows, batch stride 0). Only
+// for the backward without query rows, whose dK, dV are sums over no query: no kernel of it runs
+// (their grids are sized by query rows), and speed does not matter there.
+__global__ void zero_rows_kernel(unsigned char* base, detail::Strides st, int elem_bytes, int entries, std::int64_t rows,
+                                 int heads, int d) {
+  const std::int64_t n = static_cast<std::int64_t>(entries) * rows * heads;
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const int head = static_cast<int>(i % heads);
+    const std::int64_t row = i / heads % rows;
+    const int entry = static_cast<int>(i / heads / rows);
+    unsigned char* dst = base + detail::offset_of(st, entry, row, head) * elem_bytes;
+    for (int c = 0; c < d * elem_bytes; ++c) dst[c] = 0;
+  }
+}
+
+void zero_key_grads(const detail::BwdParams& p, cudaStream_t stream) {
+  const int entries = p.is_varlen() ? 1 : p.batch;
+  const std::int64_t rows = p.is_varlen() ? p.total_k : p.seqlen_k;
+  const std::int64_t n = static_cast<std::int64_t>(entries) * rows * p.h_k;
+  if (n == 0) return;
+  const int threads = 256;
+  const unsigned blocks = static_cast<unsigned>(std::min<std::int64_t>((n + threads - 1) / threads, 1024));
+  const int bytes = static_cast<int>(dtype_size(p.dtype));
+  for (auto [t, st] : {std::pair{p.dk, p.dk_stride}, std::pair{p.dv, p.dv_stride}}) {
+    zero_rows_kernel<<<blocks, threads, 0, stream>>>(static_cast<unsigned char*>(t), st, bytes, entries, rows, p.h_k, p.d);
+    FM_CUDA_CHECK_LAUNCH();
+  }
+}
+
 }  // namespace
 
 bool available() {
@@ -380,6 +412,10 @@ void backward(const detail::BwdParams& p, const Context& ctx) {
     throw Error("ctx.workspace", "the CUDA backward needs " + std::to_string(need) +
                                      " bytes of device workspace (backward_workspace_size), got " +
                                      std::to_string(ctx.workspace == nullptr ? 0 : ctx.workspace_bytes));
+  if (p.total_q == 0 || p.seqlen_q == 0) {  // no query rows: dK = dV = 0, no dQ element
+    zero_key_grads(p, static_cast<cudaStream_t>(ctx.stream));
+    return;
+  }
   BwdLaunch launch;
   launch.stream = static_cast<cudaStream_t>(ctx.stream);
   launch.workspace = ctx.workspace;

@@ -146,13 +146,20 @@ std::vector<Shape> backward_grid() {
       out.push_back(s);
       ++n;
     }
-  // No queries (dK, dV all zero, no dQ partials to size) and no keys (dQ zero), every dtype.
-  for (DType t : dtypes)
+  // No queries (dK, dV all zero, no dQ partials to size) and no keys (dQ zero), every dtype; varlen
+  // without any query row.
+  for (DType t : dtypes) {
     for (auto [sq, sk] : {std::pair{0, 130}, std::pair{70, 0}}) {
       Shape s = shape_of(t, 2, sq, sk, 4, 2, 64);
       s.causal = t == DType::bf16;
       out.push_back(s);
     }
+    Shape s = shape_of(t, 3, 0, 64, 4, 2, 40);
+    s.varlen = true;
+    s.lens_q = {0, 0, 0};
+    s.lens_k = {5, 0, 64};
+    out.push_back(s);
+  }
   for (DType t : dtypes) {
     Shape s;
     s.varlen = true;

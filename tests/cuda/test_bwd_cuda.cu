@@ -290,6 +290,26 @@ TEST_P(CudaBackward, Varlen) {
   }
 }
 
+// Keys without queries: dK = dV = 0. A call with no query row at all (no kernel's grid has rows to
+// size it: the API zeroes dK, dV itself), and varlen sequences without queries beside ones with.
+TEST_P(CudaBackward, KeysWithoutQueries) {
+  for (DType t : {DType::bf16, DType::f16}) {
+    check_backward(shape_of(t, 2, 0, 130, 4, 2, 64));
+    Shape s = shape_of(t, 3, 0, 0, 4, 2, 128);
+    s.varlen = true;
+    s.lens_q = {0, 0, 0};
+    s.lens_k = {5, 0, 64};
+    s.s_k = 64;
+    check_backward(s);
+    s.lens_q = {1, 0, 70};
+    s.lens_k = {33, 100, 5};
+    s.s_q = 70;
+    s.s_k = 100;
+    s.causal = t == DType::f16;
+    check_backward(s);
+  }
+}
+
 // Several key blocks (64, 128) and query blocks (64, 128) per sequence: the sm90 ring wraps, causal
 // blocks start at different query blocks, GQA groups of 4 walk 4 heads per key block.
 TEST_P(CudaBackward, LongerSequences) {
