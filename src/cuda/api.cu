@@ -225,8 +225,8 @@ __global__ void __launch_bounds__(kMergeWarps * 32) merge_kernel(const __grid_co
 
 // Zeroes d elements of `elem_bytes` at every (entry, row, head) of a strided view: `rows` rows in
 // each of `entries` batch entries (varlen: one entry of all the packed rows, batch stride 0). Only
-// for the backward without query rows, whose dK, dV are sums over no query: no kernel of it runs
-// (their grids are sized by query rows), and speed does not matter there.
+// for a backward without query rows or without key rows, whose dK, dV (a sum over no query) or dQ
+// (over no key) are 0: the kernels' grids are sized by both, and speed does not matter there.
 __global__ void zero_rows_kernel(unsigned char* base, detail::Strides st, int elem_bytes, int entries, std::int64_t rows,
                                  int heads, int d) {
   const std::int64_t n = static_cast<std::int64_t>(entries) * rows * heads;
@@ -240,16 +240,21 @@ __global__ void zero_rows_kernel(unsigned char* base, detail::Strides st, int el
   }
 }
 
-void zero_key_grads(const detail::BwdParams& p, cudaStream_t stream) {
+void zero_empty_grads(const detail::BwdParams& p, cudaStream_t stream) {
   const int entries = p.is_varlen() ? 1 : p.batch;
-  const std::int64_t rows = p.is_varlen() ? p.total_k : p.seqlen_k;
-  const std::int64_t n = static_cast<std::int64_t>(entries) * rows * p.h_k;
-  if (n == 0) return;
-  const int threads = 256;
-  const unsigned blocks = static_cast<unsigned>(std::min<std::int64_t>((n + threads - 1) / threads, 1024));
   const int bytes = static_cast<int>(dtype_size(p.dtype));
-  for (auto [t, st] : {std::pair{p.dk, p.dk_stride}, std::pair{p.dv, p.dv_stride}}) {
-    zero_rows_kernel<<<blocks, threads, 0, stream>>>(static_cast<unsigned char*>(t), st, bytes, entries, rows, p.h_k, p.d);
+  const std::int64_t q_rows = p.is_varlen() ? p.total_q : p.seqlen_q, k_rows = p.is_varlen() ? p.total_k : p.seqlen_k;
+  const struct {
+    void* t;
+    detail::Strides st;
+    std::int64_t rows;
+    int heads;
+  } grads[] = {{p.dq, p.dq_stride, q_rows, p.h}, {p.dk, p.dk_stride, k_rows, p.h_k}, {p.dv, p.dv_stride, k_rows, p.h_k}};
+  for (const auto& g : grads) {
+    const std::int64_t n = static_cast<std::int64_t>(entries) * g.rows * g.heads;
+    if (n == 0) continue;
+    const unsigned blocks = static_cast<unsigned>(std::min<std::int64_t>((n + 255) / 256, 1024));
+    zero_rows_kernel<<<blocks, 256, 0, stream>>>(static_cast<unsigned char*>(g.t), g.st, bytes, entries, g.rows, g.heads, p.d);
     FM_CUDA_CHECK_LAUNCH();
   }
 }
@@ -296,7 +301,7 @@ std::string fwd_path_why_not_sm90(const detail::FwdParams& p, int num_splits) {
   if (compute_major(p.device.index) != 9) return "the sm90 kernels need compute capability 9.x (Hopper)";
   if (num_splits > 1) return "the sm90 forward does not split the keys (num_splits > 1)";
   if (!fwd_sm90_eligible(p))
-    return "the sm90 forward runs prefill shapes (s_q > 64) without KV caches";
+    return "the sm90 forward runs prefill shapes (s_q > 64, some keys) without KV caches";
   return "";
 }
 
@@ -412,8 +417,8 @@ void backward(const detail::BwdParams& p, const Context& ctx) {
     throw Error("ctx.workspace", "the CUDA backward needs " + std::to_string(need) +
                                      " bytes of device workspace (backward_workspace_size), got " +
                                      std::to_string(ctx.workspace == nullptr ? 0 : ctx.workspace_bytes));
-  if (p.total_q == 0 || p.seqlen_q == 0) {  // no query rows: dK = dV = 0, no dQ element
-    zero_key_grads(p, static_cast<cudaStream_t>(ctx.stream));
+  if (p.total_q == 0 || p.seqlen_q == 0 || p.total_k == 0) {  // no query or no key rows
+    zero_empty_grads(p, static_cast<cudaStream_t>(ctx.stream));
     return;
   }
   BwdLaunch launch;

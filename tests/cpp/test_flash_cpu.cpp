@@ -49,6 +49,9 @@ std::vector<Shape> forward_grid() {
       ++n;
     }
   }
+  // No keys at all (out = 0, lse = -inf) and no queries, each dtype.
+  for (DType t : dtypes)
+    for (auto [sq, sk] : {std::pair{130, 0}, std::pair{0, 70}}) out.push_back(shape_of(t, 2, sq, sk, 4, 2, 64));
   // Varlen with empty and length-1 sequences, each dtype, with and without causal.
   for (DType t : dtypes)
     for (int c = 0; c < 2; ++c) {

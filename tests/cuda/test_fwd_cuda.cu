@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <numeric>
 #include <cmath>
 #include <tuple>
 #include <memory>
@@ -178,6 +179,8 @@ std::vector<Shape> gpu_grid() {
   lv.dtype = DType::bf16;
   lv.causal = true;
   out.push_back(lv);
+  // No keys at all (out = 0, lse = -inf): a prefill-sized q, which would take sm90 with keys.
+  for (DType t : dtypes) out.push_back(shape_of(t, 2, 130, 0, 4, 2, 64));
   return out;
 }
 
@@ -186,9 +189,12 @@ std::vector<Shape> gpu_grid() {
 bool sm90_runs(const Shape& s) {
   int major = 0;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) != cudaSuccess || major != 9) return false;
-  int max_q = s.s_q;
-  if (s.varlen) max_q = *std::max_element(s.lens_q.begin(), s.lens_q.end());
-  return max_q >= 65;
+  int max_q = s.s_q, total_k = s.b * s.s_k;
+  if (s.varlen) {
+    max_q = *std::max_element(s.lens_q.begin(), s.lens_q.end());
+    total_k = std::accumulate(s.lens_k.begin(), s.lens_k.end(), 0);
+  }
+  return max_q >= 65 && total_k > 0;
 }
 
 // Sharper shapes for the sm90 kernels: several 128-row blocks, ragged 128- and 80-key tiles, GQA,

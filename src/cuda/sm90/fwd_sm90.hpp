@@ -23,7 +23,8 @@ namespace flashmonoid::cuda {
 inline constexpr int kFwdSm90MinRows = FLASHMONOID_SM90_MIN_ROWS;
 inline bool fwd_sm90_eligible(const detail::FwdParams& p) {
   const bool cache = p.kv.active || p.kv.block_table != nullptr;
-  return p.seqlen_q >= kFwdSm90MinRows && !cache;
+  // A call without keys runs sm80 (out = 0, lse = -inf there): TMA has no map of zero rows.
+  return p.seqlen_q >= kFwdSm90MinRows && p.total_k > 0 && !cache;
 }
 
 // How a forward is queued: its stream, how many multiprocessors the persistent grid leaves free
