@@ -563,6 +563,7 @@ void reduce_dq(const BwdParams& p, const BlockGrid& qgrid, const Floats& dq_part
 }  // namespace
 
 void flash_backward(const BwdParams& p, int num_threads, const Kernels& kn) {
+  if (p.batch == 0) return;  // no element to write (and ChunkPlan divides by batch·h_k)
   const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
   const BlockGrid qgrid(p, kBlockM, false), kgrid(p, kBlockN, true);
   const bool pairs = pair_products(p, kn);
