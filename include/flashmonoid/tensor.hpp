@@ -46,7 +46,7 @@ struct TensorView {
   bool defined() const { return ndim > 0; }
   std::int64_t numel() const;
   std::int64_t size(int i) const { return shape[i < 0 ? i + ndim : i]; }
-  bool is_contiguous() const;
+  bool is_contiguous() const;  // row-major without gaps; a view without elements always is
   template <class T> T* ptr() const { return static_cast<T*>(data); }
 };
 

@@ -45,6 +45,7 @@ std::int64_t TensorView::numel() const {
 }
 
 bool TensorView::is_contiguous() const {
+  if (numel() == 0) return true;  // no element to lay out (PyTorch's rule; its empty tensors' strides vary)
   std::int64_t st = 1;
   for (int j = ndim - 1; j >= 0; --j) {
     if (shape[j] != 1 && stride[j] != st) return false;

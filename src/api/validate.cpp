@@ -41,7 +41,7 @@ void check_view(const TensorView& t, const std::string& name, int ndim, bool nee
     if (t.shape[i] < 0) fail(name, "negative size in shape " + shape_str(t));
     if (t.stride[i] < 0) fail(name, "negative strides are not supported");
   }
-  if (t.shape[ndim - 1] > 1 && t.stride[ndim - 1] != 1)
+  if (t.shape[ndim - 1] > 1 && t.stride[ndim - 1] != 1 && t.numel() > 0)  // no element: no layout to check
     fail(name, "last dimension must be contiguous (stride 1), got stride " + std::to_string(t.stride[ndim - 1]));
   if (need_data && t.data == nullptr && t.numel() > 0) fail(name, "data pointer is null");
 }

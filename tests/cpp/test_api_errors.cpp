@@ -1,6 +1,8 @@
 // Every rule of the public API has a test that checks the error names the argument and the rule.
+#include <cmath>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "attention_case.hpp"
 
@@ -109,6 +111,26 @@ TEST(ApiErrors, MixedDevices) {
   TensorView k = c.pb.k.view;
   k.device = flashmonoid::Device::cuda(0);
   expect_error([&] { c.run(c.pb.q.view, k, c.pb.v.view, c.out.view, c.lse.view); }, "k", "all tensors must share a device");
+}
+
+// A view without elements has nothing to lay out: any strides pass the layout rules, as PyTorch's
+// empty tensors carry strides computed as if the empty dimension were 1 (lse (2, 4, 0): strides
+// (4, 1, 1)) and a sum's gradient is expanded (stride 0). The calls write what they must: dK, dV of
+// keys no query sees are 0.
+TEST(ApiErrors, EmptyViewsAreContiguous) {
+  const flashmonoid::Device cpu{};
+  constexpr int kKv = 2 * 3 * 4 * 16;
+  std::vector<float> none(1), k(kKv, 0.5f), v(kKv, 0.25f), dk(kKv, NAN), dv(kKv, NAN);
+  auto kv_view = [&](std::vector<float>& x) { return TensorView(x.data(), DType::f32, cpu, {2, 3, 4, 16}); };
+  const TensorView q(none.data(), DType::f32, cpu, {2, 0, 4, 16}, {256, 64, 16, 1});
+  const TensorView lse(none.data(), DType::f32, cpu, {2, 4, 0}, {4, 1, 1});
+  const TensorView dout(none.data(), DType::f32, cpu, {2, 0, 4, 16}, {0, 0, 0, 0});
+  EXPECT_TRUE(lse.is_contiguous());
+  EXPECT_FALSE(TensorView(none.data(), DType::f32, cpu, {2, 4, 3}, {12, 1, 4}).is_contiguous());
+  EXPECT_NO_THROW(flashmonoid::forward(q, kv_view(k), kv_view(v), q, lse, flashmonoid::Options{}));
+  EXPECT_NO_THROW(flashmonoid::backward(dout, q, kv_view(k), kv_view(v), q, lse, q, kv_view(dk), kv_view(dv),
+                                        flashmonoid::Options{}));
+  for (int i = 0; i < kKv; ++i) ASSERT_TRUE(dk[i] == 0.0f && dv[i] == 0.0f) << "element " << i;
 }
 
 TEST(ApiErrors, NullPointers) {

@@ -87,6 +87,21 @@ def test_flash_attn_func(device, dtype, causal):
 
 
 @pytest.mark.parametrize("device,dtype", CONFIGS)
+@pytest.mark.parametrize("s_q,s_k", [(0, 47), (33, 0), (0, 0)])
+def test_empty_queries_or_keys(device, dtype, s_q, s_k):
+    """No query: an empty output, dK = dV = 0. No key: out = 0, lse = -inf, dQ = 0. Through autograd,
+    whose gradient of a sum is an expanded (stride 0) tensor, empty or not."""
+    q, k, v = rand(2, s_q, 4, 64, device=device, dtype=dtype), rand(2, s_k, 2, 64, device=device, dtype=dtype, seed=1), \
+        rand(2, s_k, 2, 64, device=device, dtype=dtype, seed=2)
+    out, lse, _ = fa.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert out.shape == q.shape and lse.shape == (2, 4, s_q)
+    assert torch.all(out == 0) and torch.all(lse == float("-inf"))  # vacuous when s_q = 0
+    out.sum().backward()
+    for x in (q, k, v):
+        assert x.grad.shape == x.shape and torch.all(x.grad == 0)
+
+
+@pytest.mark.parametrize("device,dtype", CONFIGS)
 def test_packed_variants(device, dtype):
     qkv = rand(2, 24, 3, 4, 64, device=device, dtype=dtype)
     require_supported(qkv[:, :, 0], qkv[:, :, 1], causal=True, window=(5, 0))
