@@ -168,6 +168,21 @@ TEST(KvCacheCuda, Layouts) {
   }
 }
 
+// Caches that hold no row and get none appended: out = 0, lse = -inf for every query, on each
+// layout and with forced splits (every split empty).
+TEST(KvCacheCuda, EmptyCaches) {
+  SKIP_WITHOUT_GPU();
+  for (int page : {0, 3, 16}) {
+    KvShape s = decode_shape(page == 3 ? DType::f16 : DType::bf16);
+    s.page_size = page;
+    s.held = 0;
+    s.s_new = 0;
+    s.s_q = page == 16 ? 4 : 1;
+    run_case(s);
+    run_case(s, 3);
+  }
+}
+
 // Caches held head-major ((b, h_k, s, d) or (pages, h_k, page_size, d) memory, HF transformers'
 // layout) as strided views: the append and the tiles' loads follow the head stride.
 TEST(KvCacheCuda, HeadMajorCaches) {
