@@ -420,7 +420,7 @@ void backward(const detail::BwdParams& p, const Context& ctx) {
     throw Error("ctx.workspace", "the CUDA backward needs " + std::to_string(need) +
                                      " bytes of device workspace (backward_workspace_size), got " +
                                      std::to_string(ctx.workspace == nullptr ? 0 : ctx.workspace_bytes));
-  if (p.total_q == 0 || p.seqlen_q == 0 || p.total_k == 0) {  // no query or no key rows
+  if (p.total_q == 0 || p.total_k == 0) {  // no query or no key rows
     zero_empty_grads(p, static_cast<cudaStream_t>(ctx.stream));
     return;
   }

@@ -435,7 +435,7 @@ float dot_lane(const cpu::Kernels& kn, float c, std::uint32_t a, std::uint32_t b
 }
 
 // tiles::dot_f64 (the backward's D = rowsum(dO ∘ O)): within double rounding of a long double sum
-// at every length (the 16-, 4- and 1-element steps), and the same bits on a second call.
+// at every length (the 16-, 4- and 1-element steps).
 TEST(CpuTiles, DotF64MatchesLongDouble) {
   std::mt19937 gen(20261129);
   std::normal_distribution<float> normal;
@@ -449,7 +449,6 @@ TEST(CpuTiles, DotF64MatchesLongDouble) {
     }
     const double got = cpu::tiles::dot_f64(a.data(), b.data(), n);
     EXPECT_LE(std::fabs(static_cast<long double>(got) - exact), (n + 1) * 0x1p-52L * magnitude) << "n " << n;
-    EXPECT_EQ(got, cpu::tiles::dot_f64(a.data(), b.data(), n)) << "n " << n;
   }
 }
 
