@@ -92,7 +92,8 @@ void fwd_split_buffers(const detail::FwdParams& p, int num_splits, void* workspa
 int fwd_choose_num_splits(const detail::FwdParams& p, int num_sms, std::size_t smem_per_sm) {
   const FwdPlanSm80 plan = plan_fwd_sm80(p, smem_per_sm);
   const std::int64_t blocks = static_cast<std::int64_t>(plan.num_m_blocks) * plan.grid_heads * p.batch;
-  if (num_sms <= 0 || blocks >= num_sms) return 1;
+  // No block (no query row: the call writes nothing) splits nothing, and divides nothing below.
+  if (num_sms <= 0 || blocks <= 0 || blocks >= num_sms) return 1;
   const int key_tiles = (p.seqlen_k + plan.tile.block_n - 1) / plan.tile.block_n;
   // Blocks per SM: the tile's min_blocks where its shared memory lets them (a kv_slots ring counted at
   // its least, 2 slots); sm80's 164 KB holds one narrow block at hdim 128.

@@ -181,6 +181,14 @@ std::vector<Shape> gpu_grid() {
   out.push_back(lv);
   // No keys at all (out = 0, lse = -inf): a prefill-sized q, which would take sm90 with keys.
   for (DType t : dtypes) out.push_back(shape_of(t, 2, 130, 0, 4, 2, 64));
+  // No query row (an empty output; the workspace query's split heuristic sees zero row blocks), and
+  // neither side.
+  for (DType t : dtypes) {
+    out.push_back(shape_of(t, 2, 0, 130, 4, 2, 64));
+    Shape none = shape_of(t, 2, 0, 0, 4, 2, 128);
+    none.causal = true;
+    out.push_back(none);
+  }
   return out;
 }
 
