@@ -47,6 +47,8 @@ def s_dmask(q, k, o, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_s
         total_q = q.shape[0]
         q, k = _rows(q, cu_seqlens_q[:-1], s_q), _rows(k, cu_seqlens_k[:-1], s_k)
     out = torch.empty((b, h, s_q, s_k), dtype=q.dtype, device=dev)
+    if out.numel() == 0:  # no query or no key: nothing to compute (the row max below needs keys)
+        return out
     per = max(1, _CHUNK_ELEMS // max(1, h * s_q * s_k))
     for b0 in range(0, b, per):
         c = slice(b0, min(b, b0 + per))
