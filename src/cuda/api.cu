@@ -381,9 +381,9 @@ std::size_t backward_workspace_size(const detail::BwdParams& p) {
 
 void forward(const detail::FwdParams& p, const Context& ctx, bool after_own_kernel, LaunchBatch* batch) {
   DeviceGuard guard(p.device.index);
-  // No query row: no output element, and a grid of zero blocks would not launch. (A batched
-  // KV-cache call keeps its path: its append kernels are queued already.)
-  if (batch == nullptr && p.total_q == 0) return;
+  // No query row: no output element, and a grid of zero blocks would not launch (an invalid
+  // argument). A KV-cache call's append kernel is queued in `batch` already; its caller launches it.
+  if (p.total_q == 0) return;
   if (forward_path(p, ctx) == KernelArch::sm90) {
     // The sm90 forward runs no KV cache (fwd_sm90_eligible), so no batched call comes here; were one
     // to, its kernels go first.

@@ -285,6 +285,18 @@ TEST(KvCacheDecode, EmptyCaches) {
   }
 }
 
+// No query row: nothing to attend, but the new rows are still written (k rotated).
+TEST(KvCacheDecode, NoQueryRowStillAppends) {
+  for (int page : {0, 3}) {
+    KvShape s = base(64, DType::bf16);
+    s.page_size = page;
+    s.s_q = 0;
+    s.s_new = 2;
+    s.rotary_dim = 32;
+    run_case(s);
+  }
+}
+
 TEST(KvCache, QueryPositionsPastTheRotaryTableTakeItsLastRow) {
   // A full cache, 4 queries, 1 appended key, causal: queries 1..3 sit past the cos/sin rows.
   KvShape s = base(64, DType::bf16);

@@ -183,6 +183,19 @@ TEST(KvCacheCuda, EmptyCaches) {
   }
 }
 
+// No query row (a grid of zero blocks once failed to launch): the new rows are still written.
+TEST(KvCacheCuda, NoQueryRowStillAppends) {
+  SKIP_WITHOUT_GPU();
+  for (int page : {0, 16}) {
+    KvShape s = decode_shape(DType::bf16);
+    s.page_size = page;
+    s.s_q = 0;
+    s.s_new = 2;
+    s.rotary_dim = s.d / 2;
+    run_case(s);
+  }
+}
+
 // Caches held head-major ((b, h_k, s, d) or (pages, h_k, page_size, d) memory, HF transformers'
 // layout) as strided views: the append and the tiles' loads follow the head stride.
 TEST(KvCacheCuda, HeadMajorCaches) {

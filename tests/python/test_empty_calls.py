@@ -125,3 +125,16 @@ def test_options_without_rows(device, dtype, s_q, s_k, kw):
     out = res[0] if isinstance(res, tuple) else res
     assert out.shape == q.shape and torch.all(out == 0)  # vacuous when s_q = 0
     grads_are_zero(out, (q, k, v))
+
+
+@pytest.mark.parametrize("device,dtype", CONFIGS)
+def test_paged_varlen_without_query_rows(device, dtype):
+    """flash_attn_varlen_func(block_table=...) (chunked prefill into a paged cache) with no query row."""
+    h, h_k, d, page = 4, 2, 64, 16
+    pages = rand(6, page, h_k, d, device=device, dtype=dtype, grad=False)
+    table = torch.arange(6, dtype=torch.int32, device=device).reshape(3, 2)
+    cu_q = torch.zeros(4, dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 5, 5, 30], dtype=torch.int32, device=device)
+    q = rand(0, h, d, device=device, dtype=dtype, grad=False)
+    out = fa.flash_attn_varlen_func(q, pages, pages, cu_q, cu_k, 0, 25, causal=True, block_table=table)
+    assert out.shape == q.shape
