@@ -7,6 +7,11 @@
 // lse holds the natural-log-sum-exp of each row's (masked, capped, biased, scaled) scores. A row
 // with no visible key has out = 0 and lse = -infinity: the identity of merge(), so that partial
 // results over disjoint key sets combine exactly even where one part saw no key.
+//
+// Any side may be empty (b = 0, s_q = 0, s_k = 0, varlen sequences of either length 0) on every
+// backend: rows without keys get out = 0 and lse = -inf, the backward writes dK = dV = 0 for keys
+// no query sees and dQ = 0 for queries that see no key, and forward_kvcache still appends its new
+// rows when it has no query row.
 #pragma once
 
 #include <cstddef>

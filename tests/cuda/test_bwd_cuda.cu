@@ -290,13 +290,14 @@ TEST_P(CudaBackward, Varlen) {
   }
 }
 
-// Keys without queries (dK = dV = 0) and queries without keys (dQ = 0): calls with no query row or
-// no key row at all (the kernels' grids are sized by both: the API zeroes the gradients itself),
-// and varlen sequences without queries beside ones with.
+// Keys without queries (dK = dV = 0) and queries without keys (dQ = 0): calls with no query row, no
+// key row or no batch entry at all (the kernels' grids are sized by both: the API zeroes the
+// gradients itself), and varlen sequences without queries beside ones with.
 TEST_P(CudaBackward, KeysWithoutQueriesAndQueriesWithoutKeys) {
   for (DType t : {DType::bf16, DType::f16}) {
     check_backward(shape_of(t, 2, 0, 130, 4, 2, 64));
     check_backward(shape_of(t, 2, 70, 0, 4, 2, 128));
+    check_backward(shape_of(t, 0, 33, 47, 4, 2, 64));  // no batch entry
     Shape s = shape_of(t, 3, 0, 0, 4, 2, 128);
     s.varlen = true;
     s.lens_q = {0, 0, 0};
