@@ -6,48 +6,51 @@
 # time of flash_attn_with_kvcache; JSON and logs under $OUT (default ./device_out), the bars' table
 # printed last. Run from the repo root.
 #   FM_PYTHON=0 skips the pip install and the host-time benchmark.
+# $OUT gets the JSONs, kv_eager.txt, table.txt and logs.tgz (every log: the device tool returns few files).
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}
-mkdir -p "$OUT"
+LOG=${FM_LOG_DIR:-/tmp/flashmonoid-kv-logs}
+mkdir -p "$OUT" "$LOG"
 status=0
 step() { echo "== $* ($(date +%T))"; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader || true
 
 step build
-cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 >"$OUT/build.log" 2>&1 &&
-  ninja -C build-device -k 0 >>"$OUT/build.log" 2>&1 || { status=1; grep -E "error|FAILED" "$OUT/build.log" | head; }
-if ! grep -q "Building CUDA object" "$OUT/build.log"; then
+cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 >"$LOG/build.log" 2>&1 &&
+  ninja -C build-device -k 0 >>"$LOG/build.log" 2>&1 || { status=1; grep -E "error|FAILED" "$LOG/build.log" | head; }
+if ! grep -q "Building CUDA object" "$LOG/build.log"; then
   echo "check_spills: no CUDA object rebuilt (build-device's kernels were checked when they were compiled)"
 else
-  python3 tools/check_spills.py "$OUT/build.log" 2>&1 | tail -2 || status=1
+  python3 tools/check_spills.py "$LOG/build.log" 2>&1 | tail -2 || status=1
 fi
 
 step "tests (KvCache)"
-(cd build-device && timeout 240 ctest -R KvCache -j 1 --output-on-failure) >"$OUT/tests.log" 2>&1 || status=1
-grep -E "tests passed|tests failed|\*\*\*Failed|Not Run" "$OUT/tests.log" | tail -8
+(cd build-device && timeout 240 ctest -R KvCache -j 1 --output-on-failure) >"$LOG/tests.log" 2>&1 || status=1
+grep -E "tests passed|tests failed|\*\*\*Failed|Not Run" "$LOG/tests.log" | tail -8
 timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 build-device/tests/cpp/test_kvcache_cuda \
   --gtest_filter='KvCacheCuda.DeviceOnlyValuesOutOfRangeAreClamped:KvCacheCuda.Layouts:KvCacheCuda.HeadMajorCaches:KvCacheCuda.LaunchModesAgree:KvCacheCuda.GraphNodesFollowEachCallsArguments:KvCacheCuda.GraphCallsFromTwoThreadsOnOneStream' \
-  >"$OUT/memcheck.log" 2>&1 || status=1
-echo "memcheck: $(grep 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)"
+  >"$LOG/memcheck.log" 2>&1 || status=1
+echo "memcheck: $(grep 'ERROR SUMMARY' "$LOG/memcheck.log" | tail -1)"
 
 step "gpu_bench --kvcache-only and --kvcache-host, cuDNN peer"
-timeout 150 build-device/bench/gpu/flashmonoid-gpu-bench "$OUT/kv.json" --kvcache-only 2>"$OUT/kv_bench.log" || status=1
-timeout 60 build-device/bench/gpu/flashmonoid-gpu-bench "$OUT/kv_host.json" --kvcache-host 2>"$OUT/kv_host.log" ||
+timeout 150 build-device/bench/gpu/flashmonoid-gpu-bench "$OUT/kv.json" --kvcache-only 2>"$LOG/kv_bench.log" || status=1
+timeout 60 build-device/bench/gpu/flashmonoid-gpu-bench "$OUT/kv_host.json" --kvcache-host 2>"$LOG/kv_host.log" ||
   status=1
 timeout 60 build-device/bench/gpu/flashmonoid-gpu-bench --kv-eager >"$OUT/kv_eager.txt" 2>&1 || status=1
-FM_PEERS_KVCACHE=only PYTHONUNBUFFERED=1 timeout 150 python3 bench/peers.py "$OUT/peers_kv.json" 2>"$OUT/peers.log" ||
+FM_PEERS_KVCACHE=only PYTHONUNBUFFERED=1 timeout 150 python3 bench/peers.py "$OUT/peers_kv.json" 2>"$LOG/peers.log" ||
   status=1
 
 if [ "${FM_PYTHON:-1}" != 0 ]; then
   step "python host time"
   CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install --no-build-isolation --no-deps \
-    -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90 -C build-dir=/tmp/fm-pybuild . >"$OUT/pip.log" 2>&1 || status=1
+    -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90 -C build-dir=/tmp/fm-pybuild . >"$LOG/pip.log" 2>&1 || status=1
   repo=$PWD
-  (cd /tmp && timeout 120 python3 "$repo/bench/kvcache_host.py" "$OUT/kvcache_host.json" --breakdown) 2>"$OUT/kvcache_host.log" ||
+  (cd /tmp && timeout 120 python3 "$repo/bench/kvcache_host.py" "$OUT/kvcache_host.json" --breakdown) 2>"$LOG/kvcache_host.log" ||
     status=1
 fi
 
 step table
+{
 echo "back-to-back calls from C++ without a caller's graph (gpu_bench --kv-eager):"
 cat "$OUT/kv_eager.txt"
 python3 - "$OUT" <<'PY'
@@ -83,5 +86,7 @@ for r in host:
     print(f"python host: b {r['batch']} page {r['page_size']} lse {r.get('return_softmax_lse', True)}: {r['host_us']} us/call (runs {r['host_us_runs']}); "
           f"layers {r.get('breakdown', {}).get('layers_us')}")
 PY
+} | tee "$OUT/table.txt"
+tar -czf "$OUT/logs.tgz" -C "$LOG" . 2>/dev/null
 echo "status $status"
 exit $status
