@@ -10,9 +10,12 @@ attention runs on a paged KV cache, as vLLM- and SGLang-style servers hold it.
   attends over the pages.
 - Decoding: every layer is one `flash_attn_with_kvcache` call that rotates q and the new k, appends
   the new k and v into the right page and attends, with `cache_seqlens` on the device (advanced
-  in place after the last layer). On a GPU the whole step (embedding, layers, logits, argmax) is
-  captured once in a CUDA graph and replayed for every token: no host synchronisation between
-  tokens.
+  in place after the last layer). On a GPU the whole step (embedding, layers, logits) is captured
+  once in a CUDA graph and replayed for every token: no host synchronisation between tokens.
+- Speculative decoding (`--draft N`): each step feeds N tokens per sequence (the next one and N - 1
+  guesses of a low-precision copy of the model), causal among them; the first guess the logits
+  disagree with and every guess after it are dropped by moving `cache_seqlens` back, and the next
+  step writes over their rows.
 - Check: the model's own forward (transformers, its SDPA attention, no cache) over the generated
   sequences gives the logits every step should have produced; the loop's error against the model in
   float64 must be at most twice that of the model run in the loop's dtype (the FlashAttention rule,
@@ -21,6 +24,7 @@ attention runs on a paged KV cache, as vLLM- and SGLang-style servers hold it.
 
     python examples/serving_loop.py                  # CUDA (bf16, CUDA graph) if present, else CPU (fp32)
     python examples/serving_loop.py --device cpu --dtype bf16 --steps 40
+    python examples/serving_loop.py --draft 4        # speculative: 4 tokens per step
 
 Needs torch, transformers and flashmonoid. tests/python/test_serving_loop.py runs `run()` small.
 """
@@ -88,9 +92,10 @@ class PagedLlama:
         self.cos = (angles.cos() * scaling).to(self.dtype)
         self.sin = (angles.sin() * scaling).to(self.dtype)
 
-    def _qkv(self, attn, x, rows):
-        return (attn.q_proj(x).view(rows, self.h, self.d), attn.k_proj(x).view(rows, self.h_k, self.d),
-                attn.v_proj(x).view(rows, self.h_k, self.d))
+    def _qkv(self, attn, x):
+        rows = x.shape[:-1]
+        return (attn.q_proj(x).view(*rows, self.h, self.d), attn.k_proj(x).view(*rows, self.h_k, self.d),
+                attn.v_proj(x).view(*rows, self.h_k, self.d))
 
     def _rotate(self, x, positions):
         """The engine's rotary for prefill (the kernel's rule: float32 math on the rounded inputs)."""
@@ -114,7 +119,7 @@ class PagedLlama:
         rows, max_len = int(lens.sum()), int(lens.max())
         x = m.embed_tokens(torch.cat(prompts).to(self.device))
         for i, layer in enumerate(m.layers):
-            q, k, v = self._qkv(layer.self_attn, layer.input_layernorm(x), rows)
+            q, k, v = self._qkv(layer.self_attn, layer.input_layernorm(x))
             q, k = self._rotate(q, pos), self._rotate(k, pos)
             self.k_cache[i][page, slot] = k
             self.v_cache[i][page, slot] = v
@@ -127,31 +132,51 @@ class PagedLlama:
 
     @torch.no_grad()
     def step(self, tokens):
-        """One decoding step for every sequence: tokens (batch,) -> logits (batch, vocab). Reads and
-        advances cache_seqlens on the device only, so it can be captured in a CUDA graph."""
+        """One decoding step for every sequence: tokens (batch, n) -> logits (batch, n, vocab). n > 1 is a
+        speculative step verifying n - 1 draft tokens (causal among the n). Reads and advances
+        cache_seqlens on the device only, so it can be captured in a CUDA graph."""
         m = self.model.model
-        b = tokens.shape[0]
+        b, n = tokens.shape
         x = m.embed_tokens(tokens)
         for i, layer in enumerate(m.layers):
-            q, k, v = self._qkv(layer.self_attn, layer.input_layernorm(x), b)
-            o = flash_attn_with_kvcache(q[:, None], self.k_cache[i], self.v_cache[i], k[:, None], v[:, None],
-                                        rotary_cos=self.cos, rotary_sin=self.sin, cache_seqlens=self.cache_seqlens,
+            q, k, v = self._qkv(layer.self_attn, layer.input_layernorm(x))
+            o = flash_attn_with_kvcache(q, self.k_cache[i], self.v_cache[i], k, v, rotary_cos=self.cos,
+                                        rotary_sin=self.sin, cache_seqlens=self.cache_seqlens,
                                         block_table=self.block_table, causal=True, rotary_interleaved=False)
-            x = x + layer.self_attn.o_proj(o.reshape(b, self.h * self.d))
+            x = x + layer.self_attn.o_proj(o.reshape(b, n, self.h * self.d))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        self.cache_seqlens.add_(1)
+        self.cache_seqlens.add_(n)
         return self.model.lm_head(m.norm(x)).float()
 
 
-def generate(engine, prompts, steps, graph):
-    """Greedy decoding: the prefill, then `steps` decoding steps (one CUDA graph replayed each step when
-    graph). Returns the tokens fed to the decoding steps (batch, steps), the logits of the prefill and of
-    every step (batch, steps + 1, vocab), and the decoding steps' seconds."""
-    logits = [engine.prefill(prompts)]
-    tokens = logits[0].argmax(-1)
-    fed = torch.empty(len(prompts), steps, dtype=torch.long, device=engine.device)
+class Drafter:
+    """Self-speculative drafts: the target model's weights in a lower precision (bf16; fp16 for a
+    bf16 target) propose greedy tokens through transformers' own forward (no cache). They agree with
+    the target at most positions, so steps keep several tokens and still reject some."""
+
+    def __init__(self, model32, target_dtype, device):
+        self.model = model_as(model32, torch.float16 if target_dtype == torch.bfloat16 else torch.bfloat16, device)
+
+    @torch.no_grad()
+    def propose(self, history, k):
+        dev = next(self.model.parameters()).device
+        ids = torch.tensor(history, device=dev)[None]
+        for _ in range(k):
+            ids = torch.cat((ids, self.model(ids).logits[:, -1:].argmax(-1)), dim=1)
+        return ids[0, len(history):].tolist()
+
+
+def generate(engine, prompts, steps, graph, draft=1, drafter=None):
+    """Greedy decoding: the prefill, then `steps` decoding steps of `draft` tokens each (one CUDA graph
+    replayed per step when graph). draft = 1: one token per step, no host synchronisation. draft > 1:
+    speculative decoding; each step feeds the next token and draft - 1 guesses (drafter), keeps the
+    guesses up to the first the logits disagree with and moves cache_seqlens back over the rest.
+    Returns, per sequence, the tokens fed and kept and the logits of the prefill and of those tokens
+    (kept + 1, vocab), and the decoding steps' seconds (without the drafter's)."""
+    first = engine.prefill(prompts)
+    b, dev = len(prompts), engine.device
+    static_tokens = torch.zeros(b, draft, dtype=torch.long, device=dev)
     if graph:
-        static_tokens = tokens.clone()
         state = engine.cache_seqlens.clone()  # the warm-up below advances it; its cache rows are rewritten
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -162,36 +187,63 @@ def generate(engine, prompts, steps, graph):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             static_logits = engine.step(static_tokens)
-            static_next = static_logits.argmax(-1)
-    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    run = (lambda: (g.replay(), static_logits)[1]) if graph else (lambda: engine.step(static_tokens))
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    fed, logits = [[] for _ in range(b)], [[first[i:i + 1]] for i in range(b)]
+    nxt = first.argmax(-1)
     sync()
     start = time.perf_counter()
-    for t in range(steps):
-        fed[:, t] = tokens
-        if graph:
-            static_tokens.copy_(tokens)
-            g.replay()
-            logits.append(static_logits.clone())
-            tokens = static_next.clone()
-        else:
-            logits.append(engine.step(tokens))
-            tokens = logits[-1].argmax(-1)
+    if draft == 1:
+        columns = []
+        for _ in range(steps):
+            columns.append(nxt)
+            static_tokens[:, 0] = nxt
+            out = run()[:, 0]
+            for i in range(b):
+                logits[i].append(out[i:i + 1].clone())
+            nxt = out.argmax(-1)
+        fed = list(torch.stack(columns, dim=1)) if steps else [torch.zeros(0, dtype=torch.long)] * b
+    else:
+        history = [p.tolist() for p in prompts]
+        verifying = 0.0  # the steps' seconds, without the drafter's
+        nxt = nxt.tolist()
+        for _ in range(steps):
+            rows = [[nxt[i]] + drafter.propose(history[i] + [nxt[i]], draft - 1) for i in range(b)]
+            verifying -= time.perf_counter()
+            static_tokens.copy_(torch.tensor(rows))
+            out = run()
+            guess = out.argmax(-1).tolist()  # the one host synchronisation per step
+            verifying += time.perf_counter()
+            back = []
+            for i in range(b):
+                kept = 1
+                while kept < draft and rows[i][kept] == guess[i][kept - 1]:
+                    kept += 1
+                fed[i] += rows[i][:kept]
+                history[i] += rows[i][:kept]
+                logits[i].append(out[i, :kept].clone())
+                nxt[i] = guess[i][kept - 1]
+                back.append(draft - kept)
+            engine.cache_seqlens.sub_(torch.tensor(back, dtype=torch.int32, device=dev))
+        fed = [torch.tensor(f, dtype=torch.long) for f in fed]
     sync()
-    return fed, torch.stack(logits, dim=1), time.perf_counter() - start
+    seconds = time.perf_counter() - start if draft == 1 else verifying
+    return fed, [torch.cat(rows) for rows in logits], seconds
 
 
 @torch.no_grad()
 def reference_logits(model, prompts, fed):
-    """The model's own forward over prompt + fed tokens, one sequence at a time: the logits at the
-    prompt's last position and at each fed token (batch, steps + 1, vocab), float64."""
-    out = []
-    for i, prompt in enumerate(prompts):
-        ids = torch.cat((prompt.to(fed.device), fed[i]))[None]
-        out.append(model(ids).logits[0, len(prompt) - 1:].double())
-    return torch.stack(out)
+    """The model's own forward over prompt + fed tokens, one sequence at a time: per sequence, the
+    logits at the prompt's last position and at each fed token (fed + 1, vocab), float64."""
+    dev = next(model.parameters()).device
+    return [model(torch.cat((p, f))[None].to(dev)).logits[0, len(p) - 1:].double() for p, f in zip(prompts, fed)]
 
 
-def run(device="cpu", dtype=torch.float32, layers=2, batch=4, steps=24, page_size=16, graph=None, seed=0,
+def max_error(logits, ref):
+    return max((x.double() - r).abs().max().item() for x, r in zip(logits, ref))
+
+
+def run(device="cpu", dtype=torch.float32, layers=2, batch=4, steps=24, page_size=16, graph=None, draft=1, seed=0,
         prompt_lens=None):
     """Generates and checks; returns a dict of errors, times and tokens."""
     device = torch.device(device)
@@ -203,38 +255,42 @@ def run(device="cpu", dtype=torch.float32, layers=2, batch=4, steps=24, page_siz
         prompt_lens = [1, max(1, page_size - 1), page_size + 2, 2 * page_size + 5][:batch]
         prompt_lens += [int(x) for x in torch.randint(1, 3 * page_size, (batch - len(prompt_lens),), generator=g)]
     prompts = [torch.randint(0, model32.config.vocab_size, (n,), generator=g) for n in prompt_lens]
-    engine = PagedLlama(model, batch, max(prompt_lens) + steps + 1, page_size=page_size, seed=seed)
-    fed, logits, seconds = generate(engine, prompts, steps, graph)
+    engine = PagedLlama(model, batch, max(prompt_lens) + steps * draft + 1, page_size=page_size, seed=seed)
+    drafter = Drafter(model32, dtype, device) if draft > 1 else None
+    fed, logits, seconds = generate(engine, prompts, steps, graph, draft, drafter)
 
     ref = reference_logits(model_as(model32, torch.float64, device), prompts, fed)
-    same_math = reference_logits(model, prompts, fed)
-    err = (logits.double() - ref).abs().max().item()
-    err_same_math = (same_math - ref).abs().max().item()
+    err, err_same_math = max_error(logits, ref), max_error(reference_logits(model, prompts, fed), ref)
     # float32: both errors are rounding noise (~2e-6 of the logits' size); a floor of 1e-6 of it.
-    floor = 1e-6 * ref.abs().max().item() if dtype == torch.float32 else 0.0
-    lengths = torch.tensor(prompt_lens) + steps
+    floor = 1e-6 * max(r.abs().max().item() for r in ref) if dtype == torch.float32 else 0.0
+    lengths = [n + len(f) for n, f in zip(prompt_lens, fed)]
+    agree = torch.cat([(x.argmax(-1) == r.argmax(-1)).float() for x, r in zip(logits, ref)]).mean().item()
     return {"device": str(device), "dtype": str(dtype).replace("torch.", ""), "graph": graph, "batch": batch,
-            "steps": steps, "page_size": page_size, "prompt_lens": prompt_lens, "err": err,
+            "steps": steps, "draft": draft, "page_size": page_size, "prompt_lens": prompt_lens, "err": err,
             "err_same_math": err_same_math, "bound": 2 * err_same_math + floor,
-            "finite": bool(torch.isfinite(logits).all()),
-            "lengths_ok": engine.cache_seqlens.cpu().tolist() == lengths.tolist(),
-            "cache_ok": cache_holds_exactly(engine, lengths),
-            "greedy_agree_f64": (logits.argmax(-1) == ref.argmax(-1)).float().mean().item(),
-            "ms_per_step": 1e3 * seconds / steps}
+            "finite": all(bool(torch.isfinite(x).all()) for x in logits),
+            "lengths_ok": engine.cache_seqlens.cpu().tolist() == lengths,
+            "cache_ok": cache_holds_exactly(engine, lengths, draft - 1),
+            "tokens_per_step": sum(len(f) for f in fed) / (batch * steps) if steps else 0.0,
+            "greedy_agree_f64": agree, "ms_per_step": 1e3 * seconds / steps if steps else 0.0}
 
 
-def cache_holds_exactly(engine, lengths):
-    """Whether every layer's pages hold finite rows exactly at the sequences' positions < length
-    (through the block table) and the NaN poison everywhere else: no append went to a wrong row
-    or page, no spare page was touched."""
-    written = torch.zeros(engine.k_cache[0].shape[:2], dtype=torch.bool)
+def cache_holds_exactly(engine, lengths, overhang=0):
+    """Whether every layer's pages hold whole finite rows at each sequence's positions < length
+    (through the block table), the NaN poison at every row past length + overhang (a speculative
+    step's rejected rows stay written past the length) and in the spare pages: no append went to a
+    wrong row or page."""
+    shape = engine.k_cache[0].shape[:2]
+    need, may = torch.zeros(shape, dtype=torch.bool), torch.zeros(shape, dtype=torch.bool)
     table = engine.block_table.cpu().long()
-    for i, n in enumerate(lengths.tolist()):
-        pos = torch.arange(n)
-        written[table[i, pos // engine.page_size], pos % engine.page_size] = True
+    for i, n in enumerate(lengths):
+        for mask, rows in ((need, n), (may, min(n + overhang, table.shape[1] * engine.page_size))):
+            pos = torch.arange(rows)
+            mask[table[i, pos // engine.page_size], pos % engine.page_size] = True
     for cache in engine.k_cache + engine.v_cache:
         finite = torch.isfinite(cache.cpu().float())
-        if not torch.equal(finite.all(-1).all(-1), written) or not torch.equal(finite.any(-1).any(-1), written):
+        whole, some = finite.all(-1).all(-1), finite.any(-1).any(-1)
+        if not torch.equal(whole, some) or bool((need & ~whole).any()) or bool((whole & ~may).any()):
             return False
     return True
 
@@ -247,14 +303,16 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--draft", type=int, default=1, help="tokens per step: > 1 is speculative decoding (Drafter)")
     ap.add_argument("--no-graph", action="store_true", help="on cuda: launch every step eagerly")
     a = ap.parse_args()
     dtype = DTYPES[a.dtype or ("bf16" if a.device.startswith("cuda") else "fp32")]
-    r = run(a.device, dtype, a.layers, a.batch, a.steps, a.page_size,
-            graph=False if a.no_graph else None)
+    r = run(a.device, dtype, a.layers, a.batch, a.steps, a.page_size, graph=False if a.no_graph else None,
+            draft=a.draft)
     ok = r["finite"] and r["lengths_ok"] and r["cache_ok"] and r["err"] <= r["bound"]
     print(f"{r['device']} {r['dtype']}, batch {r['batch']} (prompts {r['prompt_lens']}), pages of {r['page_size']}, "
-          f"{r['steps']} steps{' in one CUDA graph' if r['graph'] else ''}: {r['ms_per_step']:.3f} ms per step")
+          f"{r['steps']} steps of {r['draft']} token(s){', each one CUDA graph' if r['graph'] else ''}: "
+          f"{r['ms_per_step']:.3f} ms and {r['tokens_per_step']:.2f} tokens kept per step and sequence")
     print(f"logits vs the model in float64: max error {r['err']:.3g}; the model in {r['dtype']}: "
           f"{r['err_same_math']:.3g}; greedy tokens equal to float64's at {100 * r['greedy_agree_f64']:.1f}% "
           f"of positions; the cache holds exactly the sequences' rows: {r['cache_ok']} -> {'OK' if ok else 'FAIL'}")

@@ -1,8 +1,9 @@
 """examples/serving_loop.py as a test: a transformers Llama decoding greedily over a paged KV cache
 (shuffled pages, NaN-poisoned), prefill through flash_attn_varlen_func(block_table=...) and every
 decoding step through flash_attn_with_kvcache (append + rotary), on a GPU replayed from one CUDA
-graph; the logits against the model's own forward in float64 by the FlashAttention rule, the pages
-holding exactly the sequences' rows."""
+graph; speculative steps of several tokens (causal among them; rejected rows rolled back through
+cache_seqlens and written over); the logits against the model's own forward in float64 by the
+FlashAttention rule, the pages holding exactly the sequences' rows."""
 
 import importlib.util
 import pathlib
@@ -23,17 +24,24 @@ _spec.loader.exec_module(serving_loop)
 cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and a CUDA build")
 
 
-@pytest.mark.parametrize("device, dtype, page_size, graph", [
-    ("cpu", torch.float32, 16, False),
-    ("cpu", torch.bfloat16, 3, False),
-    ("cpu", torch.float32, 1, False),
-    pytest.param("cuda", torch.bfloat16, 16, True, marks=cuda),
-    pytest.param("cuda", torch.float16, 1, True, marks=cuda),
-    pytest.param("cuda", torch.bfloat16, 64, False, marks=cuda),
+@pytest.mark.parametrize("device, dtype, page_size, graph, draft", [
+    ("cpu", torch.float32, 16, False, 1),
+    ("cpu", torch.bfloat16, 3, False, 1),
+    ("cpu", torch.float32, 1, False, 1),
+    ("cpu", torch.float32, 16, False, 4),
+    ("cpu", torch.bfloat16, 5, False, 9),
+    pytest.param("cuda", torch.bfloat16, 16, True, 1, marks=cuda),
+    pytest.param("cuda", torch.float16, 1, True, 1, marks=cuda),
+    pytest.param("cuda", torch.bfloat16, 64, False, 1, marks=cuda),
+    pytest.param("cuda", torch.bfloat16, 16, True, 4, marks=cuda),
+    pytest.param("cuda", torch.float16, 3, True, 17, marks=cuda),
 ])
-def test_greedy_decoding_over_a_paged_cache(device, dtype, page_size, graph):
-    r = serving_loop.run(device, dtype, layers=2, batch=5, steps=20, page_size=page_size, graph=graph)
+def test_greedy_decoding_over_a_paged_cache(device, dtype, page_size, graph, draft):
+    r = serving_loop.run(device, dtype, layers=2, batch=5, steps=20 if draft == 1 else 8, page_size=page_size,
+                         graph=graph, draft=draft)
     assert r["finite"]
-    assert r["lengths_ok"], "cache_seqlens after the loop is not prompt length + steps"
+    assert r["lengths_ok"], "cache_seqlens after the loop is not prompt length + the tokens kept"
     assert r["cache_ok"], "a row was appended outside the sequences' positions, or one was not written"
     assert r["err"] <= r["bound"], r
+    if draft > 1:  # both outcomes of a speculative step happened: guesses kept and guesses rejected
+        assert 1.0 < r["tokens_per_step"] < draft, r
