@@ -236,7 +236,8 @@ def reference_logits(model, prompts, fed):
     """The model's own forward over prompt + fed tokens, one sequence at a time: per sequence, the
     logits at the prompt's last position and at each fed token (fed + 1, vocab), float64."""
     dev = next(model.parameters()).device
-    return [model(torch.cat((p, f))[None].to(dev)).logits[0, len(p) - 1:].double() for p, f in zip(prompts, fed)]
+    return [model(torch.cat((p.to(dev), f.to(dev)))[None]).logits[0, len(p) - 1:].double()
+            for p, f in zip(prompts, fed)]
 
 
 def max_error(logits, ref):
