@@ -16,6 +16,8 @@ attention runs on a paged KV cache, as vLLM- and SGLang-style servers hold it.
   guesses of a low-precision copy of the model), causal among them; the first guess the logits
   disagree with and every guess after it are dropped by moving `cache_seqlens` back, and the next
   step writes over their rows.
+- Baseline (`--engine sdpa` or `both`): the same loop with transformers' static cache (contiguous,
+  head-major, zeros) and torch's scaled_dot_product_attention with a mask over its whole capacity.
 - Check: the model's own forward (transformers, its SDPA attention, no cache) over the generated
   sequences gives the logits every step should have produced; the loop's error against the model in
   float64 must be at most twice that of the model run in the loop's dtype (the FlashAttention rule,
@@ -25,6 +27,7 @@ attention runs on a paged KV cache, as vLLM- and SGLang-style servers hold it.
     python examples/serving_loop.py                  # CUDA (bf16, CUDA graph) if present, else CPU (fp32)
     python examples/serving_loop.py --device cpu --dtype bf16 --steps 40
     python examples/serving_loop.py --draft 4        # speculative: 4 tokens per step
+    python examples/serving_loop.py --engine both --batch 32 --context 4096   # against SDPA's static cache
 
 Needs torch, transformers and flashmonoid. tests/python/test_serving_loop.py runs `run()` small.
 """
@@ -74,15 +77,7 @@ class PagedLlama:
         p = next(model.parameters())
         self.model, self.device, self.dtype = model, p.device, p.dtype
         self.h, self.h_k, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        pages_per_seq = -(-max_len // page_size)
-        num_pages = batch * pages_per_seq + spare_pages
-        g = torch.Generator().manual_seed(seed)
-        order = torch.randperm(num_pages, generator=g)[:batch * pages_per_seq]
-        self.page_size = page_size
-        self.block_table = order.view(batch, pages_per_seq).to(self.device, torch.int32)
-        shape = (num_pages, page_size, self.h_k, self.d)
-        self.k_cache = [torch.full(shape, float("nan"), dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
-        self.v_cache = [torch.full(shape, float("nan"), dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
+        self.page_size, pages_per_seq = page_size, -(-max_len // page_size)
         self.cache_seqlens = torch.zeros(batch, dtype=torch.int32, device=self.device)
         # flash-attn's rotary tables (seqlen_ro, d / 2): the model's frequencies, in float64, then dtype.
         # Non-interleaved halves: transformers' rotate_half convention.
@@ -91,6 +86,16 @@ class PagedLlama:
         scaling = getattr(model.model.rotary_emb, "attention_scaling", 1.0)
         self.cos = (angles.cos() * scaling).to(self.dtype)
         self.sin = (angles.sin() * scaling).to(self.dtype)
+        self._allocate(cfg.num_hidden_layers, batch, pages_per_seq, spare_pages, seed)
+
+    def _allocate(self, layers, batch, pages_per_seq, spare_pages, seed):
+        num_pages = batch * pages_per_seq + spare_pages
+        g = torch.Generator().manual_seed(seed)
+        order = torch.randperm(num_pages, generator=g)[:batch * pages_per_seq]
+        self.block_table = order.view(batch, pages_per_seq).to(self.device, torch.int32)
+        shape = (num_pages, self.page_size, self.h_k, self.d)
+        self.k_cache, self.v_cache = ([torch.full(shape, float("nan"), dtype=self.dtype, device=self.device)
+                                       for _ in range(layers)] for _ in range(2))
 
     def _qkv(self, attn, x):
         rows = x.shape[:-1]
@@ -98,37 +103,46 @@ class PagedLlama:
                 attn.v_proj(x).view(*rows, self.h_k, self.d))
 
     def _rotate(self, x, positions):
-        """The engine's rotary for prefill (the kernel's rule: float32 math on the rounded inputs)."""
+        """x (*positions.shape, heads, d) rotated by the engine (the kernel's rule: float32 math on the
+        rounded inputs)."""
         half = self.d // 2
-        c, s = self.cos[positions].float()[:, None], self.sin[positions].float()[:, None]
+        c, s = self.cos[positions].float()[..., None, :], self.sin[positions].float()[..., None, :]
         a, b = x[..., :half].float(), x[..., half:].float()
         return torch.cat((a * c - b * s, a * s + b * c), dim=-1).to(x.dtype)
+
+    def _prefill_attention(self, i, q, k, v, seq, pos, lens):
+        """The packed prompts' rows (rows, heads, d), q and k rotated, into layer i's cache and attended."""
+        page, slot = self.block_table[seq, pos // self.page_size].long(), pos % self.page_size
+        self.k_cache[i][page, slot] = k
+        self.v_cache[i][page, slot] = v
+        cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(lens).cumsum(0)
+        cu = cu.to(self.device)
+        return flash_attn_varlen_func(q, self.k_cache[i], self.v_cache[i], cu, cu, max(lens), max(lens),
+                                      causal=True, block_table=self.block_table)
+
+    def _step_attention(self, i, q, k, v):
+        """q (batch, n, h, d) and the new k, v over layer i's cache: append, rotary and attention in one call."""
+        return flash_attn_with_kvcache(q, self.k_cache[i], self.v_cache[i], k, v, rotary_cos=self.cos,
+                                       rotary_sin=self.sin, cache_seqlens=self.cache_seqlens,
+                                       block_table=self.block_table, causal=True, rotary_interleaved=False)
 
     @torch.no_grad()
     def prefill(self, prompts):
         """prompts: one 1-D token tensor per sequence. Returns each sequence's last logits (batch, vocab)."""
         m = self.model.model
-        lens = torch.tensor([len(t) for t in prompts])
-        cu = torch.zeros(len(prompts) + 1, dtype=torch.int32)
-        cu[1:] = lens.cumsum(0)
-        cu = cu.to(self.device)
-        seq = torch.repeat_interleave(torch.arange(len(prompts)), lens).to(self.device)
-        pos = torch.cat([torch.arange(n) for n in lens.tolist()]).to(self.device)
-        page = self.block_table[seq, pos // self.page_size].long()
-        slot = pos % self.page_size
-        rows, max_len = int(lens.sum()), int(lens.max())
+        lens = [len(t) for t in prompts]
+        seq = torch.repeat_interleave(torch.arange(len(prompts)), torch.tensor(lens)).to(self.device)
+        pos = torch.cat([torch.arange(n) for n in lens]).to(self.device)
         x = m.embed_tokens(torch.cat(prompts).to(self.device))
         for i, layer in enumerate(m.layers):
             q, k, v = self._qkv(layer.self_attn, layer.input_layernorm(x))
-            q, k = self._rotate(q, pos), self._rotate(k, pos)
-            self.k_cache[i][page, slot] = k
-            self.v_cache[i][page, slot] = v
-            o = flash_attn_varlen_func(q, self.k_cache[i], self.v_cache[i], cu, cu, max_len, max_len, causal=True,
-                                       block_table=self.block_table)
-            x = x + layer.self_attn.o_proj(o.reshape(rows, self.h * self.d))
+            o = self._prefill_attention(i, self._rotate(q, pos), self._rotate(k, pos), v, seq, pos, lens)
+            x = x + layer.self_attn.o_proj(o.reshape(len(pos), self.h * self.d))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        self.cache_seqlens.copy_(lens.to(self.cache_seqlens.dtype))
-        return self.model.lm_head(m.norm(x[cu[1:].long() - 1])).float()
+        self.cache_seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
+        last = torch.tensor(lens).cumsum(0) - 1
+        return self.model.lm_head(m.norm(x[last.to(self.device)])).float()
 
     @torch.no_grad()
     def step(self, tokens):
@@ -139,14 +153,48 @@ class PagedLlama:
         b, n = tokens.shape
         x = m.embed_tokens(tokens)
         for i, layer in enumerate(m.layers):
-            q, k, v = self._qkv(layer.self_attn, layer.input_layernorm(x))
-            o = flash_attn_with_kvcache(q, self.k_cache[i], self.v_cache[i], k, v, rotary_cos=self.cos,
-                                        rotary_sin=self.sin, cache_seqlens=self.cache_seqlens,
-                                        block_table=self.block_table, causal=True, rotary_interleaved=False)
+            o = self._step_attention(i, *self._qkv(layer.self_attn, layer.input_layernorm(x)))
             x = x + layer.self_attn.o_proj(o.reshape(b, n, self.h * self.d))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         self.cache_seqlens.add_(n)
         return self.model.lm_head(m.norm(x)).float()
+
+
+class StaticCacheSdpa(PagedLlama):
+    """The baseline, in the same loop: what transformers' static cache does with torch's
+    scaled_dot_product_attention. Per layer a contiguous head-major cache (batch, h_k, capacity, d)
+    of zeros; q and the new k rotated by torch ops, the new rows written with scatter_ at
+    cache_seqlens, then attention over the whole capacity with a mask of the rows each query sees."""
+
+    def _allocate(self, layers, batch, pages_per_seq, spare_pages, seed):
+        self.block_table = None
+        shape = (batch, self.h_k, pages_per_seq * self.page_size, self.d)
+        self.k_cache, self.v_cache = ([torch.zeros(shape, dtype=self.dtype, device=self.device)
+                                       for _ in range(layers)] for _ in range(2))
+
+    def _prefill_attention(self, i, q, k, v, seq, pos, lens):
+        self.k_cache[i][seq, :, pos] = k
+        self.v_cache[i][seq, :, pos] = v
+        out, start = [], 0
+        for n in lens:  # one causal call per prompt (the prefill is not what is compared)
+            rows = [x[start:start + n].transpose(0, 1) for x in (q, k, v)]
+            out.append(torch.nn.functional.scaled_dot_product_attention(*rows, is_causal=True, enable_gqa=True)
+                       .transpose(0, 1))
+            start += n
+        return torch.cat(out)
+
+    def _step_attention(self, i, q, k, v):
+        b, n = q.shape[:2]
+        if i == 0:  # the positions and the mask, once per step as transformers makes them
+            self._pos = self.cache_seqlens.long()[:, None] + torch.arange(n, device=self.device)  # (b, n)
+            capacity = self.k_cache[0].shape[2]
+            self._mask = (torch.arange(capacity, device=self.device) <= self._pos[..., None])[:, None]
+        q, k = self._rotate(q, self._pos), self._rotate(k, self._pos)
+        rows = self._pos[:, None, :, None].expand(b, self.h_k, n, self.d)
+        self.k_cache[i].scatter_(2, rows, k.transpose(1, 2))
+        self.v_cache[i].scatter_(2, rows, v.transpose(1, 2))
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), self.k_cache[i], self.v_cache[i], attn_mask=self._mask, enable_gqa=True).transpose(1, 2)
 
 
 class Drafter:
@@ -244,19 +292,27 @@ def max_error(logits, ref):
     return max((x.double() - r).abs().max().item() for x, r in zip(logits, ref))
 
 
+ENGINES = {"flashmonoid": PagedLlama, "sdpa": StaticCacheSdpa}
+
+
 def run(device="cpu", dtype=torch.float32, layers=2, batch=4, steps=24, page_size=16, graph=None, draft=1, seed=0,
-        prompt_lens=None):
-    """Generates and checks; returns a dict of errors, times and tokens."""
+        prompt_lens=None, context=0, engine="flashmonoid"):
+    """Generates with ENGINES[engine] and checks; returns a dict of errors, times and tokens. Prompt
+    lengths: prompt_lens, else random in [context / 2, context] when context, else a few that cross
+    pages."""
     device = torch.device(device)
     graph = device.type == "cuda" if graph is None else graph
     model32 = make_model(layers, seed)
     model = model_as(model32, dtype, device)
     g = torch.Generator().manual_seed(seed + 1)
-    if prompt_lens is None:  # lengths that cross pages, one of a single token
+    if prompt_lens is None and context:
+        prompt_lens = [int(x) for x in torch.randint(max(1, context // 2), context + 1, (batch,), generator=g)]
+    elif prompt_lens is None:  # lengths that cross pages, one of a single token
         prompt_lens = [1, max(1, page_size - 1), page_size + 2, 2 * page_size + 5][:batch]
         prompt_lens += [int(x) for x in torch.randint(1, 3 * page_size, (batch - len(prompt_lens),), generator=g)]
     prompts = [torch.randint(0, model32.config.vocab_size, (n,), generator=g) for n in prompt_lens]
-    engine = PagedLlama(model, batch, max(prompt_lens) + steps * draft + 1, page_size=page_size, seed=seed)
+    name = engine
+    engine = ENGINES[name](model, batch, max(prompt_lens) + steps * draft + 1, page_size=page_size, seed=seed)
     drafter = Drafter(model32, dtype, device) if draft > 1 else None
     fed, logits, seconds = generate(engine, prompts, steps, graph, draft, drafter)
 
@@ -266,12 +322,14 @@ def run(device="cpu", dtype=torch.float32, layers=2, batch=4, steps=24, page_siz
     floor = 1e-6 * max(r.abs().max().item() for r in ref) if dtype == torch.float32 else 0.0
     lengths = [n + len(f) for n, f in zip(prompt_lens, fed)]
     agree = torch.cat([(x.argmax(-1) == r.argmax(-1)).float() for x, r in zip(logits, ref)]).mean().item()
-    return {"device": str(device), "dtype": str(dtype).replace("torch.", ""), "graph": graph, "batch": batch,
+    paged = engine.block_table is not None
+    return {"engine": name, "device": str(device), "dtype": str(dtype).replace("torch.", ""), "graph": graph,
+            "batch": batch,
             "steps": steps, "draft": draft, "page_size": page_size, "prompt_lens": prompt_lens, "err": err,
             "err_same_math": err_same_math, "bound": 2 * err_same_math + floor,
             "finite": all(bool(torch.isfinite(x).all()) for x in logits),
             "lengths_ok": engine.cache_seqlens.cpu().tolist() == lengths,
-            "cache_ok": cache_holds_exactly(engine, lengths, draft - 1),
+            "cache_ok": cache_holds_exactly(engine, lengths, draft - 1) if paged else None,
             "tokens_per_step": sum(len(f) for f in fed) / (batch * steps) if steps else 0.0,
             "greedy_agree_f64": agree, "ms_per_step": 1e3 * seconds / steps if steps else 0.0}
 
@@ -304,19 +362,28 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--context", type=int, default=0, help="prompt lengths in [context / 2, context]")
     ap.add_argument("--draft", type=int, default=1, help="tokens per step: > 1 is speculative decoding (Drafter)")
     ap.add_argument("--no-graph", action="store_true", help="on cuda: launch every step eagerly")
+    ap.add_argument("--engine", choices=[*ENGINES, "both"], default="flashmonoid",
+                    help="sdpa: transformers' static cache with torch's SDPA, the baseline; both: one after the other")
     a = ap.parse_args()
     dtype = DTYPES[a.dtype or ("bf16" if a.device.startswith("cuda") else "fp32")]
-    r = run(a.device, dtype, a.layers, a.batch, a.steps, a.page_size, graph=False if a.no_graph else None,
-            draft=a.draft)
-    ok = r["finite"] and r["lengths_ok"] and r["cache_ok"] and r["err"] <= r["bound"]
-    print(f"{r['device']} {r['dtype']}, batch {r['batch']} (prompts {r['prompt_lens']}), pages of {r['page_size']}, "
-          f"{r['steps']} steps of {r['draft']} token(s){', each one CUDA graph' if r['graph'] else ''}: "
-          f"{r['ms_per_step']:.3f} ms and {r['tokens_per_step']:.2f} tokens kept per step and sequence")
-    print(f"logits vs the model in float64: max error {r['err']:.3g}; the model in {r['dtype']}: "
-          f"{r['err_same_math']:.3g}; greedy tokens equal to float64's at {100 * r['greedy_agree_f64']:.1f}% "
-          f"of positions; the cache holds exactly the sequences' rows: {r['cache_ok']} -> {'OK' if ok else 'FAIL'}")
+    ok = True
+    for engine in ENGINES if a.engine == "both" else [a.engine]:
+        r = run(a.device, dtype, a.layers, a.batch, a.steps, a.page_size, graph=False if a.no_graph else None,
+                draft=a.draft, context=a.context, engine=engine)
+        good = r["finite"] and r["lengths_ok"] and r["cache_ok"] is not False and r["err"] <= r["bound"]
+        ok = ok and good
+        lens = r["prompt_lens"]
+        print(f"{engine}: {r['device']} {r['dtype']}, batch {r['batch']} (prompts of {min(lens)}-{max(lens)} tokens), "
+              f"pages of {r['page_size']}, {r['steps']} steps of {r['draft']} token(s)"
+              f"{', each one CUDA graph' if r['graph'] else ''}: {r['ms_per_step']:.3f} ms and "
+              f"{r['tokens_per_step']:.2f} tokens kept per step and sequence")
+        print(f"  logits vs the model in float64: max error {r['err']:.3g}; the model in {r['dtype']}: "
+              f"{r['err_same_math']:.3g}; greedy tokens equal to float64's at {100 * r['greedy_agree_f64']:.1f}% "
+              f"of positions; the cache holds exactly the sequences' rows: {r['cache_ok']} -> "
+              f"{'OK' if good else 'FAIL'}")
     raise SystemExit(0 if ok else 1)
 
 
