@@ -6,7 +6,7 @@
 # time of flash_attn_with_kvcache; JSON and logs under $OUT (default ./device_out), the bars' table
 # printed last. Run from the repo root.
 #   FM_PYTHON=0 skips the pip install and the host-time benchmark.
-# $OUT gets the JSONs, kv_eager.txt, table.txt and logs.tgz (every log: the device tool returns few files).
+# $OUT gets the JSONs, serving_loop.txt, table.txt and logs.tgz (every log: the device tool returns few files).
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}
 LOG=${FM_LOG_DIR:-/tmp/flashmonoid-kv-logs}
@@ -36,7 +36,7 @@ step "gpu_bench --kvcache-only and --kvcache-host, cuDNN peer"
 timeout 150 build-device/bench/gpu/flashmonoid-gpu-bench "$OUT/kv.json" --kvcache-only 2>"$LOG/kv_bench.log" || status=1
 timeout 60 build-device/bench/gpu/flashmonoid-gpu-bench "$OUT/kv_host.json" --kvcache-host 2>"$LOG/kv_host.log" ||
   status=1
-timeout 60 build-device/bench/gpu/flashmonoid-gpu-bench --kv-eager >"$OUT/kv_eager.txt" 2>&1 || status=1
+timeout 60 build-device/bench/gpu/flashmonoid-gpu-bench --kv-eager >"$LOG/kv_eager.txt" 2>&1 || status=1
 FM_PEERS_KVCACHE=only PYTHONUNBUFFERED=1 timeout 150 python3 bench/peers.py "$OUT/peers_kv.json" 2>"$LOG/peers.log" ||
   status=1
 
@@ -47,12 +47,17 @@ if [ "${FM_PYTHON:-1}" != 0 ]; then
   repo=$PWD
   (cd /tmp && timeout 120 python3 "$repo/bench/kvcache_host.py" "$OUT/kvcache_host.json" --breakdown) 2>"$LOG/kvcache_host.log" ||
     status=1
+  step "serving loop end to end (examples/serving_loop.py, ours and SDPA's static cache)"
+  for args in "--engine both" "--engine both --batch 32 --layers 4 --context 4096 --steps 32"; do
+    (cd /tmp && timeout 150 python3 "$repo/examples/serving_loop.py" $args) >>"$OUT/serving_loop.txt" 2>&1 || status=1
+  done
 fi
 
 step table
 {
+[ -f "$OUT/serving_loop.txt" ] && { echo "serving loop (examples/serving_loop.py):"; grep -v "^  " "$OUT/serving_loop.txt"; }
 echo "back-to-back calls from C++ without a caller's graph (gpu_bench --kv-eager):"
-cat "$OUT/kv_eager.txt"
+cat "$LOG/kv_eager.txt"
 python3 - "$OUT" <<'PY'
 import json, os, sys
 out = sys.argv[1]
