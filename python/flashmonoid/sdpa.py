@@ -7,8 +7,10 @@
 Routed: 4-d (batch, heads, seq, head_dim) float32/float16/bfloat16 tensors on a device this build
 supports, key and value with the same head dim as the query, with is_causal, scale, dropout_p,
 enable_gqa, and attn_mask either None or a boolean mask that is a band (causal or sliding window,
-the same for every batch entry and head) in which every query sees at least one key. Everything
-else (float masks, masks of other shapes, nested tensors, float64, ...) falls back to PyTorch.
+the same for every batch entry and head) in which every query sees at least one key; keys no query
+sees at either end (a static KV cache's unfilled capacity, as transformers' StaticCache masks it)
+are cut off as views. Everything else (float masks, masks of other shapes, masks that differ
+across batch entries such as left padding, nested tensors, float64, ...) falls back to PyTorch.
 
 SDPA aligns is_causal to the top-left corner and flashmonoid to the bottom-right. A top-left
 causal mask is the bottom-right window (-1, seq_q - seq_k) when seq_q >= seq_k; is_causal with
@@ -45,16 +47,21 @@ def reset_stats():
 
 
 def _band_of(mask, s_q, s_k):
-    """(window_left, window_right) when the boolean mask is a bottom-right band seen by every row,
-    else a string saying why not. Reads the mask's values (a device sync for CUDA masks)."""
+    """(window_left, window_right, key_begin, key_end) when the boolean mask, the same for every batch
+    entry and head, is a bottom-right band seen by every row over keys [key_begin, key_end): the keys
+    no row sees at either end are cut off (a static KV cache's unfilled capacity), else a string
+    saying why not. Reads the mask's values (a device sync for CUDA masks)."""
     m = mask
     while m.dim() > 2:
-        if m.shape[0] != 1:
+        if m.shape[0] != 1 and not torch.equal(m, m[:1].expand_as(m)):
             return "the mask differs across batch entries or heads"
         m = m[0]
     m = m.expand(s_q, s_k)
     if not bool(m.any(dim=-1).all()):
         return "a query row sees no key (SDPA gives NaN there, flashmonoid 0)"
+    seen = m.any(dim=0).nonzero()
+    begin, end = int(seen[0]), int(seen[-1]) + 1
+    m, s_k = m[:, begin:end], end - begin
     i = torch.arange(s_q, device=m.device)[:, None]
     j = torch.arange(s_k, device=m.device)[None, :]
     offset = j - (i + (s_k - s_q))  # key position relative to the bottom-right diagonal
@@ -63,7 +70,8 @@ def _band_of(mask, s_q, s_k):
         return "the band does not contain the diagonal"
     if not torch.equal((offset <= right) & (offset >= -left), m):
         return "the mask is not a causal or sliding-window band"
-    return (left, right)
+    # A side that cuts off no key is no window (-1): plain causal stays the kernels' causal path.
+    return (-1 if left >= s_k - 1 else left, -1 if right >= s_q - 1 else right, begin, end)
 
 
 _support_cache = {}
@@ -86,7 +94,8 @@ def _supports(device, dtype, h, h_k, d, window, dropout_p):
 
 
 def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    """(window, reason): a window to route with, or None and why the call falls back."""
+    """((window, keys), reason): the window and the slice of keys to route with, or None and why the
+    call falls back."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.is_nested or t.dim() != 4:
             return None, f"{name} is not a 4-d dense tensor"
@@ -102,7 +111,7 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         return None, "key heads differ from query heads without enable_gqa"
     if not 0.0 <= dropout_p < 1.0:
         return None, "dropout_p is outside [0, 1)"
-    window = (-1, -1)
+    window, keys = (-1, -1), slice(None)
     if attn_mask is not None:
         if is_causal:
             return None, "attn_mask together with is_causal"
@@ -113,7 +122,7 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         band = _band_of(attn_mask, s_q, key.shape[2])
         if isinstance(band, str):
             return None, band
-        window = band
+        window, keys = band[:2], slice(*band[2:])
     elif is_causal:
         if s_q < key.shape[2]:
             return None, "is_causal with seq_q < seq_k (top-left alignment)"
@@ -122,24 +131,26 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
                            float(dropout_p))
     if not ok:
         return None, reason
-    return window, ""
+    return (window, keys), ""
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
     """torch.nn.functional.scaled_dot_product_attention, run by flashmonoid where it can."""
-    window, reason = _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    route, reason = _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     compiling = torch.compiler.is_compiling()
-    if window is None:
+    if route is None:
         if not compiling:
             _counts["fallback"] += 1
             log.debug("sdpa -> torch: %s", reason)
         return _original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                          scale=scale, enable_gqa=enable_gqa)
+    window, keys = route
     if not compiling:
         _counts["routed"] += 1
-        log.debug("sdpa -> flashmonoid: q %s, k %s, %s, window %s, dropout_p %s", tuple(query.shape),
-                  tuple(key.shape), query.dtype, window, dropout_p)
+        log.debug("sdpa -> flashmonoid: q %s, k %s, keys %s, %s, window %s, dropout_p %s", tuple(query.shape),
+                  tuple(key.shape), keys, query.dtype, window, dropout_p)
+    key, value = key[:, :, keys], value[:, :, keys]
     # (b, h, s, d) -> (b, s, h, d): views, the head dim stays contiguous.
     # torch.use_deterministic_algorithms(True): bit-identical results run to run (Options::deterministic).
     out, _ = torch_ops.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),

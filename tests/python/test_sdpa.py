@@ -1,5 +1,6 @@
 """The SDPA override on a GPT-style model: same outputs and gradients, calls counted."""
 
+import contextlib
 import logging
 
 import pytest
@@ -86,7 +87,9 @@ def test_gpt_same_outputs_and_gradients(device, masked, caplog):
     (dict(attn_mask=torch.zeros(8, 8)), "float (additive) attn_mask"),
     # Every row keeps its diagonal key: a row with none falls back for that reason instead (~3% of draws).
     (dict(attn_mask=(torch.rand(8, 8) > 0.5) | torch.eye(8, dtype=torch.bool)), "mask"),
-    (dict(attn_mask=torch.ones(2, 1, 8, 8, dtype=torch.bool)), "differs across batch"),
+    # Causal for batch entry 0, a window of 3 for entry 1: bands, but not one band.
+    (dict(attn_mask=torch.stack((torch.ones(8, 8).tril(), torch.ones(8, 8).tril().triu(-2)))[:, None].bool()),
+     "differs across batch"),
     (dict(is_causal=True, k_len=12), "seq_q < seq_k"),
     (dict(dtype=torch.float64), "dtype"),
 ])
@@ -128,3 +131,39 @@ def test_override_compiles_fullgraph():
     with sdpa.override():
         out = torch.compile(model, fullgraph=True, backend="aot_eager")(x)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("s_q, filled, window", [(1, 37, None), (3, 20, None), (1, 37, 8), (4, 1, None)])
+def test_static_cache_masks_route_over_the_filled_keys(device, s_q, filled, window):
+    """transformers' StaticCache masks: the same boolean mask for every batch entry, over a capacity
+    of which the first `filled` keys are held; queries at filled .. filled + s_q - 1 (a decoding or
+    speculative step), causal, optionally a sliding window. Routed with the unseen keys cut off;
+    outputs and gradients as PyTorch's."""
+    torch.manual_seed(0)
+    cuda = device == "cuda"
+    dtype, d = (torch.float16, 64) if cuda else (torch.float32, 16)
+    b, h, h_k, capacity = 2, 4, 2, 64
+    q = torch.randn(b, h, s_q, d, device=device, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(b, h_k, capacity, d, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+    pos = filled + torch.arange(s_q, device=device)[:, None]
+    j = torch.arange(capacity, device=device)[None, :]
+    mask = (j <= pos) & ((j > pos - window) if window else True)
+    mask = mask.expand(b, 1, s_q, capacity)  # transformers' shape: one row set per batch entry
+    runs = []
+    for routed in (False, True):
+        sdpa.reset_stats()
+        with contextlib.ExitStack() as stack:
+            if routed:
+                stack.enter_context(sdpa.override())
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            out.backward(torch.ones_like(out))
+        runs.append((out.detach(), [t.grad.clone() for t in (q, k, v)], sdpa.stats()))
+        for t in (q, k, v):
+            t.grad = None
+    (ref, ref_grads, _), (out, grads, stats) = runs
+    assert stats == {"routed": 1, "fallback": 0}
+    tol = dict(rtol=2e-3, atol=2e-3) if cuda else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, ref, **tol)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, **tol)
