@@ -9,8 +9,11 @@ supports, key and value with the same head dim as the query, with is_causal, sca
 enable_gqa, and attn_mask either None or a boolean mask that is a band (causal or sliding window,
 the same for every batch entry and head) in which every query sees at least one key; keys no query
 sees at either end (a static KV cache's unfilled capacity, as transformers' StaticCache masks it)
-are cut off as views. Everything else (float masks, masks of other shapes, masks that differ
-across batch entries such as left padding, nested tensors, float64, ...) falls back to PyTorch.
+are cut off as views. A mask that differs across batch entries routes where each entry's rows are
+a bottom-right band of the same window over its own keys (left padding, as transformers pads
+batches for generation), without dropout or gradients: a KV-cache call with each entry's key range, where rows
+that see no key (padding) give 0, as PyTorch's math backend does since 2.5. Everything else (float
+masks, masks of other shapes, nested tensors, float64, ...) falls back to PyTorch.
 
 SDPA aligns is_causal to the top-left corner and flashmonoid to the bottom-right. A top-left
 causal mask is the bottom-right window (-1, seq_q - seq_k) when seq_q >= seq_k; is_causal with
@@ -46,20 +49,13 @@ def reset_stats():
     _counts["routed"] = _counts["fallback"] = 0
 
 
-def _band_of(mask, s_q, s_k):
-    """(window_left, window_right, key_begin, key_end) when the boolean mask, the same for every batch
-    entry and head, is a bottom-right band seen by every row over keys [key_begin, key_end): the keys
-    no row sees at either end are cut off (a static KV cache's unfilled capacity), else a string
-    saying why not. Reads the mask's values (a device sync for CUDA masks)."""
-    m = mask
-    while m.dim() > 2:
-        if m.shape[0] != 1 and not torch.equal(m, m[:1].expand_as(m)):
-            return "the mask differs across batch entries or heads"
-        m = m[0]
-    m = m.expand(s_q, s_k)
-    if not bool(m.any(dim=-1).all()):
-        return "a query row sees no key (SDPA gives NaN there, flashmonoid 0)"
+def _band(m, s_q, s_k):
+    """(window_left, window_right, key_begin, key_end) when the (s_q, s_k) boolean mask m is a
+    bottom-right band over keys [key_begin, key_end) (the keys no row sees at either end cut off: a
+    static KV cache's unfilled capacity, a batch entry's padding), else a string saying why not."""
     seen = m.any(dim=0).nonzero()
+    if len(seen) == 0:
+        return "the mask hides every key"
     begin, end = int(seen[0]), int(seen[-1]) + 1
     m, s_k = m[:, begin:end], end - begin
     i = torch.arange(s_q, device=m.device)[:, None]
@@ -72,6 +68,35 @@ def _band_of(mask, s_q, s_k):
         return "the mask is not a causal or sliding-window band"
     # A side that cuts off no key is no window (-1): plain causal stays the kernels' causal path.
     return (-1 if left >= s_k - 1 else left, -1 if right >= s_q - 1 else right, begin, end)
+
+
+def _band_of(mask, b, s_q, s_k):
+    """(window, keys) for a boolean mask the same for every head: keys a slice when the mask is one
+    band for every batch entry, else (key_begin, key_end) int32 tensors (b) when each entry's rows are
+    a bottom-right band of the same window over its own keys (left padding); a string saying why not
+    otherwise. Reads the mask's values (a device sync for CUDA masks)."""
+    m = mask
+    while m.dim() < 4:  # SDPA broadcasts masks to (b, h, s_q, s_k)
+        m = m[None]
+    if m.shape[1] != 1 and not torch.equal(m, m[:, :1].expand_as(m)):
+        return "the mask differs across heads"
+    m = m[:, 0]
+    if m.shape[0] != 1 and torch.equal(m, m[:1].expand_as(m)):
+        m = m[:1]
+    if m.shape[0] == 1:
+        m = m[0].expand(s_q, s_k)
+        if not bool(m.any(dim=-1).all()):
+            return "a query row sees no key (SDPA gives NaN there, flashmonoid 0)"
+        band = _band(m, s_q, s_k)
+        return band if isinstance(band, str) else (band[:2], slice(*band[2:]))
+    bands = [_band(e.expand(s_q, s_k), s_q, s_k) for e in m.expand(b, s_q, s_k)]
+    reason = next((x for x in bands if isinstance(x, str)), None)
+    if reason is not None:
+        return reason + " (in a batch entry)"
+    if len({x[:2] for x in bands}) != 1:
+        return "the batch entries' bands differ in window"
+    begin, end = (torch.tensor([x[i] for x in bands], dtype=torch.int32, device=mask.device) for i in (2, 3))
+    return bands[0][:2], (begin, end)
 
 
 _support_cache = {}
@@ -119,10 +144,15 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
             return None, "a float (additive) attn_mask"
         if torch.compiler.is_compiling():
             return None, "a boolean attn_mask under torch.compile (its values are data)"
-        band = _band_of(attn_mask, s_q, key.shape[2])
+        band = _band_of(attn_mask, b, s_q, key.shape[2])
         if isinstance(band, str):
             return None, band
-        window, keys = band[:2], slice(*band[2:])
+        window, keys = band
+        if not isinstance(keys, slice):  # per-entry key ranges run as a KV-cache call: no dropout or gradient
+            if dropout_p > 0.0:
+                return None, "dropout with a mask that differs across batch entries"
+            if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+                return None, "a gradient through a mask that differs across batch entries"
     elif is_causal:
         if s_q < key.shape[2]:
             return None, "is_causal with seq_q < seq_k (top-left alignment)"
@@ -150,8 +180,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         _counts["routed"] += 1
         log.debug("sdpa -> flashmonoid: q %s, k %s, keys %s, %s, window %s, dropout_p %s", tuple(query.shape),
                   tuple(key.shape), keys, query.dtype, window, dropout_p)
-    key, value = key[:, :, keys], value[:, :, keys]
     # (b, h, s, d) -> (b, s, h, d): views, the head dim stays contiguous.
+    if not isinstance(keys, slice):  # each batch entry's keys [begin, end): the KV-cache forward's leftpad, seqlens
+        out, _ = torch_ops.attention_kvcache(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                             cache_seqlens=keys[1], cache_leftpad=keys[0], softmax_scale=scale,
+                                             window=window)
+        return out.transpose(1, 2)
+    key, value = key[:, :, keys], value[:, :, keys]
     # torch.use_deterministic_algorithms(True): bit-identical results run to run (Options::deterministic).
     out, _ = torch_ops.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                                  softmax_scale=scale, window=window, dropout_p=dropout_p,

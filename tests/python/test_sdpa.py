@@ -87,9 +87,11 @@ def test_gpt_same_outputs_and_gradients(device, masked, caplog):
     (dict(attn_mask=torch.zeros(8, 8)), "float (additive) attn_mask"),
     # Every row keeps its diagonal key: a row with none falls back for that reason instead (~3% of draws).
     (dict(attn_mask=(torch.rand(8, 8) > 0.5) | torch.eye(8, dtype=torch.bool)), "mask"),
-    # Causal for batch entry 0, a window of 3 for entry 1: bands, but not one band.
+    # Causal for batch entry 0, a window of 3 for entry 1: bands, but not of one window.
     (dict(attn_mask=torch.stack((torch.ones(8, 8).tril(), torch.ones(8, 8).tril().triu(-2)))[:, None].bool()),
-     "differs across batch"),
+     "differ in window"),
+    (dict(attn_mask=torch.stack((torch.ones(8, 8).tril(), torch.ones(8, 8).tril().triu(-2)))[None].bool().expand(
+        2, 2, 8, 8).repeat(1, 2, 1, 1)), "differs across heads"),
     (dict(is_causal=True, k_len=12), "seq_q < seq_k"),
     (dict(dtype=torch.float64), "dtype"),
 ])
@@ -167,3 +169,80 @@ def test_static_cache_masks_route_over_the_filled_keys(device, s_q, filled, wind
     torch.testing.assert_close(out, ref, **tol)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, **tol)
+
+
+def padded_mask(b, s_q, s_k, pads, window=None, right=False):
+    """transformers' mask of a padded batch (b, 1, s_q, s_k): entry e's first (or, right, last)
+    pads[e] keys are padding; queries at the last s_q positions, causal, optionally a window."""
+    i = (s_k - s_q + torch.arange(s_q))[:, None]
+    j = torch.arange(s_k)[None, :]
+    band = (j <= i) & ((j > i - window) if window else True)
+    held = [(j < s_k - p) if right else (j >= p) for p in pads]
+    return torch.stack([band & h for h in held])[:, None]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("s_q, s_k, pads, window, right", [
+    (12, 12, [0, 3, 11], None, False),  # prefill, left padding: padding rows see no key
+    (1, 20, [0, 5, 19], None, False),  # a decoding step over left-padded caches
+    (4, 20, [2, 0, 7], None, False),  # transformers' GQA fold: the query heads sharing a KV head as rows
+    (12, 12, [0, 4, 2], 5, False),  # a sliding window
+    (1, 16, [0, 3, 5], None, True),  # right padding in a decoding step (bottom-right aligned all the same)
+])
+def test_padded_batches_route_without_gradients(device, s_q, s_k, pads, window, right):
+    torch.manual_seed(0)
+    cuda = device == "cuda"
+    dtype, d = (torch.float16, 64) if cuda else (torch.float32, 16)
+    b, h, h_k = len(pads), 4, 2
+    q = torch.randn(b, h, s_q, d, device=device, dtype=dtype)
+    k, v = (torch.randn(b, h_k, s_k, d, device=device, dtype=dtype) for _ in range(2))
+    mask = padded_mask(b, s_q, s_k, pads, window, right).to(device)
+    if s_q == 4 and not window:  # the fold: every row of an entry sees the same keys
+        mask = mask[:, :, -1:].expand(b, 1, s_q, s_k)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    sdpa.reset_stats()
+    with sdpa.override():
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert sdpa.stats() == {"routed": 1, "fallback": 0}
+    empty = ~mask.any(dim=-1, keepdim=True).expand_as(out[:, :1, :, :1]).expand(b, h, s_q, d)
+    assert bool((out[empty] == 0).all()), "a row without keys is not 0"
+    tol = dict(rtol=2e-3, atol=2e-3) if cuda else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out[~empty], ref[~empty], **tol)
+    # With a gradient to compute the call falls back (the per-entry route has no backward).
+    q.requires_grad_(True)
+    sdpa.reset_stats()
+    with sdpa.override():
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert sdpa.stats() == {"routed": 0, "fallback": 1}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_transformers_generate_routes_every_call(device, padded, cache):
+    """transformers' greedy generate (a small random Llama, GQA 8/2) under the override: every
+    attention call routed, with and without left padding, dynamic and static caches; the same
+    tokens as without it."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cuda = device == "cuda"
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=2, head_dim=64 if cuda else 32,
+                                      attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(config).eval().to(device, torch.bfloat16 if cuda else torch.float32)
+    ids = torch.randint(1, 256, (3, 21), device=device)  # 0 is the pad token
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    if padded:
+        mask = torch.ones_like(ids)
+        mask[1, :4], mask[2, :15] = 0, 0
+        kw["attention_mask"] = mask
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+    with torch.no_grad():
+        expected = model.generate(ids, **kw)
+        sdpa.reset_stats()
+        with sdpa.override():
+            out = model.generate(ids, **kw)
+    assert sdpa.stats() == {"routed": 2 * 6, "fallback": 0}
+    if not cuda:  # bf16 greedy tokens may part at a near tie; the CPU runs float32
+        assert torch.equal(out, expected)
