@@ -242,15 +242,17 @@ def generate(engine, prompts, steps, graph, draft=1, drafter=None):
     sync()
     start = time.perf_counter()
     if draft == 1:
-        columns = []
+        columns, outs = [], []
         for _ in range(steps):
             columns.append(nxt)
             static_tokens[:, 0] = nxt
-            out = run()[:, 0]
-            for i in range(b):
-                logits[i].append(out[i:i + 1].clone())
-            nxt = out.argmax(-1)
+            outs.append(run()[:, 0].clone())
+            nxt = outs[-1].argmax(-1)
+        sync()
+        seconds = time.perf_counter() - start
         fed = list(torch.stack(columns, dim=1)) if steps else [torch.zeros(0, dtype=torch.long)] * b
+        for i in range(b):
+            logits[i] += [out[i:i + 1] for out in outs]
     else:
         history = [p.tolist() for p in prompts]
         verifying = 0.0  # the steps' seconds, without the drafter's
@@ -273,9 +275,7 @@ def generate(engine, prompts, steps, graph, draft=1, drafter=None):
                 nxt[i] = guess[i][kept - 1]
                 back.append(draft - kept)
             engine.cache_seqlens.sub_(torch.tensor(back, dtype=torch.int32, device=dev))
-        fed = [torch.tensor(f, dtype=torch.long) for f in fed]
-    sync()
-    seconds = time.perf_counter() - start if draft == 1 else verifying
+        fed, seconds = [torch.tensor(f, dtype=torch.long) for f in fed], verifying
     return fed, [torch.cat(rows) for rows in logits], seconds
 
 
