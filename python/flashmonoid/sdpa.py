@@ -9,11 +9,14 @@ supports, key and value with the same head dim as the query, with is_causal, sca
 enable_gqa, and attn_mask either None or a boolean mask that is a band (causal or sliding window,
 the same for every batch entry and head) in which every query sees at least one key; keys no query
 sees at either end (a static KV cache's unfilled capacity, as transformers' StaticCache masks it)
-are cut off as views. A mask that differs across batch entries routes where each entry's rows are
-a bottom-right band of the same window over its own keys (left padding, as transformers pads
-batches for generation), without dropout or gradients: a KV-cache call with each entry's key range, where rows
-that see no key (padding) give 0, as PyTorch's math backend does since 2.5. Everything else (float
-masks, masks of other shapes, nested tensors, float64, ...) falls back to PyTorch.
+are cut off as views. A mask that differs across batch entries (transformers' padded batches)
+routes where each entry's rows are a bottom-right band of one window over its own keys, with
+padding rows before it that see no key (left padding) or after it that see every key of the entry
+(right padding): for inference with all rows aligned to the end of the keys, one KV-cache call
+over each entry's key range in place; otherwise (gradients, dropout, right padding) varlen calls
+over the gathered rows. Rows that see no key give 0, as PyTorch's math backend does since 2.5.
+Everything else (float masks, masks of other shapes, nested tensors, float64, ...) falls back to
+PyTorch.
 
 SDPA aligns is_causal to the top-left corner and flashmonoid to the bottom-right. A top-left
 causal mask is the bottom-right window (-1, seq_q - seq_k) when seq_q >= seq_k; is_causal with
@@ -26,7 +29,9 @@ enable() keeps PyTorch's. Each decision is logged at DEBUG level on the logger "
 """
 
 import contextlib
+import itertools
 import logging
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -49,32 +54,85 @@ def reset_stats():
     _counts["routed"] = _counts["fallback"] = 0
 
 
+def _offsets(s_q, s_k, device):
+    """(s_q, s_k): key j's position relative to row i's bottom-right diagonal, j - (i + s_k - s_q)."""
+    return torch.arange(s_k, device=device)[None, :] - (torch.arange(s_q, device=device)[:, None] + (s_k - s_q))
+
+
+def _band_mask(s_q, s_k, window, device):
+    """The (s_q, s_k) boolean mask of a bottom-right band: key j seen by row i when its offset is
+    within [-left, right] (-1: no bound on that side)."""
+    offset = _offsets(s_q, s_k, device)
+    band = torch.ones(s_q, s_k, dtype=torch.bool, device=device)
+    left, right = window
+    if right >= 0:
+        band &= offset <= right
+    if left >= 0:
+        band &= offset >= -left
+    return band
+
+
 def _band(m, s_q, s_k):
     """(window_left, window_right, key_begin, key_end) when the (s_q, s_k) boolean mask m is a
     bottom-right band over keys [key_begin, key_end) (the keys no row sees at either end cut off: a
-    static KV cache's unfilled capacity, a batch entry's padding), else a string saying why not."""
+    static KV cache's unfilled capacity), else a string saying why not."""
     seen = m.any(dim=0).nonzero()
     if len(seen) == 0:
         return "the mask hides every key"
     begin, end = int(seen[0]), int(seen[-1]) + 1
     m, s_k = m[:, begin:end], end - begin
-    i = torch.arange(s_q, device=m.device)[:, None]
-    j = torch.arange(s_k, device=m.device)[None, :]
-    offset = j - (i + (s_k - s_q))  # key position relative to the bottom-right diagonal
+    offset = _offsets(s_q, s_k, m.device)
     right, left = int(offset[m].max()), int((-offset)[m].max())
     if right < 0 or left < 0:
         return "the band does not contain the diagonal"
-    if not torch.equal((offset <= right) & (offset >= -left), m):
-        return "the mask is not a causal or sliding-window band"
     # A side that cuts off no key is no window (-1): plain causal stays the kernels' causal path.
-    return (-1 if left >= s_k - 1 else left, -1 if right >= s_q - 1 else right, begin, end)
+    window = (-1 if left >= s_k - 1 else left, -1 if right >= s_q - 1 else right)
+    if not torch.equal(_band_mask(s_q, s_k, window, m.device), m):
+        return "the mask is not a causal or sliding-window band"
+    return (*window, begin, end)
+
+
+class _Entries(NamedTuple):
+    """A mask that differs across batch entries, per entry: rows [0, empty) see no key (left
+    padding), the next `band` rows are a bottom-right band over keys [begin, end), and every row after
+    them sees exactly those keys (right padding's rows)."""
+    empty: list
+    band: list
+    begin: list
+    end: list
+
+    def aligned(self, s_q, window):
+        """Whether all s_q rows of each entry are the band over its keys as a KV-cache call aligns them
+        (queries at the end of the keys): no row past the band, and the empty rows exactly those the
+        window leaves without a key."""
+        right = window[1]
+        return all(e + n == s_q and e == (max(0, s_q - (k1 - k0) - right) if right >= 0 else 0)
+                   for e, n, k0, k1 in zip(self.empty, self.band, self.begin, self.end))
+
+
+def _entry_rows(m, s_q):
+    """(empty, band, begin, end) of one batch entry's (s_q, s_k) mask (see _Entries; the band's last
+    row is its first that sees every key, when all rows after it do too), or a string saying why its
+    rows are not such."""
+    sees = m.any(dim=-1)
+    empty = int((~sees).int().cumprod(0).sum())
+    if empty == s_q:
+        return (s_q, 0, 0, 0)
+    if not bool(sees[empty:].all()):
+        return "a query row without keys below one with keys"
+    seen = m[empty:].any(dim=0).nonzero()
+    begin, end = int(seen[0]), int(seen[-1]) + 1
+    every = m[:, begin:end].all(dim=-1)[empty:]  # rows past the empty ones see no key outside [begin, end)
+    full = every.nonzero()
+    band = int(full[0]) + 1 if len(full) and bool(every[int(full[0]):].all()) else s_q - empty
+    return (empty, band, begin, end)
 
 
 def _band_of(mask, b, s_q, s_k):
     """(window, keys) for a boolean mask the same for every head: keys a slice when the mask is one
-    band for every batch entry, else (key_begin, key_end) int32 tensors (b) when each entry's rows are
-    a bottom-right band of the same window over its own keys (left padding); a string saying why not
-    otherwise. Reads the mask's values (a device sync for CUDA masks)."""
+    band for every batch entry, else _Entries when each entry's rows are a bottom-right band of one
+    window over its own keys with padding rows before (no key) or after (every key); a string
+    saying why not otherwise. Reads the mask's values (a device sync for CUDA masks)."""
     m = mask
     while m.dim() < 4:  # SDPA broadcasts masks to (b, h, s_q, s_k)
         m = m[None]
@@ -89,14 +147,22 @@ def _band_of(mask, b, s_q, s_k):
             return "a query row sees no key (SDPA gives NaN there, flashmonoid 0)"
         band = _band(m, s_q, s_k)
         return band if isinstance(band, str) else (band[:2], slice(*band[2:]))
-    bands = [_band(e.expand(s_q, s_k), s_q, s_k) for e in m.expand(b, s_q, s_k)]
-    reason = next((x for x in bands if isinstance(x, str)), None)
+    m = m.expand(b, s_q, s_k)
+    rows = [_entry_rows(e, s_q) for e in m]
+    reason = next((x for x in rows if isinstance(x, str)), None)
     if reason is not None:
         return reason + " (in a batch entry)"
-    if len({x[:2] for x in bands}) != 1:
+    entries = _Entries(*([x[i] for x in rows] for i in range(4)))
+    blocks = [m[e, x[0]:x[0] + x[1], x[2]:x[3]] for e, x in enumerate(rows)]
+    # The window: the band of the entry with the most rows and keys; every entry's band must be it.
+    widest = max(range(b), key=lambda e: blocks[e].numel())
+    band = _band(blocks[widest], *blocks[widest].shape)
+    if isinstance(band, str):
+        return band + " (in a batch entry)"
+    window = band[:2]
+    if not all(torch.equal(_band_mask(*x.shape, window, x.device), x) for x in blocks):
         return "the batch entries' bands differ in window"
-    begin, end = (torch.tensor([x[i] for x in bands], dtype=torch.int32, device=mask.device) for i in (2, 3))
-    return bands[0][:2], (begin, end)
+    return window, entries
 
 
 _support_cache = {}
@@ -148,19 +214,15 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if isinstance(band, str):
             return None, band
         window, keys = band
-        if not isinstance(keys, slice):  # per-entry key ranges run as a KV-cache call: no dropout or gradient
-            if dropout_p > 0.0:
-                return None, "dropout with a mask that differs across batch entries"
-            if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-                return None, "a gradient through a mask that differs across batch entries"
     elif is_causal:
         if s_q < key.shape[2]:
             return None, "is_causal with seq_q < seq_k (top-left alignment)"
         window = (-1, s_q - key.shape[2])
-    ok, reason = _supports(str(query.device), str(query.dtype).removeprefix("torch."), h, h_k, d, window,
-                           float(dropout_p))
-    if not ok:
-        return None, reason
+    for w in {window, (-1, -1)} if isinstance(keys, _Entries) else {window}:
+        ok, reason = _supports(str(query.device), str(query.dtype).removeprefix("torch."), h, h_k, d, w,
+                               float(dropout_p))
+        if not ok:
+            return None, reason
     return (window, keys), ""
 
 
@@ -180,18 +242,58 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         _counts["routed"] += 1
         log.debug("sdpa -> flashmonoid: q %s, k %s, keys %s, %s, window %s, dropout_p %s", tuple(query.shape),
                   tuple(key.shape), keys, query.dtype, window, dropout_p)
-    # (b, h, s, d) -> (b, s, h, d): views, the head dim stays contiguous.
-    if not isinstance(keys, slice):  # each batch entry's keys [begin, end): the KV-cache forward's leftpad, seqlens
-        out, _ = torch_ops.attention_kvcache(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                             cache_seqlens=keys[1], cache_leftpad=keys[0], softmax_scale=scale,
-                                             window=window)
-        return out.transpose(1, 2)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    if isinstance(keys, _Entries):
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        if dropout_p == 0.0 and not grad and keys.aligned(query.shape[2], window):
+            return _per_entry_kvcache(query, key, value, window, keys, scale)
+        return _per_entry_varlen(query, key, value, window, keys, scale, dropout_p, deterministic)
     key, value = key[:, :, keys], value[:, :, keys]
+    # (b, h, s, d) -> (b, s, h, d): views, the head dim stays contiguous.
     # torch.use_deterministic_algorithms(True): bit-identical results run to run (Options::deterministic).
     out, _ = torch_ops.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                 softmax_scale=scale, window=window, dropout_p=dropout_p,
-                                 deterministic=torch.are_deterministic_algorithms_enabled())
+                                 softmax_scale=scale, window=window, dropout_p=dropout_p, deterministic=deterministic)
     return out.transpose(1, 2)
+
+
+def _per_entry_kvcache(query, key, value, window, entries, scale):
+    """Inference over each entry's keys in place: one KV-cache call (cache_leftpad, cache_seqlens = each
+    entry's key range), every query row of an entry aligned to the end of its keys."""
+    begin, end = (torch.tensor(x, dtype=torch.int32, device=query.device) for x in (entries.begin, entries.end))
+    out, _ = torch_ops.attention_kvcache(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                         cache_seqlens=end, cache_leftpad=begin, softmax_scale=scale, window=window)
+    return out.transpose(1, 2)
+
+
+def _per_entry_varlen(query, key, value, window, entries, scale, dropout_p, deterministic):
+    """Each entry's rows gathered into varlen calls (with backward and dropout): its band rows with the
+    window, the rows after the band (which see every key of the entry) without one; rows without keys
+    stay 0."""
+    b, h, s_q, d = query.shape
+    h_k, s_k = key.shape[1], key.shape[2]
+    q = query.transpose(1, 2).reshape(b * s_q, h, d)
+    k, v = (x.transpose(1, 2).reshape(b * s_k, h_k, d) for x in (key, value))
+    out = q.new_zeros(b * s_q, h, d)
+    first = [e * s_q + empty for e, empty in enumerate(entries.empty)]
+    band_rows = [(r, r + n) for r, n in zip(first, entries.band)]
+    after_rows = [(r1, (e + 1) * s_q) for e, (_, r1) in enumerate(band_rows)]
+    groups = [(window, band_rows), ((-1, -1), after_rows)] if window != (-1, -1) else \
+        [(window, [(r0, (e + 1) * s_q) for e, (r0, _) in enumerate(band_rows)])]
+    for w, rows in groups:
+        keep = [e for e, (r0, r1) in enumerate(rows) if r1 > r0 and entries.end[e] > entries.begin[e]]
+        if not keep:
+            continue
+        iq = torch.cat([torch.arange(*rows[e]) for e in keep]).to(query.device)
+        ik = torch.cat([torch.arange(e * s_k + entries.begin[e], e * s_k + entries.end[e]) for e in keep])
+        ik = ik.to(query.device)
+        n_q = [rows[e][1] - rows[e][0] for e in keep]
+        n_k = [entries.end[e] - entries.begin[e] for e in keep]
+        cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device=query.device)
+                      for n in (n_q, n_k))
+        o, _ = torch_ops.attention_varlen(q[iq], k[ik], v[ik], cu_q, cu_k, max(n_q), max(n_k), softmax_scale=scale,
+                                          window=w, dropout_p=dropout_p, deterministic=deterministic)
+        out = out.index_copy(0, iq, o)
+    return out.view(b, s_q, h, d).transpose(1, 2)
 
 
 def enable():

@@ -188,32 +188,46 @@ def padded_mask(b, s_q, s_k, pads, window=None, right=False):
     (4, 20, [2, 0, 7], None, False),  # transformers' GQA fold: the query heads sharing a KV head as rows
     (12, 12, [0, 4, 2], 5, False),  # a sliding window
     (1, 16, [0, 3, 5], None, True),  # right padding in a decoding step (bottom-right aligned all the same)
+    (12, 12, [0, 3, 11], None, True),  # right padding in training: the padding rows see every held key
+    (10, 10, [12, 0, 2], None, False),  # an entry all padding (more padding than rows: no key at all)
 ])
-def test_padded_batches_route_without_gradients(device, s_q, s_k, pads, window, right):
+@pytest.mark.parametrize("grad", [False, True])
+def test_padded_batches_route(device, s_q, s_k, pads, window, right, grad):
+    """transformers' masks of padded batches: inference (a KV-cache call over each entry's keys, or
+    varlen calls) and training (varlen calls: gradients, padding rows after the band in a call of
+    their own) against PyTorch's math backend, which gives rows without keys 0 as flashmonoid does."""
     torch.manual_seed(0)
     cuda = device == "cuda"
     dtype, d = (torch.float16, 64) if cuda else (torch.float32, 16)
     b, h, h_k = len(pads), 4, 2
-    q = torch.randn(b, h, s_q, d, device=device, dtype=dtype)
-    k, v = (torch.randn(b, h_k, s_k, d, device=device, dtype=dtype) for _ in range(2))
+    q = torch.randn(b, h, s_q, d, device=device, dtype=dtype, requires_grad=grad)
+    k, v = (torch.randn(b, h_k, s_k, d, device=device, dtype=dtype, requires_grad=grad) for _ in range(2))
     mask = padded_mask(b, s_q, s_k, pads, window, right).to(device)
     if s_q == 4 and not window:  # the fold: every row of an entry sees the same keys
         mask = mask[:, :, -1:].expand(b, 1, s_q, s_k)
-    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    sdpa.reset_stats()
-    with sdpa.override():
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    assert sdpa.stats() == {"routed": 1, "fallback": 0}
-    empty = ~mask.any(dim=-1, keepdim=True).expand_as(out[:, :1, :, :1]).expand(b, h, s_q, d)
+    dout = torch.randn(b, h, s_q, d, device=device, dtype=dtype)
+    runs = []
+    for routed in (False, True):
+        sdpa.reset_stats()
+        with contextlib.ExitStack() as stack:
+            if routed:
+                stack.enter_context(sdpa.override())
+            else:
+                stack.enter_context(torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        if grad:
+            out.backward(dout)
+        runs.append((out.detach(), [t.grad.clone() for t in (q, k, v)] if grad else [], sdpa.stats()))
+        for t in (q, k, v):
+            t.grad = None
+    (ref, ref_grads, _), (out, grads, stats) = runs
+    assert stats == {"routed": 1, "fallback": 0}
+    empty = ~mask.any(dim=-1)[:, :, :, None].expand(b, h, s_q, d)
     assert bool((out[empty] == 0).all()), "a row without keys is not 0"
     tol = dict(rtol=2e-3, atol=2e-3) if cuda else dict(rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(out[~empty], ref[~empty], **tol)
-    # With a gradient to compute the call falls back (the per-entry route has no backward).
-    q.requires_grad_(True)
-    sdpa.reset_stats()
-    with sdpa.override():
-        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    assert sdpa.stats() == {"routed": 0, "fallback": 1}
+    torch.testing.assert_close(out, ref, **tol)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, **tol)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -246,3 +260,33 @@ def test_transformers_generate_routes_every_call(device, padded, cache):
     assert sdpa.stats() == {"routed": 2 * 6, "fallback": 0}
     if not cuda:  # bf16 greedy tokens may part at a near tie; the CPU runs float32
         assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_transformers_training_step_on_a_padded_batch(side):
+    """A training step of a small transformers Llama on a padded batch (labels -100 on padding): every
+    attention call routed (varlen calls with gradients), the loss and every gradient as PyTorch's."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(1, 256, (3, 24))
+    mask = torch.ones_like(ids)
+    pads = (slice(-5, None), slice(-17, None)) if side == "right" else (slice(None, 5), slice(None, 17))
+    mask[1, pads[0]], mask[2, pads[1]] = 0, 0
+    labels = ids.masked_fill(mask == 0, -100)
+    runs = []
+    for routed in (False, True):
+        model.zero_grad()
+        sdpa.reset_stats()
+        with sdpa.override() if routed else contextlib.nullcontext():
+            loss = model(ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+        runs.append((loss.detach(), [p.grad.clone() for p in model.parameters()], sdpa.stats()))
+    (ref_loss, ref_grads, _), (loss, grads, stats) = runs
+    assert stats == {"routed": 2, "fallback": 0}
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
