@@ -135,6 +135,24 @@ def test_override_compiles_fullgraph():
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
 
 
+def routed_against_torch(q, k, v, mask):
+    """(out, grads) of PyTorch's math backend and of the override, with the override's stats, for a
+    masked GQA call; gradients of a fixed random dout where q requires grad."""
+    dout = torch.randn_like(q)
+    runs = []
+    for routed in (False, True):
+        sdpa.reset_stats()
+        with sdpa.override() if routed else torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        if q.requires_grad:
+            out.backward(dout)
+        runs.append((out.detach(), [t.grad.clone() for t in (q, k, v)] if q.requires_grad else [], sdpa.stats()))
+        for t in (q, k, v):
+            t.grad = None
+    (ref, ref_grads, _), (out, grads, stats) = runs
+    return ref, ref_grads, out, grads, stats
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("s_q, filled, window", [(1, 37, None), (3, 20, None), (1, 37, 8), (4, 1, None)])
 def test_static_cache_masks_route_over_the_filled_keys(device, s_q, filled, window):
@@ -152,18 +170,7 @@ def test_static_cache_masks_route_over_the_filled_keys(device, s_q, filled, wind
     j = torch.arange(capacity, device=device)[None, :]
     mask = (j <= pos) & ((j > pos - window) if window else True)
     mask = mask.expand(b, 1, s_q, capacity)  # transformers' shape: one row set per batch entry
-    runs = []
-    for routed in (False, True):
-        sdpa.reset_stats()
-        with contextlib.ExitStack() as stack:
-            if routed:
-                stack.enter_context(sdpa.override())
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-            out.backward(torch.ones_like(out))
-        runs.append((out.detach(), [t.grad.clone() for t in (q, k, v)], sdpa.stats()))
-        for t in (q, k, v):
-            t.grad = None
-    (ref, ref_grads, _), (out, grads, stats) = runs
+    ref, ref_grads, out, grads, stats = routed_against_torch(q, k, v, mask)
     assert stats == {"routed": 1, "fallback": 0}
     tol = dict(rtol=2e-3, atol=2e-3) if cuda else dict(rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out, ref, **tol)
@@ -205,22 +212,7 @@ def test_padded_batches_route(device, s_q, s_k, pads, window, right, grad):
     mask = padded_mask(b, s_q, s_k, pads, window, right).to(device)
     if s_q == 4 and not window:  # the fold: every row of an entry sees the same keys
         mask = mask[:, :, -1:].expand(b, 1, s_q, s_k)
-    dout = torch.randn(b, h, s_q, d, device=device, dtype=dtype)
-    runs = []
-    for routed in (False, True):
-        sdpa.reset_stats()
-        with contextlib.ExitStack() as stack:
-            if routed:
-                stack.enter_context(sdpa.override())
-            else:
-                stack.enter_context(torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH))
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        if grad:
-            out.backward(dout)
-        runs.append((out.detach(), [t.grad.clone() for t in (q, k, v)] if grad else [], sdpa.stats()))
-        for t in (q, k, v):
-            t.grad = None
-    (ref, ref_grads, _), (out, grads, stats) = runs
+    ref, ref_grads, out, grads, stats = routed_against_torch(q, k, v, mask)
     assert stats == {"routed": 1, "fallback": 0}
     empty = ~mask.any(dim=-1)[:, :, :, None].expand(b, h, s_q, d)
     assert bool((out[empty] == 0).all()), "a row without keys is not 0"
