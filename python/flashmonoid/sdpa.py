@@ -110,22 +110,43 @@ class _Entries(NamedTuple):
                    for e, n, k0, k1 in zip(self.empty, self.band, self.begin, self.end))
 
 
-def _entry_rows(m, s_q):
-    """(empty, band, begin, end) of one batch entry's (s_q, s_k) mask (see _Entries; the band's last
-    row is its first that sees every key, when all rows after it do too), or a string saying why its
-    rows are not such."""
-    sees = m.any(dim=-1)
-    empty = int((~sees).int().cumprod(0).sum())
-    if empty == s_q:
-        return (s_q, 0, 0, 0)
-    if not bool(sees[empty:].all()):
-        return "a query row without keys below one with keys"
-    seen = m[empty:].any(dim=0).nonzero()
-    begin, end = int(seen[0]), int(seen[-1]) + 1
-    every = m[:, begin:end].all(dim=-1)[empty:]  # rows past the empty ones see no key outside [begin, end)
-    full = every.nonzero()
-    band = int(full[0]) + 1 if len(full) and bool(every[int(full[0]):].all()) else s_q - empty
-    return (empty, band, begin, end)
+def _entries_of(m):
+    """(window, _Entries) of a (b, s_q, s_k) boolean mask whose entries differ (see _Entries), or a
+    string saying why its entries are not such. Vectorised over the batch: a few device syncs in all,
+    not a few per entry (a decoding step of 32 sequences calls this once per layer)."""
+    b, s_q, s_k = m.shape
+    rows = torch.arange(s_q, device=m.device)
+    keys = torch.arange(s_k, device=m.device)
+    sees = m.any(dim=-1)  # (b, s_q)
+    empty = (~sees).int().cumprod(dim=-1).sum(dim=-1)  # leading rows without a key
+    held = m.any(dim=1)  # (b, s_k): keys some row sees
+    begin = torch.where(held.any(dim=-1), held.int().argmax(dim=-1), 0)
+    end = torch.where(held.any(dim=-1), s_k - held.flip(-1).int().argmax(dim=-1), 0)
+    every = sees & (m.sum(dim=-1) == (end - begin)[:, None])  # rows that see every held key
+    first = every.int().argmax(dim=-1)  # the band's last row: its first that sees every key ...
+    tail = every.any(dim=-1) & (every | (rows[None] < first[:, None])).all(dim=-1)  # ... when all after do too
+    band = torch.where(tail, first + 1 - empty, s_q - empty)
+    entries = _Entries(*torch.stack((empty, band, begin, end)).tolist())
+    # The window: the band of the entry with the most rows and keys; every entry must be it.
+    e = max(range(b), key=lambda e: entries.band[e] * (entries.end[e] - entries.begin[e]))
+    r0, k0, k1 = entries.empty[e], entries.begin[e], entries.end[e]
+    window = _band(m[e, r0:r0 + entries.band[e], k0:k1], entries.band[e], k1 - k0)
+    if isinstance(window, str):
+        return window + " (in a batch entry)"
+    window = window[:2]
+    # The mask these entries and the window make, [no key | band | every key] per entry, must be m.
+    i, j = rows[None, :, None], keys[None, None, :]
+    empty, band, begin, end = (x[:, None, None] for x in (empty, band, begin, end))
+    in_keys = (j >= begin) & (j < end)
+    offset = (j - begin) - ((i - empty) + (end - begin - band))
+    in_band = (i >= empty) & (i < empty + band) & in_keys
+    if window[1] >= 0:
+        in_band &= offset <= window[1]
+    if window[0] >= 0:
+        in_band &= offset >= -window[0]
+    if not torch.equal(in_band | ((i >= empty + band) & in_keys), m):
+        return "the batch entries are not one band each of one window with padding rows before or after"
+    return window, entries
 
 
 def _band_of(mask, b, s_q, s_k):
@@ -147,22 +168,7 @@ def _band_of(mask, b, s_q, s_k):
             return "a query row sees no key (SDPA gives NaN there, flashmonoid 0)"
         band = _band(m, s_q, s_k)
         return band if isinstance(band, str) else (band[:2], slice(*band[2:]))
-    m = m.expand(b, s_q, s_k)
-    rows = [_entry_rows(e, s_q) for e in m]
-    reason = next((x for x in rows if isinstance(x, str)), None)
-    if reason is not None:
-        return reason + " (in a batch entry)"
-    entries = _Entries(*([x[i] for x in rows] for i in range(4)))
-    blocks = [m[e, x[0]:x[0] + x[1], x[2]:x[3]] for e, x in enumerate(rows)]
-    # The window: the band of the entry with the most rows and keys; every entry's band must be it.
-    widest = max(range(b), key=lambda e: blocks[e].numel())
-    band = _band(blocks[widest], *blocks[widest].shape)
-    if isinstance(band, str):
-        return band + " (in a batch entry)"
-    window = band[:2]
-    if not all(torch.equal(_band_mask(*x.shape, window, x.device), x) for x in blocks):
-        return "the batch entries' bands differ in window"
-    return window, entries
+    return _entries_of(m.expand(b, s_q, s_k))
 
 
 _support_cache = {}

@@ -89,7 +89,7 @@ def test_gpt_same_outputs_and_gradients(device, masked, caplog):
     (dict(attn_mask=(torch.rand(8, 8) > 0.5) | torch.eye(8, dtype=torch.bool)), "mask"),
     # Causal for batch entry 0, a window of 3 for entry 1: bands, but not of one window.
     (dict(attn_mask=torch.stack((torch.ones(8, 8).tril(), torch.ones(8, 8).tril().triu(-2)))[:, None].bool()),
-     "differ in window"),
+     "one band each of one window"),
     (dict(attn_mask=torch.stack((torch.ones(8, 8).tril(), torch.ones(8, 8).tril().triu(-2)))[None].bool().expand(
         2, 2, 8, 8).repeat(1, 2, 1, 1)), "differs across heads"),
     (dict(is_causal=True, k_len=12), "seq_q < seq_k"),
