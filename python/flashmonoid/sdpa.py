@@ -19,8 +19,9 @@ Everything else (float masks, masks of other shapes, nested tensors, float64, ..
 PyTorch.
 
 SDPA aligns is_causal to the top-left corner and flashmonoid to the bottom-right. A top-left
-causal mask is the bottom-right window (-1, seq_q - seq_k) when seq_q >= seq_k; is_causal with
-seq_q < seq_k falls back. With dropout_p > 0 the two draw different (equally distributed) masks.
+causal mask is the bottom-right window (-1, seq_q - seq_k) when seq_q >= seq_k; with seq_q < seq_k
+no row sees a key past seq_q, so the keys are cut to the first seq_q (a view) and the call is
+causal. With dropout_p > 0 the two draw different (equally distributed) masks.
 
 Only callers that look the function up at call time (``F.scaled_dot_product_attention(...)``) are
 routed; a module that did ``from torch.nn.functional import scaled_dot_product_attention`` before
@@ -220,10 +221,9 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if isinstance(band, str):
             return None, band
         window, keys = band
-    elif is_causal:
-        if s_q < key.shape[2]:
-            return None, "is_causal with seq_q < seq_k (top-left alignment)"
-        window = (-1, s_q - key.shape[2])
+    elif is_causal:  # top-left: row i sees keys j <= i, so no row sees a key past seq_q
+        keys = slice(0, min(s_q, key.shape[2]))
+        window = (-1, s_q - keys.stop)
     for w in {window, (-1, -1)} if isinstance(keys, _Entries) else {window}:
         ok, reason = _supports(str(query.device), str(query.dtype).removeprefix("torch."), h, h_k, d, w,
                                float(dropout_p))

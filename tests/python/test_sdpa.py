@@ -92,7 +92,6 @@ def test_gpt_same_outputs_and_gradients(device, masked, caplog):
      "one band each of one window"),
     (dict(attn_mask=torch.stack((torch.ones(8, 8).tril(), torch.ones(8, 8).tril().triu(-2)))[None].bool().expand(
         2, 2, 8, 8).repeat(1, 2, 1, 1)), "differs across heads"),
-    (dict(is_causal=True, k_len=12), "seq_q < seq_k"),
     (dict(dtype=torch.float64), "dtype"),
 ])
 def test_fallbacks_are_counted_logged_and_exact(kwargs, reason, caplog):
@@ -108,6 +107,29 @@ def test_fallbacks_are_counted_logged_and_exact(kwargs, reason, caplog):
     assert sdpa.stats() == {"routed": 0, "fallback": 1}
     assert any(reason in r.message for r in caplog.records)
     torch.testing.assert_close(out, expected, equal_nan=True)
+
+
+@pytest.mark.parametrize("s_q, s_k", [(5, 12), (12, 5), (7, 7)])
+def test_is_causal_is_top_left_for_any_lengths(s_q, s_k):
+    """SDPA's is_causal aligns to the top-left: with seq_q < seq_k the keys past seq_q are unseen
+    (cut off), with seq_q > seq_k the rows past seq_k see every key. Outputs and gradients."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, s_q, 16, requires_grad=True)
+    k, v = (torch.randn(2, 2, s_k, 16, requires_grad=True) for _ in range(2))
+    runs = []
+    for routed in (False, True):
+        sdpa.reset_stats()
+        with sdpa.override() if routed else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        out.backward(torch.ones_like(out))
+        runs.append((out.detach(), [t.grad.clone() for t in (q, k, v)], sdpa.stats()))
+        for t in (q, k, v):
+            t.grad = None
+    (ref, ref_grads, _), (out, grads, stats) = runs
+    assert stats == {"routed": 1, "fallback": 0}
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
 
 
 def test_enable_disable_and_scale():
