@@ -32,6 +32,7 @@ enable() keeps PyTorch's. Each decision is logged at DEBUG level on the logger "
 import contextlib
 import itertools
 import logging
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -172,6 +173,24 @@ def _band_of(mask, b, s_q, s_k):
     return _entries_of(m.expand(b, s_q, s_k))
 
 
+_last_mask = [None, None]  # (a weak reference to the last mask analysed, (its version, shapes) and the result)
+
+
+def _band_of_cached(mask, b, s_q, s_k):
+    """_band_of, remembered for the last mask object while it is unchanged: a model passes one mask to
+    every layer of a forward, so its reads (and a CUDA mask's device syncs) happen once per forward,
+    not once per layer (a decoding step's analysis costs about what its attention does)."""
+    if mask.is_inference():  # no version counter: nothing tells an in-place change
+        return _band_of(mask, b, s_q, s_k)
+    key = (mask._version, tuple(mask.shape), mask.stride(), mask.storage_offset(), b, s_q, s_k)
+    ref, (last_key, result) = _last_mask[0], _last_mask[1] or (None, None)
+    if ref is not None and ref() is mask and last_key == key:
+        return result
+    result = _band_of(mask, b, s_q, s_k)
+    _last_mask[:] = [weakref.ref(mask), (key, result)]
+    return result
+
+
 _support_cache = {}
 
 
@@ -217,7 +236,7 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
             return None, "a float (additive) attn_mask"
         if torch.compiler.is_compiling():
             return None, "a boolean attn_mask under torch.compile (its values are data)"
-        band = _band_of(attn_mask, b, s_q, key.shape[2])
+        band = _band_of_cached(attn_mask, b, s_q, key.shape[2])
         if isinstance(band, str):
             return None, band
         window, keys = band

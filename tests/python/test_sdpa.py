@@ -132,6 +132,32 @@ def test_is_causal_is_top_left_for_any_lengths(s_q, s_k):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
 
 
+def test_a_mask_is_analysed_once_until_it_changes(monkeypatch):
+    """One mask object passed to every layer is read once; changed in place, it is read again (here it
+    stops being a band, so the call falls back and gives PyTorch's result); inference tensors (no
+    version counter) are read every time."""
+    calls = []
+    analyse = sdpa._band_of
+    monkeypatch.setattr(sdpa, "_band_of", lambda *a: calls.append(1) or analyse(*a))
+    q, k, v = torch.randn(2, 4, 8, 16), torch.randn(2, 4, 8, 16), torch.randn(2, 4, 8, 16)
+    mask = torch.ones(8, 8, dtype=torch.bool).tril()
+    sdpa.reset_stats()
+    with sdpa.override():
+        for _ in range(3):
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        assert len(calls) == 1
+        mask[0, 5] = True  # not a band any more
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        assert len(calls) == 2
+        with torch.inference_mode():
+            frozen = torch.ones(8, 8, dtype=torch.bool).tril()
+            for _ in range(2):
+                F.scaled_dot_product_attention(q, k, v, attn_mask=frozen)
+        assert len(calls) == 4
+    assert sdpa.stats() == {"routed": 5, "fallback": 1}
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
 def test_enable_disable_and_scale():
     q, k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)
     expected = F.scaled_dot_product_attention(q, k, v, scale=0.3)
