@@ -173,7 +173,8 @@ def _band_of(mask, b, s_q, s_k):
     return _entries_of(m.expand(b, s_q, s_k))
 
 
-_last_mask = [None, None]  # (a weak reference to the last mask analysed, (its version, shapes) and the result)
+_last_mask = None  # (a weak reference to the last mask analysed, its version and shapes, the result): one tuple,
+# replaced whole, so threads never see one call's reference with another's result
 
 
 def _band_of_cached(mask, b, s_q, s_k):
@@ -182,12 +183,13 @@ def _band_of_cached(mask, b, s_q, s_k):
     not once per layer (a decoding step's analysis costs about what its attention does)."""
     if mask.is_inference():  # no version counter: nothing tells an in-place change
         return _band_of(mask, b, s_q, s_k)
+    global _last_mask
     key = (mask._version, tuple(mask.shape), mask.stride(), mask.storage_offset(), b, s_q, s_k)
-    ref, (last_key, result) = _last_mask[0], _last_mask[1] or (None, None)
-    if ref is not None and ref() is mask and last_key == key:
-        return result
+    last = _last_mask
+    if last is not None and last[0]() is mask and last[1] == key:
+        return last[2]
     result = _band_of(mask, b, s_q, s_k)
-    _last_mask[:] = [weakref.ref(mask), (key, result)]
+    _last_mask = (weakref.ref(mask), key, result)
     return result
 
 
