@@ -178,9 +178,11 @@ _last_mask = None  # (a weak reference to the last mask analysed, its version an
 
 
 def _band_of_cached(mask, b, s_q, s_k):
-    """_band_of, remembered for the last mask object while it is unchanged: a model passes one mask to
-    every layer of a forward, so its reads (and a CUDA mask's device syncs) happen once per forward,
-    not once per layer (a decoding step's analysis costs about what its attention does)."""
+    """_band_of, remembered for the last mask object while torch's version counter says it is
+    unchanged (a write that bypasses it, through .data or another library's view of the memory,
+    is not seen): a model passes one mask to every layer of a forward, so its reads (and a CUDA
+    mask's device syncs) happen once per forward, not once per layer (a decoding step's analysis
+    costs about what its attention does)."""
     if mask.is_inference():  # no version counter: nothing tells an in-place change
         return _band_of(mask, b, s_q, s_k)
     global _last_mask
