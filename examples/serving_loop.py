@@ -79,13 +79,12 @@ class PagedLlama:
         self.h, self.h_k, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.page_size, pages_per_seq = page_size, -(-max_len // page_size)
         self.cache_seqlens = torch.zeros(batch, dtype=torch.int32, device=self.device)
-        # flash-attn's rotary tables (seqlen_ro, d / 2): the model's frequencies, in float64, then dtype.
-        # Non-interleaved halves: transformers' rotate_half convention.
-        inv_freq = model.model.rotary_emb.inv_freq.double().to(self.device)
-        angles = torch.arange(pages_per_seq * page_size, device=self.device, dtype=torch.float64)[:, None] * inv_freq
-        scaling = getattr(model.model.rotary_emb, "attention_scaling", 1.0)
-        self.cos = (angles.cos() * scaling).to(self.dtype)
-        self.sin = (angles.sin() * scaling).to(self.dtype)
+        # flash-attn's rotary tables (seqlen_ro, d / 2): the first halves of the model's own cos / sin
+        # (transformers computes the angles in float32 and repeats them, the rotate_half convention:
+        # non-interleaved), so the tables hold the bits the model rotates with.
+        positions = torch.arange(pages_per_seq * page_size, device=self.device)[None]
+        cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=self.dtype, device=self.device), positions)
+        self.cos, self.sin = (x[0, :, :self.d // 2].contiguous() for x in (cos, sin))
         self._allocate(cfg.num_hidden_layers, batch, pages_per_seq, spare_pages, seed)
 
     def _allocate(self, layers, batch, pages_per_seq, spare_pages, seed):
