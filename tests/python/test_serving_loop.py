@@ -49,3 +49,14 @@ def test_greedy_decoding_over_a_paged_cache(device, dtype, page_size, graph, dra
     assert r["err"] <= r["bound"], r
     if draft > 1:  # both outcomes of a speculative step happened: guesses kept and guesses rejected
         assert 1.0 < r["tokens_per_step"] < draft, r
+
+
+@pytest.mark.parametrize("device, dtype", [("cpu", torch.float32),
+                                           pytest.param("cuda", torch.bfloat16, marks=cuda)])
+def test_long_prompts(device, dtype):
+    """Prompts of 350-700 tokens (rotary angles in the hundreds of radians, where tables that differ
+    from the model's in the last bits show), both engines."""
+    for engine in ("flashmonoid", "sdpa"):
+        r = serving_loop.run(device, dtype, layers=2, batch=3, steps=4, context=700, engine=engine)
+        assert r["finite"] and r["lengths_ok"] and r["cache_ok"] is not False
+        assert r["err"] <= r["bound"], r
