@@ -61,17 +61,21 @@ def _offsets(s_q, s_k, device):
     return torch.arange(s_k, device=device)[None, :] - (torch.arange(s_q, device=device)[:, None] + (s_k - s_q))
 
 
-def _band_mask(s_q, s_k, window, device):
-    """The (s_q, s_k) boolean mask of a bottom-right band: key j seen by row i when its offset is
-    within [-left, right] (-1: no bound on that side)."""
-    offset = _offsets(s_q, s_k, device)
-    band = torch.ones(s_q, s_k, dtype=torch.bool, device=device)
+def _within(offset, window):
+    """Whether each key offset (from its row's bottom-right diagonal) is inside the window: within
+    [-left, right], -1 meaning no bound on that side. The one definition of a band here."""
     left, right = window
+    inside = torch.ones_like(offset, dtype=torch.bool)
     if right >= 0:
-        band &= offset <= right
+        inside &= offset <= right
     if left >= 0:
-        band &= offset >= -left
-    return band
+        inside &= offset >= -left
+    return inside
+
+
+def _band_mask(s_q, s_k, window, device):
+    """The (s_q, s_k) boolean mask of a bottom-right band."""
+    return _within(_offsets(s_q, s_k, device), window)
 
 
 def _band(m, s_q, s_k):
@@ -140,12 +144,8 @@ def _entries_of(m):
     i, j = rows[None, :, None], keys[None, None, :]
     empty, band, begin, end = (x[:, None, None] for x in (empty, band, begin, end))
     in_keys = (j >= begin) & (j < end)
-    offset = (j - begin) - ((i - empty) + (end - begin - band))
-    in_band = (i >= empty) & (i < empty + band) & in_keys
-    if window[1] >= 0:
-        in_band &= offset <= window[1]
-    if window[0] >= 0:
-        in_band &= offset >= -window[0]
+    offset = (j - begin) - ((i - empty) + (end - begin - band))  # _offsets of each entry's band block
+    in_band = (i >= empty) & (i < empty + band) & in_keys & _within(offset, window)
     if not torch.equal(in_band | ((i >= empty + band) & in_keys), m):
         return "the batch entries are not one band each of one window with padding rows before or after"
     return window, entries
