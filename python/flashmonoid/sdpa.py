@@ -199,22 +199,22 @@ _support_cache = {}
 
 
 @torch.compiler.assume_constant_result
-def _supports(device, dtype, h, h_k, d, window, dropout_p):
+def _supports(device, dtype, h, h_k, d, window, dropout_p, softcap):
     """The library's supports() for one (device, dtype, heads, head dim, options) combination.
 
     Asked with one-row tensors, since the answer does not depend on sequence lengths, and cached;
     plain arguments let torch.compile fold it to a constant instead of tracing the extension."""
-    key = (device, dtype, h, h_k, d, window, dropout_p)
+    key = (device, dtype, h, h_k, d, window, dropout_p, softcap)
     if key not in _support_cache:
         dt = getattr(torch, dtype)
         q = torch.empty(1, 1, h, d, dtype=dt, device=device)
         k = torch.empty(1, 1, h_k, d, dtype=dt, device=device)
-        opts = _C.Options(window_left=window[0], window_right=window[1], dropout_p=dropout_p)
+        opts = _C.Options(window_left=window[0], window_right=window[1], dropout_p=dropout_p, softcap=softcap)
         _support_cache[key] = tuple(_C.supports(q, k, opts))
     return _support_cache[key]
 
 
-def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap):
     """((window, keys), reason): the window and the slice of keys to route with, or None and why the
     call falls back."""
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -249,7 +249,7 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         window = (-1, s_q - keys.stop)
     for w in {window, (-1, -1)} if isinstance(keys, _Entries) else {window}:
         ok, reason = _supports(str(query.device), str(query.dtype).removeprefix("torch."), h, h_k, d, w,
-                               float(dropout_p))
+                               float(dropout_p), float(softcap))
         if not ok:
             return None, reason
     return (window, keys), ""
@@ -258,43 +258,55 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
     """torch.nn.functional.scaled_dot_product_attention, run by flashmonoid where it can."""
-    route, reason = _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    out = routed(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if out is None:
+        return _original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                         scale=scale, enable_gqa=enable_gqa)
+    return out
+
+
+def routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+           softcap=0.0):
+    """flashmonoid's result for an SDPA call (with SDPA's arguments and semantics, plus flash-attn's
+    softcap), or None where it does not run the call (the reason is logged); counted in stats()."""
+    route, reason = _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap)
     compiling = torch.compiler.is_compiling()
     if route is None:
         if not compiling:
             _counts["fallback"] += 1
             log.debug("sdpa -> torch: %s", reason)
-        return _original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                         scale=scale, enable_gqa=enable_gqa)
+        return None
     window, keys = route
     if not compiling:
         _counts["routed"] += 1
-        log.debug("sdpa -> flashmonoid: q %s, k %s, keys %s, %s, window %s, dropout_p %s", tuple(query.shape),
-                  tuple(key.shape), keys, query.dtype, window, dropout_p)
+        log.debug("sdpa -> flashmonoid: q %s, k %s, keys %s, %s, window %s, dropout_p %s, softcap %s",
+                  tuple(query.shape), tuple(key.shape), keys, query.dtype, window, dropout_p, softcap)
     deterministic = torch.are_deterministic_algorithms_enabled()
     if isinstance(keys, _Entries):
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         if dropout_p == 0.0 and not grad and keys.aligned(query.shape[2], window):
-            return _per_entry_kvcache(query, key, value, window, keys, scale)
-        return _per_entry_varlen(query, key, value, window, keys, scale, dropout_p, deterministic)
+            return _per_entry_kvcache(query, key, value, window, keys, scale, softcap)
+        return _per_entry_varlen(query, key, value, window, keys, scale, softcap, dropout_p, deterministic)
     key, value = key[:, :, keys], value[:, :, keys]
     # (b, h, s, d) -> (b, s, h, d): views, the head dim stays contiguous.
     # torch.use_deterministic_algorithms(True): bit-identical results run to run (Options::deterministic).
     out, _ = torch_ops.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                 softmax_scale=scale, window=window, dropout_p=dropout_p, deterministic=deterministic)
+                                 softmax_scale=scale, window=window, softcap=softcap, dropout_p=dropout_p,
+                                 deterministic=deterministic)
     return out.transpose(1, 2)
 
 
-def _per_entry_kvcache(query, key, value, window, entries, scale):
+def _per_entry_kvcache(query, key, value, window, entries, scale, softcap):
     """Inference over each entry's keys in place: one KV-cache call (cache_leftpad, cache_seqlens = each
     entry's key range), every query row of an entry aligned to the end of its keys."""
     begin, end = (torch.tensor(x, dtype=torch.int32, device=query.device) for x in (entries.begin, entries.end))
     out, _ = torch_ops.attention_kvcache(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                         cache_seqlens=end, cache_leftpad=begin, softmax_scale=scale, window=window)
+                                         cache_seqlens=end, cache_leftpad=begin, softmax_scale=scale, window=window,
+                                         softcap=softcap)
     return out.transpose(1, 2)
 
 
-def _per_entry_varlen(query, key, value, window, entries, scale, dropout_p, deterministic):
+def _per_entry_varlen(query, key, value, window, entries, scale, softcap, dropout_p, deterministic):
     """Each entry's rows gathered into varlen calls (with backward and dropout): its band rows with the
     window, the rows after the band (which see every key of the entry) without one; rows without keys
     stay 0."""
@@ -320,7 +332,7 @@ def _per_entry_varlen(query, key, value, window, entries, scale, dropout_p, dete
         cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device=query.device)
                       for n in (n_q, n_k))
         o, _ = torch_ops.attention_varlen(q[iq], k[ik], v[ik], cu_q, cu_k, max(n_q), max(n_k), softmax_scale=scale,
-                                          window=w, dropout_p=dropout_p, deterministic=deterministic)
+                                          window=w, softcap=softcap, dropout_p=dropout_p, deterministic=deterministic)
         out = out.index_copy(0, iq, o)
     return out.view(b, s_q, h, d).transpose(1, 2)
 

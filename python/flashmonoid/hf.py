@@ -1,0 +1,70 @@
+"""transformers' attention on flashmonoid: ``attn_implementation="monoid"``.
+
+    import flashmonoid.hf
+    flashmonoid.hf.register()
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="monoid")
+    # or, on a loaded model: model.set_attn_implementation("monoid")
+
+(Not "flashmonoid": transformers takes any implementation name containing "flash" for a flash-attn
+kernel to import.)
+
+The attention function takes the calls transformers makes for its SDPA path (the same boolean masks,
+from its sdpa mask function, or none with is_causal) and runs them through flashmonoid.sdpa's routing
+(causal and sliding-window bands, static caches, padded batches, gradients), with two differences
+from `attn_implementation="sdpa"`: the key / value heads are passed as they are (GQA without
+transformers' repeat_kv copies), and the attention logit softcap of models such as Gemma 2, which
+SDPA lacks, runs in the kernels too. A call the routing cannot take runs in plain torch with the
+eager formula (softcap included; a fully masked row averages its values, as transformers' eager
+attention does). flashmonoid.sdpa.stats() counts both.
+"""
+
+import torch
+
+from . import sdpa
+
+NAME = "monoid"
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                      softcap=None, **kwargs):
+    """transformers' attention interface: query (b, h, s_q, d), key / value (b, h_k, s_k, d) ->
+    ((b, s_q, h, d), None)."""
+    s_q = query.shape[2]
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    is_causal = bool(s_q > 1 and attention_mask is None and is_causal)  # as transformers' sdpa path decides
+    softcap = float(softcap or 0.0)
+    out = sdpa.routed(query, key, value, attention_mask, dropout, is_causal, scaling, True, softcap)
+    if out is None:
+        out = _eager(query, key, value, attention_mask, dropout, is_causal, scaling, softcap)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _eager(query, key, value, mask, dropout, is_causal, scale, softcap):
+    """The attention formula in torch: scores, softcap, mask (a boolean mask's hidden scores set to the
+    dtype's minimum, as transformers' eager masks are), float32 softmax, dropout, values."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = (query @ key.transpose(-1, -2)) * (query.shape[-1] ** -0.5 if scale is None else scale)
+    if softcap > 0.0:
+        scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:  # top-left, as SDPA's is_causal
+        mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril()
+    if mask is not None:
+        scores = (scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool
+                  else scores + mask)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = torch.nn.functional.dropout(probs, p=dropout, training=dropout > 0.0)
+    return probs @ value
+
+
+def register(name=NAME):
+    """Registers the attention function and transformers' sdpa mask function under `name` (transformers
+    4.53 or later: AttentionInterface and AttentionMaskInterface)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+
+
+__all__ = ["NAME", "attention_forward", "register"]

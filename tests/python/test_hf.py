@@ -1,0 +1,116 @@
+"""flashmonoid.hf: transformers models with attn_implementation="monoid" against transformers' own
+sdpa and eager attention: logits, greedy tokens, gradients on padded batches, Gemma 2's softcap."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import flashmonoid as fm  # noqa: E402
+from flashmonoid import hf, sdpa  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available() and fm.cuda_available()
+# CPU: float32, head dim 32. GPU: bf16, head dim 64.
+DEVICES = [("cpu", torch.float32), pytest.param("cuda", torch.bfloat16, marks=pytest.mark.skipif(
+    not HAS_CUDA, reason="needs a CUDA GPU and a CUDA build"))]
+
+hf.register()
+
+
+def small(config_class, model_class, device, dtype, **extra):
+    torch.manual_seed(0)
+    config = config_class(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                          num_attention_heads=8, num_key_value_heads=2,
+                          head_dim=64 if device == "cuda" else 32, **extra)
+    model = model_class(config).to(device, dtype)
+    with torch.no_grad():  # peaked attention, not the near-uniform one of 0.02-std weights
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4.0)
+            layer.self_attn.k_proj.weight.mul_(4.0)
+    return model
+
+
+def padded(device, b=3, s=21):
+    ids = torch.randint(1, 256, (b, s), device=device)  # 0 is the pad token
+    mask = torch.ones_like(ids)
+    mask[1, :4], mask[2, :15] = 0, 0
+    return ids, mask
+
+
+def tol(dtype):
+    return dict(rtol=1e-4, atol=2e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("device, dtype", DEVICES)
+def test_llama_inference_as_sdpa(device, dtype):
+    """A left-padded batch: logits of the held positions and greedy generate, every call routed."""
+    model = small(transformers.LlamaConfig, transformers.LlamaForCausalLM, device, dtype).eval()
+    ids, mask = padded(device)
+    runs = {}
+    for impl in ("sdpa", hf.NAME):
+        model.set_attn_implementation(impl)
+        sdpa.reset_stats()
+        with torch.no_grad():
+            logits = model(ids, attention_mask=mask).logits
+            tokens = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        runs[impl] = (logits, tokens, sdpa.stats())
+    (ref, ref_tokens, _), (out, tokens, stats) = runs["sdpa"], runs[hf.NAME]
+    assert stats == {"routed": 2 * 7, "fallback": 0}
+    held = mask.bool()
+    torch.testing.assert_close(out[held].float(), ref[held].float(), **tol(dtype))
+    if dtype == torch.float32:  # bf16 greedy tokens may part at a near tie
+        assert torch.equal(tokens, ref_tokens)
+
+
+@pytest.mark.parametrize("device, dtype", DEVICES)
+def test_llama_training_step_on_a_right_padded_batch(device, dtype):
+    model = small(transformers.LlamaConfig, transformers.LlamaForCausalLM, device, dtype).train()
+    ids, mask = padded(device)
+    mask = mask.flip(-1)  # right padding, as training batches are padded
+    labels = ids.masked_fill(mask == 0, -100)
+    runs = {}
+    for impl in ("sdpa", hf.NAME):
+        model.set_attn_implementation(impl)
+        model.zero_grad()
+        sdpa.reset_stats()
+        loss = model(ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        runs[impl] = (loss.detach(), [p.grad.clone() for p in model.parameters()], sdpa.stats())
+    (ref_loss, ref_grads, _), (loss, grads, stats) = runs["sdpa"], runs[hf.NAME]
+    assert stats == {"routed": 2, "fallback": 0}
+    torch.testing.assert_close(loss, ref_loss, **tol(dtype))
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g.float(), r.float(), **tol(dtype))
+
+
+@pytest.mark.parametrize("device, dtype", DEVICES)
+def test_gemma2_softcap_and_sliding_window_as_eager(device, dtype):
+    """Gemma 2: attention logit softcap 50 (which transformers' sdpa refuses) and a sliding window of
+    8 on every other layer, both in the kernels; against transformers' eager attention."""
+    model = small(transformers.Gemma2Config, transformers.Gemma2ForCausalLM, device, dtype, sliding_window=8,
+                  attn_logit_softcapping=50.0, final_logit_softcapping=30.0).eval()
+    ids = torch.randint(1, 256, (2, 30), device=device)
+    runs = {}
+    for impl in ("eager", hf.NAME):
+        model.set_attn_implementation(impl)
+        sdpa.reset_stats()
+        with torch.no_grad():
+            runs[impl] = (model(ids).logits, sdpa.stats())
+    (ref, _), (out, stats) = runs["eager"], runs[hf.NAME]
+    assert stats == {"routed": 2, "fallback": 0}
+    torch.testing.assert_close(out.float(), ref.float(), **tol(dtype))
+
+
+def test_unroutable_calls_run_the_eager_formula():
+    """A float (additive) mask is not routed: the torch formula runs it, softcap included, and agrees
+    with the routed boolean form of the same mask."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 9, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
+    band = torch.ones(9, 9, dtype=torch.bool).tril()
+    additive = torch.zeros(9, 9).masked_fill(~band, float("-inf"))
+    module = torch.nn.Module()
+    sdpa.reset_stats()
+    routed, _ = hf.attention_forward(module, q, k, v, band, scaling=0.3, softcap=5.0)
+    eager, _ = hf.attention_forward(module, q, k, v, additive, scaling=0.3, softcap=5.0)
+    assert sdpa.stats() == {"routed": 1, "fallback": 1}
+    torch.testing.assert_close(eager, routed, rtol=1e-5, atol=1e-6)
