@@ -12,6 +12,8 @@ transformers = pytest.importorskip("transformers")
 import flashmonoid as fm  # noqa: E402
 from flashmonoid import hf, sdpa  # noqa: E402
 
+from torch_reference import assert_rule  # noqa: E402
+
 HAS_CUDA = torch.cuda.is_available() and fm.cuda_available()
 # CPU: float32, head dim 32. GPU: bf16, head dim 64.
 DEVICES = [("cpu", torch.float32), pytest.param("cuda", torch.bfloat16, marks=pytest.mark.skipif(
@@ -44,16 +46,6 @@ def in_float64(model, impl):
     ref = copy.deepcopy(model).double()
     ref.set_attn_implementation(impl)
     return ref
-
-
-def assert_rule(out, same_math, ref):
-    """The error against float64 at most twice that of transformers' own attention in the same dtype
-    (float32: plus 1e-6 of the reference's size, both errors being rounding noise)."""
-    ref = ref.double()
-    err = (out.double() - ref).abs().max().item()
-    floor = 1e-6 * ref.abs().max().item() if out.dtype == torch.float32 else 0.0
-    bound = 2 * (same_math.double() - ref).abs().max().item() + floor
-    assert err <= bound, (err, bound)
 
 
 @pytest.mark.parametrize("device, dtype", DEVICES)

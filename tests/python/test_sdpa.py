@@ -11,6 +11,8 @@ import torch.nn.functional as F  # noqa: E402
 import flashmonoid as fm  # noqa: E402
 from flashmonoid import sdpa  # noqa: E402
 
+from torch_reference import assert_rule  # noqa: E402
+
 HAS_CUDA = torch.cuda.is_available() and fm.cuda_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and a CUDA build"))]
 
@@ -184,21 +186,23 @@ def test_override_compiles_fullgraph():
 
 
 def routed_against_torch(q, k, v, mask):
-    """(out, grads) of PyTorch's math backend and of the override, with the override's stats, for a
-    masked GQA call; gradients of a fixed random dout where q requires grad."""
+    """The override's output and gradients (of a fixed random dout where q requires grad) for a masked
+    GQA call, with PyTorch's math backend's in q's dtype (the same math) and in float64, and the
+    override's stats."""
     dout = torch.randn_like(q)
     runs = []
-    for routed in (False, True):
+    for name in ("same math", "ours", "float64"):
+        x = [t.detach().double().requires_grad_(t.requires_grad) for t in (q, k, v)] if name == "float64" else \
+            (q, k, v)
         sdpa.reset_stats()
-        with sdpa.override() if routed else torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        with sdpa.override() if name == "ours" else torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            out = F.scaled_dot_product_attention(*x, attn_mask=mask, enable_gqa=True)
         if q.requires_grad:
-            out.backward(dout)
-        runs.append((out.detach(), [t.grad.clone() for t in (q, k, v)] if q.requires_grad else [], sdpa.stats()))
-        for t in (q, k, v):
+            out.backward(dout.to(out.dtype))
+        runs.append((out.detach(), [t.grad.clone() for t in x] if q.requires_grad else [], sdpa.stats()))
+        for t in x:
             t.grad = None
-    (ref, ref_grads, _), (out, grads, stats) = runs
-    return ref, ref_grads, out, grads, stats
+    return runs
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -218,12 +222,11 @@ def test_static_cache_masks_route_over_the_filled_keys(device, s_q, filled, wind
     j = torch.arange(capacity, device=device)[None, :]
     mask = (j <= pos) & ((j > pos - window) if window else True)
     mask = mask.expand(b, 1, s_q, capacity)  # transformers' shape: one row set per batch entry
-    ref, ref_grads, out, grads, stats = routed_against_torch(q, k, v, mask)
+    (same, same_grads, _), (out, grads, stats), (ref, ref_grads, _) = routed_against_torch(q, k, v, mask)
     assert stats == {"routed": 1, "fallback": 0}
-    tol = dict(rtol=2e-3, atol=2e-3) if cuda else dict(rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(out, ref, **tol)
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g, r, **tol)
+    assert_rule(out, same, ref)
+    for g, s, r in zip(grads, same_grads, ref_grads):
+        assert_rule(g, s, r)
 
 
 def padded_mask(b, s_q, s_k, pads, window=None, right=False):
@@ -260,14 +263,13 @@ def test_padded_batches_route(device, s_q, s_k, pads, window, right, grad):
     mask = padded_mask(b, s_q, s_k, pads, window, right).to(device)
     if s_q == 4 and not window:  # the fold: every row of an entry sees the same keys
         mask = mask[:, :, -1:].expand(b, 1, s_q, s_k)
-    ref, ref_grads, out, grads, stats = routed_against_torch(q, k, v, mask)
+    (same, same_grads, _), (out, grads, stats), (ref, ref_grads, _) = routed_against_torch(q, k, v, mask)
     assert stats == {"routed": 1, "fallback": 0}
     empty = ~mask.any(dim=-1)[:, :, :, None].expand(b, h, s_q, d)
     assert bool((out[empty] == 0).all()), "a row without keys is not 0"
-    tol = dict(rtol=2e-3, atol=2e-3) if cuda else dict(rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(out, ref, **tol)
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g, r, **tol)
+    assert_rule(out, same, ref)
+    for g, s, r in zip(grads, same_grads, ref_grads):
+        assert_rule(g, s, r)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -40,3 +40,14 @@ def attention(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), softca
 
 def rel_err(x, ref):
     return ((x.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item()
+
+
+def assert_rule(out, same_math, ref):
+    """The FlashAttention accuracy rule: out's error against the float64 ref at most twice that of
+    the same math done in out's dtype (float32: plus 1e-6 of ref's size, both errors being rounding
+    noise there)."""
+    ref = ref.double()
+    err = (out.double() - ref).abs().max().item()
+    floor = 1e-6 * ref.abs().max().item() if out.dtype == torch.float32 else 0.0
+    bound = 2 * (same_math.double() - ref).abs().max().item() + floor
+    assert err <= bound, (err, bound)
