@@ -13,9 +13,10 @@ from its sdpa mask function, or none with is_causal) and runs them through flash
 (causal and sliding-window bands, static caches, padded batches, gradients), with two differences
 from `attn_implementation="sdpa"`: the key / value heads are passed as they are (GQA without
 transformers' repeat_kv copies), and the attention logit softcap of models such as Gemma 2, which
-SDPA lacks, runs in the kernels too. A call the routing cannot take runs in plain torch with the
-eager formula (softcap included; a fully masked row averages its values, as transformers' eager
-attention does). flashmonoid.sdpa.stats() counts both.
+SDPA lacks, runs in the kernels too. A call the routing cannot take (a mask under torch.compile,
+whose values it cannot read there, a float mask, ...) runs as attn_implementation="sdpa" would, or
+with a softcap in plain torch with the eager formula (a fully masked row averages its values, as
+transformers' eager attention does). flashmonoid.sdpa.stats() counts both.
 """
 
 import torch
@@ -30,12 +31,17 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     """transformers' attention interface: query (b, h, s_q, d), key / value (b, h_k, s_k, d) ->
     ((b, s_q, h, d), None)."""
     s_q = query.shape[2]
-    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    is_causal = bool(s_q > 1 and attention_mask is None and is_causal)  # as transformers' sdpa path decides
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(s_q > 1 and attention_mask is None and causal)  # as transformers' sdpa path decides
     softcap = float(softcap or 0.0)
-    out = sdpa.routed(query, key, value, attention_mask, dropout, is_causal, scaling, True, softcap)
+    out = sdpa.routed(query, key, value, attention_mask, dropout, causal, scaling, True, softcap)
+    if out is None and softcap == 0.0:  # what attn_implementation="sdpa" runs (a mask under torch.compile, ...)
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
     if out is None:
-        out = _eager(query, key, value, attention_mask, dropout, is_causal, scaling, softcap)
+        out = _eager(query, key, value, attention_mask, dropout, causal, scaling, softcap)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -114,16 +114,18 @@ def test_gemma2_softcap_and_sliding_window_as_eager(device, dtype):
     assert_rule(out, same_math, ref)
 
 
-def test_unroutable_calls_run_the_eager_formula():
-    """A float (additive) mask is not routed: the torch formula runs it, softcap included, and agrees
-    with the routed boolean form of the same mask."""
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+def test_unroutable_calls_run_as_transformers_would(softcap):
+    """A float (additive) mask is not routed: transformers' sdpa runs it, or with a softcap the eager
+    formula in torch; either agrees with the routed boolean form of the same mask."""
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 4, 9, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
     band = torch.ones(9, 9, dtype=torch.bool).tril()
     additive = torch.zeros(9, 9).masked_fill(~band, float("-inf"))
     module = torch.nn.Module()
+    module.num_key_value_groups = 2
     sdpa.reset_stats()
-    routed, _ = hf.attention_forward(module, q, k, v, band, scaling=0.3, softcap=5.0)
-    eager, _ = hf.attention_forward(module, q, k, v, additive, scaling=0.3, softcap=5.0)
+    routed, _ = hf.attention_forward(module, q, k, v, band, scaling=0.3, softcap=softcap)
+    fallback, _ = hf.attention_forward(module, q, k, v, additive, scaling=0.3, softcap=softcap)
     assert sdpa.stats() == {"routed": 1, "fallback": 1}
-    torch.testing.assert_close(eager, routed, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fallback, routed, rtol=1e-5, atol=1e-6)
