@@ -129,3 +129,19 @@ def test_unroutable_calls_run_as_transformers_would(softcap):
     fallback, _ = hf.attention_forward(module, q, k, v, additive, scaling=0.3, softcap=softcap)
     assert sdpa.stats() == {"routed": 1, "fallback": 1}
     torch.testing.assert_close(fallback, routed, rtol=1e-5, atol=1e-6)
+
+
+def test_compiles_fullgraph():
+    """torch.compile(fullgraph=True) of a model with attn_implementation="monoid": no graph break; a
+    padded batch's mask (data torch.compile cannot read) takes transformers' sdpa path inside it."""
+    torch._dynamo.reset()
+    model = small(transformers.LlamaConfig, transformers.LlamaForCausalLM, "cpu", torch.float32).eval()
+    model.set_attn_implementation(hf.NAME)
+    ids, mask = padded("cpu")
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        for kw in ({}, {"attention_mask": mask}):
+            expected = model(ids, **kw).logits
+            out = compiled(ids, **kw).logits
+            held = mask.bool() if kw else torch.ones_like(mask, dtype=torch.bool)
+            torch.testing.assert_close(out[held], expected[held], rtol=1e-5, atol=1e-5)
