@@ -17,7 +17,8 @@
 #              (bench/peers.py FM_PEERS_FLEX: seqlens 1k, 4k, 16k; each shape compiles, minutes: off by default)
 #   FM_ARCH    CUDA architectures to build (default 90: the H100; the library default is 80;90)
 #   FM_CPU     0 skips the CPU backend's suite (both ISAs) and cpu_vs_torch (FM_CPU_THREADS, default 16)
-#   FM_PYTHON  0 skips the Python package steps; FM_TRAIN_STEP 0 the training step, FM_MODS_BWD 0 the
+#   FM_PYTHON  0 skips the Python package steps; FM_TRAIN_STEP 0 the training step, FM_HF_BENCH 0
+#              bench/hf_bench.py (transformers' generate and training step, sdpa against monoid), FM_MODS_BWD 0 the
 #              score-modifier backward timings, FM_PYBENCH 0 the python -m flashmonoid.bench plots
 #   FM_SANITIZE 0 skips compute-sanitizer; FM_SANITIZE_FWD / _SYNC / _BWD / _KV: gtest filters
 #              (FM_SANITIZE_BWD=none, FM_SANITIZE_KV=none skip those binaries)
@@ -174,6 +175,12 @@ if [ "${FM_PYTHON:-1}" != 0 ]; then
     (cd /tmp && PYTHONUNBUFFERED=1 timeout 150 python3 "$repo/bench/train_step.py" "$OUT/train_step.json") \
       >"$LOG/train_step.log" 2>&1 || status=1
     tail -12 "$LOG/train_step.log"
+  fi
+  # transformers' generate and a training step, its sdpa against attn_implementation="monoid".
+  if [ "${FM_HF_BENCH:-1}" != 0 ]; then
+    (cd /tmp && PYTHONUNBUFFERED=1 timeout 200 python3 "$repo/bench/hf_bench.py" "$OUT/hf_bench.json" \
+      --prompt 2048 --layers 8) >"$LOG/hf_bench.log" 2>&1 || status=1
+    tail -3 "$LOG/hf_bench.log"
   fi
   # The backward with softcap / ALiBi / dropout: sm90 against the forced sm80 kernels.
   if [ "${FM_MODS_BWD:-1}" != 0 ]; then

@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""transformers' attention implementations against attn_implementation="monoid" (flashmonoid.hf) on
+one model, same weights, alternated rounds: greedy `generate` of a padded batch (prefill and
+decoding steps, dynamic cache) and a training step (forward + backward) of a right-padded batch.
+
+    python3 bench/hf_bench.py [out.json] [--device cuda|cpu] [--layers 8] [--batch 8] [--prompt 512]
+                              [--new 64] [--rounds 3] [--threads N]
+
+A random Llama (GQA 16/4, head dim 64, hidden 1024) in bf16 on CUDA, float32 on the CPU. Prints
+median seconds per call and the ratio sdpa / monoid; writes the records as JSON.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import transformers
+
+from flashmonoid import hf
+
+hf.register()
+
+
+def model_for(args, dtype):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                                      num_hidden_layers=args.layers, num_attention_heads=16, num_key_value_heads=4,
+                                      head_dim=64, max_position_embeddings=8192)
+    return transformers.LlamaForCausalLM(config).to(args.device, dtype)
+
+
+def batch(args):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 32000, (args.batch, args.prompt), generator=g)
+    mask = torch.ones_like(ids)
+    for i in range(args.batch):  # lengths from a half to all of the prompt
+        mask[i, :int(torch.randint(0, args.prompt // 2 + 1, (1,), generator=g))] = 0
+    return ids.to(args.device), mask.to(args.device)
+
+
+def timed(fn, device):
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", nargs="?", default=None)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = model_for(args, dtype)
+    ids, mask = batch(args)
+    right = mask.flip(-1)  # training batches are padded on the right
+    labels = ids.masked_fill(right == 0, -100)
+
+    def generate():
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=args.new, min_new_tokens=args.new,
+                           do_sample=False, pad_token_id=0)
+
+    def train_step():
+        model.zero_grad(set_to_none=True)
+        model(ids, attention_mask=right, labels=labels).loss.backward()
+
+    impls = ["sdpa", hf.NAME]
+    times = {(task, impl): [] for task in ("generate", "train_step") for impl in impls}
+    for r in range(args.rounds + 1):  # round 0 warms up
+        for impl in (impls if r % 2 else impls[::-1]):
+            model.set_attn_implementation(impl)
+            for task, fn in (("generate", generate), ("train_step", train_step)):
+                t = timed(fn, args.device)
+                if r:
+                    times[(task, impl)].append(t)
+    records = []
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    for (task, impl), ts in times.items():
+        records.append({"impl": impl, "task": task, "device": name, "dtype": str(dtype).removeprefix("torch."),
+                        "layers": args.layers, "batch": args.batch, "prompt": args.prompt, "new_tokens": args.new,
+                        "threads": torch.get_num_threads(), "seconds": statistics.median(ts), "rounds": ts,
+                        "torch": torch.__version__, "transformers": transformers.__version__})
+    print(f"{name}, {dtype}, Llama {args.layers} layers GQA 16/4 d 64, batch {args.batch} x {args.prompt} "
+          f"(padded), {args.new} new tokens; medians of {args.rounds} alternated rounds, s")
+    for task in ("generate", "train_step"):
+        s, m = (statistics.median(times[(task, i)]) for i in impls)
+        print(f"{task:10s}  sdpa {s:8.3f}  monoid {m:8.3f}  sdpa/monoid {s / m:5.2f}")
+    if args.out:
+        json.dump(records, open(args.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
