@@ -18,19 +18,25 @@ import torch
 from . import _philox
 
 
+def offsets(s_q, s_k, device):
+    """(s_q, s_k): key j's position relative to query i's bottom-right diagonal, j - (i + s_k - s_q)."""
+    return torch.arange(s_k, device=device)[None, :] - (torch.arange(s_q, device=device)[:, None] + (s_k - s_q))
+
+
+def within(offset, window_left, window_right):
+    """bool of offset's shape: whether a key at that offset from its query's diagonal is visible,
+    within [-window_left, window_right] (-1: no bound on that side)."""
+    visible = torch.ones_like(offset, dtype=torch.bool)
+    if window_right >= 0:
+        visible &= offset <= window_right
+    if window_left >= 0:
+        visible &= offset >= -window_left
+    return visible
+
+
 def band(s_q, s_k, causal, window_left, window_right, device):
     """(s_q, s_k) bool: True where query i sees key j."""
-    if causal:
-        window_right = 0
-    i = torch.arange(s_q, device=device)[:, None]
-    j = torch.arange(s_k, device=device)[None, :]
-    c = i + (s_k - s_q)
-    visible = torch.ones(s_q, s_k, dtype=torch.bool, device=device)
-    if window_right >= 0:
-        visible &= j <= c + window_right
-    if window_left >= 0:
-        visible &= j >= c - window_left
-    return visible
+    return within(offsets(s_q, s_k, device), window_left, 0 if causal else window_right)
 
 
 class _Seq:

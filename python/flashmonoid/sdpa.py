@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import _C, torch_ops
+from . import _C, _reference, torch_ops
 
 log = logging.getLogger(__name__)
 
@@ -56,28 +56,6 @@ def reset_stats():
     _counts["routed"] = _counts["fallback"] = 0
 
 
-def _offsets(s_q, s_k, device):
-    """(s_q, s_k): key j's position relative to row i's bottom-right diagonal, j - (i + s_k - s_q)."""
-    return torch.arange(s_k, device=device)[None, :] - (torch.arange(s_q, device=device)[:, None] + (s_k - s_q))
-
-
-def _within(offset, window):
-    """Whether each key offset (from its row's bottom-right diagonal) is inside the window: within
-    [-left, right], -1 meaning no bound on that side. The one definition of a band here."""
-    left, right = window
-    inside = torch.ones_like(offset, dtype=torch.bool)
-    if right >= 0:
-        inside &= offset <= right
-    if left >= 0:
-        inside &= offset >= -left
-    return inside
-
-
-def _band_mask(s_q, s_k, window, device):
-    """The (s_q, s_k) boolean mask of a bottom-right band."""
-    return _within(_offsets(s_q, s_k, device), window)
-
-
 def _band(m, s_q, s_k):
     """(window_left, window_right, key_begin, key_end) when the (s_q, s_k) boolean mask m is a
     bottom-right band over keys [key_begin, key_end) (the keys no row sees at either end cut off: a
@@ -87,13 +65,13 @@ def _band(m, s_q, s_k):
         return "the mask hides every key"
     begin, end = int(seen[0]), int(seen[-1]) + 1
     m, s_k = m[:, begin:end], end - begin
-    offset = _offsets(s_q, s_k, m.device)
+    offset = _reference.offsets(s_q, s_k, m.device)
     right, left = int(offset[m].max()), int((-offset)[m].max())
     if right < 0 or left < 0:
         return "the band does not contain the diagonal"
     # A side that cuts off no key is no window (-1): plain causal stays the kernels' causal path.
     window = (-1 if left >= s_k - 1 else left, -1 if right >= s_q - 1 else right)
-    if not torch.equal(_band_mask(s_q, s_k, window, m.device), m):
+    if not torch.equal(_reference.within(offset, *window), m):
         return "the mask is not a causal or sliding-window band"
     return (*window, begin, end)
 
@@ -144,8 +122,8 @@ def _entries_of(m):
     i, j = rows[None, :, None], keys[None, None, :]
     empty, band, begin, end = (x[:, None, None] for x in (empty, band, begin, end))
     in_keys = (j >= begin) & (j < end)
-    offset = (j - begin) - ((i - empty) + (end - begin - band))  # _offsets of each entry's band block
-    in_band = (i >= empty) & (i < empty + band) & in_keys & _within(offset, window)
+    offset = (j - begin) - ((i - empty) + (end - begin - band))  # _reference.offsets of each entry's band block
+    in_band = (i >= empty) & (i < empty + band) & in_keys & _reference.within(offset, *window)
     if not torch.equal(in_band | ((i >= empty + band) & in_keys), m):
         return "the batch entries are not one band each of one window with padding rows before or after"
     return window, entries
