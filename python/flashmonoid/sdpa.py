@@ -6,15 +6,16 @@
 
 Routed: 4-d (batch, heads, seq, head_dim) float32/float16/bfloat16 tensors on a device this build
 supports, key and value with the same head dim as the query, with is_causal, scale, dropout_p,
-enable_gqa, and attn_mask either None or a boolean mask that is a band (causal or sliding window,
-the same for every batch entry and head) in which every query sees at least one key; keys no query
-sees at either end (a static KV cache's unfilled capacity, as transformers' StaticCache masks it)
-are cut off as views. A mask that differs across batch entries (transformers' padded batches)
-routes where each entry's rows are a bottom-right band of one window over its own keys, with
-padding rows before it that see no key (left padding) or after it that see every key of the entry
-(right padding): for inference with all rows aligned to the end of the keys, one KV-cache call
-over each entry's key range in place; otherwise (gradients, dropout, right padding) varlen calls
-over the gathered rows. Rows that see no key give 0, as PyTorch's math backend does since 2.5.
+enable_gqa, and attn_mask either None or a boolean mask, the same for every head, whose rows in
+each batch entry are a bottom-right band (causal or sliding window) of one window over that
+entry's keys, with padding rows before it that see no key (left padding) or after it that see every
+key of the entry (right padding), as transformers masks padded batches. A mask that is one band
+with every row seeing a key, the same for every batch entry, runs as one call with the keys no row
+sees at either end cut off as views (a static KV cache's unfilled capacity, as transformers'
+StaticCache masks it); any other such mask as one KV-cache call over each entry's key range in
+place (inference with all rows aligned to the end of the keys), else as varlen calls over the
+gathered rows (gradients, dropout, right padding). Rows that see no key give 0, as PyTorch's math
+backend does since 2.5.
 Everything else (float masks, masks of other shapes, nested tensors, float64, ...) falls back to
 PyTorch.
 
@@ -131,9 +132,10 @@ def _entries_of(m):
 
 def _band_of(mask, b, s_q, s_k):
     """(window, keys) for a boolean mask the same for every head: keys a slice when the mask is one
-    band for every batch entry, else _Entries when each entry's rows are a bottom-right band of one
-    window over its own keys with padding rows before (no key) or after (every key); a string
-    saying why not otherwise. Reads the mask's values (a device sync for CUDA masks)."""
+    band for every batch entry in which every row sees a key, else _Entries when each entry's rows
+    are a bottom-right band of one window over its own keys with padding rows before (no key) or
+    after (every key); a string saying why not otherwise. Reads the mask's values (a device sync for
+    CUDA masks)."""
     m = mask
     while m.dim() < 4:  # SDPA broadcasts masks to (b, h, s_q, s_k)
         m = m[None]
@@ -142,12 +144,12 @@ def _band_of(mask, b, s_q, s_k):
     m = m[:, 0]
     if m.shape[0] != 1 and torch.equal(m, m[:1].expand_as(m)):
         m = m[:1]
-    if m.shape[0] == 1:
-        m = m[0].expand(s_q, s_k)
-        if not bool(m.any(dim=-1).all()):
-            return "a query row sees no key (SDPA gives NaN there, flashmonoid 0)"
-        band = _band(m, s_q, s_k)
-        return band if isinstance(band, str) else (band[:2], slice(*band[2:]))
+    if m.shape[0] == 1:  # one band for every entry, every row seeing a key: one call over a slice of the keys
+        one = m[0].expand(s_q, s_k)
+        band = _band(one, s_q, s_k)
+        if not isinstance(band, str) and bool(one.any(dim=-1).all()):
+            return band[:2], slice(*band[2:])
+    # Padding rows, or entries that differ: each entry's rows and keys.
     return _entries_of(m.expand(b, s_q, s_k))
 
 

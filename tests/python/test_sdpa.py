@@ -87,7 +87,7 @@ def test_gpt_same_outputs_and_gradients(device, masked, caplog):
 
 @pytest.mark.parametrize("kwargs,reason", [
     (dict(attn_mask=torch.zeros(8, 8)), "float (additive) attn_mask"),
-    # Every row keeps its diagonal key: a row with none falls back for that reason instead (~3% of draws).
+    # Every row keeps its diagonal key, so that no draw happens to be a band with padding rows.
     (dict(attn_mask=(torch.rand(8, 8) > 0.5) | torch.eye(8, dtype=torch.bool)), "mask"),
     # Causal for batch entry 0, a window of 3 for entry 1: bands, but not of one window.
     (dict(attn_mask=torch.stack((torch.ones(8, 8).tril(), torch.ones(8, 8).tril().triu(-2)))[:, None].bool()),
@@ -248,6 +248,8 @@ def padded_mask(b, s_q, s_k, pads, window=None, right=False):
     (1, 16, [0, 3, 5], None, True),  # right padding in a decoding step (bottom-right aligned all the same)
     (12, 12, [0, 3, 11], None, True),  # right padding in training: the padding rows see every held key
     (10, 10, [12, 0, 2], None, False),  # an entry all padding (more padding than rows: no key at all)
+    (12, 12, [3], None, False),  # one entry: a mask every entry shares, with padding rows
+    (12, 12, [3], None, True),
 ])
 @pytest.mark.parametrize("grad", [False, True])
 def test_padded_batches_route(device, s_q, s_k, pads, window, right, grad):
