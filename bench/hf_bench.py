@@ -4,10 +4,12 @@ one model, same weights, alternated rounds: greedy `generate` of a padded batch 
 decoding steps, dynamic cache) and a training step (forward + backward) of a right-padded batch.
 
     python3 bench/hf_bench.py [out.json] [--device cuda|cpu] [--layers 8] [--batch 8] [--prompt 512]
-                              [--new 64] [--rounds 3] [--threads N]
+                              [--new 64] [--rounds 3] [--threads N] [--profile DIR]
 
 A random Llama (GQA 16/4, head dim 64, hidden 1024) in bf16 on CUDA, float32 on the CPU. Prints
-median seconds per call and the ratio sdpa / monoid; writes the records as JSON.
+median seconds per call and the ratio sdpa / monoid; writes the records as JSON. --profile DIR
+also writes, per implementation and task, torch.profiler's table of one more call (by self device
+time, then by host time) under DIR.
 """
 
 import argparse
@@ -49,6 +51,26 @@ def timed(fn, device):
     return time.perf_counter() - start
 
 
+def profile(args, model, impls, tasks):
+    import os
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    os.makedirs(args.profile, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    device_key = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
+    for impl in impls:
+        model.set_attn_implementation(impl)
+        for task, fn in tasks.items():
+            with torch_profile(activities=activities) as prof:
+                timed(fn, args.device)
+            table = prof.key_averages()
+            with open(os.path.join(args.profile, f"{task}_{impl}.txt"), "w") as f:
+                f.write(table.table(sort_by=device_key, row_limit=30) + "\n")
+                f.write(table.table(sort_by="cpu_time_total", row_limit=40) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", nargs="?", default=None)
@@ -59,6 +81,7 @@ def main():
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--profile", default=None)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -86,6 +109,8 @@ def main():
                 t = timed(fn, args.device)
                 if r:
                     times[(task, impl)].append(t)
+    if args.profile:
+        profile(args, model, impls, {"generate": generate, "train_step": train_step})
     records = []
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     for (task, impl), ts in times.items():

@@ -31,10 +31,10 @@ enable() keeps PyTorch's. Each decision is logged at DEBUG level on the logger "
 """
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import weakref
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -77,14 +77,17 @@ def _band(m, s_q, s_k):
     return (*window, begin, end)
 
 
-class _Entries(NamedTuple):
+@dataclasses.dataclass(eq=False)
+class _Entries:
     """A mask that differs across batch entries, per entry: rows [0, empty) see no key (left
     padding), the next `band` rows are a bottom-right band over keys [begin, end), and every row after
-    them sees exactly those keys (right padding's rows)."""
+    them sees exactly those keys (right padding's rows). Remembered with its mask (_band_of_cached),
+    so the device tensors each route needs are built once per mask, not once per layer."""
     empty: list
     band: list
     begin: list
     end: list
+    _memo: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def aligned(self, s_q, window):
         """Whether all s_q rows of each entry are the band over its keys as a KV-cache call aligns them
@@ -93,6 +96,39 @@ class _Entries(NamedTuple):
         right = window[1]
         return all(e + n == s_q and e == (max(0, s_q - (k1 - k0) - right) if right >= 0 else 0)
                    for e, n, k0, k1 in zip(self.empty, self.band, self.begin, self.end))
+
+    def key_ranges(self, device):
+        """(begin, end) int32 tensors on device: the KV-cache call's cache_leftpad and cache_seqlens."""
+        key = ("key_ranges", device)
+        if key not in self._memo:
+            self._memo[key] = tuple(torch.tensor(x, dtype=torch.int32, device=device) for x in (self.begin, self.end))
+        return self._memo[key]
+
+    def varlen_calls(self, device, s_q, s_k, window):
+        """The varlen calls of _per_entry_varlen: (window, iq, ik, cu_q, cu_k, max_q, max_k) each, iq and
+        ik the rows of the (b·s_q) queries and (b·s_k) keys they gather."""
+        key = ("varlen", device, s_q, s_k, window)
+        if key in self._memo:
+            return self._memo[key]
+        first = [e * s_q + empty for e, empty in enumerate(self.empty)]
+        band_rows = [(r, r + n) for r, n in zip(first, self.band)]
+        after_rows = [(r1, (e + 1) * s_q) for e, (_, r1) in enumerate(band_rows)]
+        groups = [(window, band_rows), ((-1, -1), after_rows)] if window != (-1, -1) else \
+            [(window, [(r0, (e + 1) * s_q) for e, (r0, _) in enumerate(band_rows)])]
+        calls = []
+        for w, rows in groups:
+            keep = [e for e, (r0, r1) in enumerate(rows) if r1 > r0 and self.end[e] > self.begin[e]]
+            if not keep:
+                continue
+            iq = torch.cat([torch.arange(*rows[e]) for e in keep]).to(device)
+            ik = torch.cat([torch.arange(e * s_k + self.begin[e], e * s_k + self.end[e]) for e in keep]).to(device)
+            n_q = [rows[e][1] - rows[e][0] for e in keep]
+            n_k = [self.end[e] - self.begin[e] for e in keep]
+            cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device=device)
+                          for n in (n_q, n_k))
+            calls.append((w, iq, ik, cu_q, cu_k, max(n_q), max(n_k)))
+        self._memo[key] = calls
+        return calls
 
 
 def _entries_of(m):
@@ -279,7 +315,7 @@ def routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sc
 def _per_entry_kvcache(query, key, value, window, entries, scale, softcap):
     """Inference over each entry's keys in place: one KV-cache call (cache_leftpad, cache_seqlens = each
     entry's key range), every query row of an entry aligned to the end of its keys."""
-    begin, end = (torch.tensor(x, dtype=torch.int32, device=query.device) for x in (entries.begin, entries.end))
+    begin, end = entries.key_ranges(query.device)
     out, _ = torch_ops.attention_kvcache(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                                          cache_seqlens=end, cache_leftpad=begin, softmax_scale=scale, window=window,
                                          softcap=softcap)
@@ -295,23 +331,9 @@ def _per_entry_varlen(query, key, value, window, entries, scale, softcap, dropou
     q = query.transpose(1, 2).reshape(b * s_q, h, d)
     k, v = (x.transpose(1, 2).reshape(b * s_k, h_k, d) for x in (key, value))
     out = q.new_zeros(b * s_q, h, d)
-    first = [e * s_q + empty for e, empty in enumerate(entries.empty)]
-    band_rows = [(r, r + n) for r, n in zip(first, entries.band)]
-    after_rows = [(r1, (e + 1) * s_q) for e, (_, r1) in enumerate(band_rows)]
-    groups = [(window, band_rows), ((-1, -1), after_rows)] if window != (-1, -1) else \
-        [(window, [(r0, (e + 1) * s_q) for e, (r0, _) in enumerate(band_rows)])]
-    for w, rows in groups:
-        keep = [e for e, (r0, r1) in enumerate(rows) if r1 > r0 and entries.end[e] > entries.begin[e]]
-        if not keep:
-            continue
-        iq = torch.cat([torch.arange(*rows[e]) for e in keep]).to(query.device)
-        ik = torch.cat([torch.arange(e * s_k + entries.begin[e], e * s_k + entries.end[e]) for e in keep])
-        ik = ik.to(query.device)
-        n_q = [rows[e][1] - rows[e][0] for e in keep]
-        n_k = [entries.end[e] - entries.begin[e] for e in keep]
-        cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device=query.device)
-                      for n in (n_q, n_k))
-        o, _ = torch_ops.attention_varlen(q[iq], k[ik], v[ik], cu_q, cu_k, max(n_q), max(n_k), softmax_scale=scale,
+    for w, iq, ik, cu_q, cu_k, max_q, max_k in entries.varlen_calls(query.device, s_q, s_k, window):
+        rows_q, rows_k, rows_v = q.index_select(0, iq), k.index_select(0, ik), v.index_select(0, ik)
+        o, _ = torch_ops.attention_varlen(rows_q, rows_k, rows_v, cu_q, cu_k, max_q, max_k, softmax_scale=scale,
                                           window=w, softcap=softcap, dropout_p=dropout_p, deterministic=deterministic)
         out = out.index_copy(0, iq, o)
     return out.view(b, s_q, h, d).transpose(1, 2)

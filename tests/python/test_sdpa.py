@@ -112,6 +112,19 @@ def test_fallbacks_are_counted_logged_and_exact(kwargs, reason, caplog):
     torch.testing.assert_close(out, expected, equal_nan=True)
 
 
+@contextlib.contextmanager
+def math_in_input_dtype():
+    """PyTorch's math backend computing in the inputs' dtype: by default (2.5+) it upcasts float16 and
+    bfloat16 to float32, which is not the same math in the input dtype that the rule compares with."""
+    allowed = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+    try:
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            yield
+    finally:
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(allowed)
+
+
 def routed_against_torch(q, k, v, **kwargs):
     """The override's output and gradients (of a fixed random dout where q requires grad) for a GQA
     call with SDPA's kwargs, with PyTorch's math backend's in q's dtype (the same math) and in
@@ -122,7 +135,7 @@ def routed_against_torch(q, k, v, **kwargs):
         x = [t.detach().double().requires_grad_(t.requires_grad) for t in (q, k, v)] if name == "float64" else \
             (q, k, v)
         sdpa.reset_stats()
-        with sdpa.override() if name == "ours" else torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        with sdpa.override() if name == "ours" else math_in_input_dtype():
             out = F.scaled_dot_product_attention(*x, enable_gqa=True, **kwargs)
         if q.requires_grad:
             out.backward(dout.to(out.dtype))
@@ -287,7 +300,9 @@ def test_transformers_generate_routes_every_call(device, padded, cache):
         mask[1, :4], mask[2, :15] = 0, 0
         kw["attention_mask"] = mask
     if cache == "static":
-        kw["cache_implementation"] = "static"
+        # On a GPU generate compiles the decoding step for a static cache; under torch.compile a
+        # boolean mask's values cannot be read, so those calls run PyTorch's SDPA (not counted).
+        kw.update(cache_implementation="static", disable_compile=True)
     with torch.no_grad():
         expected = model.generate(ids, **kw)
         sdpa.reset_stats()
