@@ -18,25 +18,23 @@ import torch
 from . import _philox
 
 
-def offsets(s_q, s_k, device):
-    """(s_q, s_k): key j's position relative to query i's bottom-right diagonal, j - (i + s_k - s_q)."""
-    return torch.arange(s_k, device=device)[None, :] - (torch.arange(s_q, device=device)[:, None] + (s_k - s_q))
-
-
-def within(offset, window_left, window_right):
-    """bool of offset's shape: whether a key at that offset from its query's diagonal is visible,
-    within [-window_left, window_right] (-1: no bound on that side)."""
-    visible = torch.ones_like(offset, dtype=torch.bool)
-    if window_right >= 0:
-        visible &= offset <= window_right
-    if window_left >= 0:
-        visible &= offset >= -window_left
-    return visible
+def key_ranges(diagonal, s_k, window_left, window_right):
+    """[first, stop) of the keys a query sees, for each query's bottom-right diagonal key position
+    (diagonal: a tensor, i + s_k - s_q for query i) among s_k keys (an int or a tensor that
+    broadcasts), within [diagonal - window_left, diagonal + window_right] (-1: no bound on that
+    side); first == stop where it sees none."""
+    first = (diagonal - window_left).clamp(min=0) if window_left >= 0 else torch.zeros_like(diagonal)
+    stop = torch.minimum(diagonal + window_right + 1, torch.as_tensor(s_k)) if window_right >= 0 else \
+        torch.zeros_like(diagonal) + s_k
+    return first, torch.maximum(stop, first)
 
 
 def band(s_q, s_k, causal, window_left, window_right, device):
     """(s_q, s_k) bool: True where query i sees key j."""
-    return within(offsets(s_q, s_k, device), window_left, 0 if causal else window_right)
+    first, stop = key_ranges(torch.arange(s_q, device=device) + (s_k - s_q), s_k, window_left,
+                             0 if causal else window_right)
+    j = torch.arange(s_k, device=device)
+    return (j >= first[:, None]) & (j < stop[:, None])
 
 
 class _Seq:

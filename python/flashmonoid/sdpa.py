@@ -57,24 +57,46 @@ def reset_stats():
     _counts["routed"] = _counts["fallback"] = 0
 
 
-def _band(m, s_q, s_k):
-    """(window_left, window_right, key_begin, key_end) when the (s_q, s_k) boolean mask m is a
-    bottom-right band over keys [key_begin, key_end) (the keys no row sees at either end cut off: a
-    static KV cache's unfilled capacity), else a string saying why not."""
-    seen = m.any(dim=0).nonzero()
-    if len(seen) == 0:
+def _row_ranges(m, s_k):
+    """(first, stop) int64 CPU tensors of m's shape less its last dim (s_k keys, broadcast): the keys
+    each row of the boolean mask m sees are [first, stop) when it sees stop - first of them (both 0
+    when it sees none), else the row is no range. The only read of the mask's values: a few
+    reductions where it lives and one transfer (one device sync for a CUDA mask), so the rest of the
+    analysis costs O(rows), not O(rows x keys)."""
+    u = m.expand(*m.shape[:-1], s_k).to(torch.uint8)
+    # A float32 sum counts exactly below 2^24 keys and runs 1.8x faster than an integer one on the CPU.
+    count = u.sum(dim=-1, dtype=torch.float32 if s_k < 1 << 24 else torch.int64).long()
+    count, first, last = torch.stack((count, u.argmax(dim=-1), u.flip(-1).argmax(dim=-1))).cpu()
+    stop = s_k - last
+    none = count == 0
+    first, stop = first.masked_fill(none, 0), stop.masked_fill(none, 0)
+    if bool(((stop - first) != count).any()):
+        return "the mask is not a causal or sliding-window band (a row's keys are not one range)"
+    return first, stop
+
+
+def _same_ranges(first, stop, want_first, want_stop):
+    """Whether rows seeing [first, stop) see exactly [want_first, want_stop) (empty when stop == first)."""
+    n, want_n = stop - first, want_stop - want_first
+    return bool(((n == want_n) & ((first == want_first) | (n == 0))).all())
+
+
+def _band_window(first, stop, s_k):
+    """(window_left, window_right) when the rows that see keys [first, stop) (1-d, one per query, as
+    _row_ranges gives) are the bottom-right band of that window over s_k keys, else why not."""
+    s_q = first.shape[0]
+    diagonal = torch.arange(s_q) + (s_k - s_q)
+    sees = stop > first
+    if not bool(sees.any()):
         return "the mask hides every key"
-    begin, end = int(seen[0]), int(seen[-1]) + 1
-    m, s_k = m[:, begin:end], end - begin
-    offset = _reference.offsets(s_q, s_k, m.device)
-    right, left = int(offset[m].max()), int((-offset)[m].max())
+    right, left = int((stop - 1 - diagonal)[sees].max()), int((diagonal - first)[sees].max())
     if right < 0 or left < 0:
         return "the band does not contain the diagonal"
     # A side that cuts off no key is no window (-1): plain causal stays the kernels' causal path.
     window = (-1 if left >= s_k - 1 else left, -1 if right >= s_q - 1 else right)
-    if not torch.equal(_reference.within(offset, *window), m):
+    if not _same_ranges(first, stop, *_reference.key_ranges(diagonal, s_k, *window)):
         return "the mask is not a causal or sliding-window band"
-    return (*window, begin, end)
+    return window
 
 
 @dataclasses.dataclass(eq=False)
@@ -131,37 +153,34 @@ class _Entries:
         return calls
 
 
-def _entries_of(m):
-    """(window, _Entries) of a (b, s_q, s_k) boolean mask whose entries differ (see _Entries), or a
-    string saying why its entries are not such. Vectorised over the batch: a few device syncs in all,
-    not a few per entry (a decoding step of 32 sequences calls this once per layer)."""
-    b, s_q, s_k = m.shape
-    rows = torch.arange(s_q, device=m.device)
-    keys = torch.arange(s_k, device=m.device)
-    sees = m.any(dim=-1)  # (b, s_q)
+def _entries_of(first, stop):
+    """(window, _Entries) of rows that see keys [first, stop) ((b, s_q), as _row_ranges gives) when
+    the batch entries differ (see _Entries), or a string saying why they are not such."""
+    b, s_q = first.shape
+    rows = torch.arange(s_q)[None]
+    sees = stop > first
     empty = (~sees).int().cumprod(dim=-1).sum(dim=-1)  # leading rows without a key
-    held = m.any(dim=1)  # (b, s_k): keys some row sees
-    begin = torch.where(held.any(dim=-1), held.int().argmax(dim=-1), 0)
-    end = torch.where(held.any(dim=-1), s_k - held.flip(-1).int().argmax(dim=-1), 0)
-    every = sees & (m.sum(dim=-1) == (end - begin)[:, None])  # rows that see every held key
-    first = every.int().argmax(dim=-1)  # the band's last row: its first that sees every key ...
-    tail = every.any(dim=-1) & (every | (rows[None] < first[:, None])).all(dim=-1)  # ... when all after do too
-    band = torch.where(tail, first + 1 - empty, s_q - empty)
+    held = sees.any(dim=-1)
+    begin = torch.where(held, first.masked_fill(~sees, torch.iinfo(first.dtype).max).amin(dim=-1), 0)
+    end = stop.amax(dim=-1)  # 0 for an entry without keys
+    every = sees & (first == begin[:, None]) & (stop == end[:, None])  # rows that see every held key
+    last = every.int().argmax(dim=-1)  # the band's last row: its first that sees every key ...
+    tail = every.any(dim=-1) & (every | (rows < last[:, None])).all(dim=-1)  # ... when all after do too
+    band = torch.where(tail, last + 1 - empty, s_q - empty)
     entries = _Entries(*torch.stack((empty, band, begin, end)).tolist())
     # The window: the band of the entry with the most rows and keys; every entry must be it.
     e = max(range(b), key=lambda e: entries.band[e] * (entries.end[e] - entries.begin[e]))
-    r0, k0, k1 = entries.empty[e], entries.begin[e], entries.end[e]
-    window = _band(m[e, r0:r0 + entries.band[e], k0:k1], entries.band[e], k1 - k0)
+    r0, r1, k0 = entries.empty[e], entries.empty[e] + entries.band[e], entries.begin[e]
+    window = _band_window(first[e, r0:r1] - k0, stop[e, r0:r1] - k0, entries.end[e] - k0)
     if isinstance(window, str):
         return window + " (in a batch entry)"
-    window = window[:2]
-    # The mask these entries and the window make, [no key | band | every key] per entry, must be m.
-    i, j = rows[None, :, None], keys[None, None, :]
-    empty, band, begin, end = (x[:, None, None] for x in (empty, band, begin, end))
-    in_keys = (j >= begin) & (j < end)
-    offset = (j - begin) - ((i - empty) + (end - begin - band))  # _reference.offsets of each entry's band block
-    in_band = (i >= empty) & (i < empty + band) & in_keys & _reference.within(offset, *window)
-    if not torch.equal(in_band | ((i >= empty + band) & in_keys), m):
+    # The rows these entries and the window make, [no key | band | every key] per entry, must be the mask's.
+    empty, band, begin, end = (x[:, None] for x in (empty, band, begin, end))
+    in_band, after = (rows >= empty) & (rows < empty + band), rows >= empty + band
+    band_first, band_stop = _reference.key_ranges((rows - empty) + (end - begin - band), end - begin, *window)
+    want_first = torch.where(in_band, begin + band_first, torch.where(after, begin, 0))
+    want_stop = torch.where(in_band, begin + band_stop, torch.where(after, end, 0))
+    if not _same_ranges(first, stop, want_first, want_stop):
         return "the batch entries are not one band each of one window with padding rows before or after"
     return window, entries
 
@@ -170,23 +189,29 @@ def _band_of(mask, b, s_q, s_k):
     """(window, keys) for a boolean mask the same for every head: keys a slice when the mask is one
     band for every batch entry in which every row sees a key, else _Entries when each entry's rows
     are a bottom-right band of one window over its own keys with padding rows before (no key) or
-    after (every key); a string saying why not otherwise. Reads the mask's values (a device sync for
-    CUDA masks)."""
+    after (every key); a string saying why not otherwise. Reads the mask's values once (_row_ranges)."""
     m = mask
     while m.dim() < 4:  # SDPA broadcasts masks to (b, h, s_q, s_k)
         m = m[None]
-    if m.shape[1] != 1 and not torch.equal(m, m[:, :1].expand_as(m)):
+    m = m[:1] if m.shape[0] > 1 and m.stride(0) == 0 else m  # broadcast dims: read once
+    m = m[:, :1] if m.shape[1] > 1 and m.stride(1) == 0 else m
+    ranges = _row_ranges(m, s_k)
+    if isinstance(ranges, str):
+        return ranges
+    ranges = torch.stack(ranges)  # (2, b or 1, h or 1, s_q or 1)
+    if not bool((ranges == ranges[:, :, :1]).all()):
         return "the mask differs across heads"
-    m = m[:, 0]
-    if m.shape[0] != 1 and torch.equal(m, m[:1].expand_as(m)):
-        m = m[:1]
-    if m.shape[0] == 1:  # one band for every entry, every row seeing a key: one call over a slice of the keys
-        one = m[0].expand(s_q, s_k)
-        band = _band(one, s_q, s_k)
-        if not isinstance(band, str) and bool(one.any(dim=-1).all()):
-            return band[:2], slice(*band[2:])
+    ranges = ranges[:, :, 0]
+    if ranges.shape[1] > 1 and bool((ranges == ranges[:, :1]).all()):
+        ranges = ranges[:, :1]
+    first, stop = ranges.expand(2, ranges.shape[1], s_q)
+    if first.shape[0] == 1 and bool((stop > first).all()):  # one band for every entry, every row seeing a key
+        begin, end = int(first.min()), int(stop.max())
+        window = _band_window(first[0] - begin, stop[0] - begin, end - begin)
+        if not isinstance(window, str):  # one call over a slice of the keys
+            return window, slice(begin, end)
     # Padding rows, or entries that differ: each entry's rows and keys.
-    return _entries_of(m.expand(b, s_q, s_k))
+    return _entries_of(first.expand(b, s_q), stop.expand(b, s_q))
 
 
 _last_mask = None  # (a weak reference to the last mask analysed, its version and shapes, the result): one tuple,

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
 import flashmonoid as fm  # noqa: E402
-from flashmonoid import sdpa  # noqa: E402
+from flashmonoid import _reference, sdpa  # noqa: E402
 
 from torch_reference import assert_rule  # noqa: E402
 
@@ -183,6 +183,51 @@ def test_a_mask_is_analysed_once_until_it_changes(monkeypatch):
         assert len(calls) == 4
     assert sdpa.stats() == {"routed": 5, "fallback": 1}
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+def mask_of(route, b, s_q, s_k):
+    """The (b, s_q, s_k) mask the override runs for an analysis result (window, keys): a band over a
+    slice of the keys for every entry, or per entry [no key | band over its keys | every key] rows."""
+    window, keys = route
+    mask = torch.zeros(b, s_q, s_k, dtype=torch.bool)
+    if isinstance(keys, slice):
+        mask[:, :, keys] = _reference.band(s_q, keys.stop - keys.start, False, *window, "cpu")
+        return mask
+    for e, (empty, band, k0, k1) in enumerate(zip(keys.empty, keys.band, keys.begin, keys.end)):
+        mask[e, empty:empty + band, k0:k1] = _reference.band(band, k1 - k0, False, *window, "cpu")
+        mask[e, empty + band:, k0:k1] = True
+    return mask
+
+
+def test_mask_analysis_accepts_a_mask_only_as_the_mask_it_runs():
+    """Random masks as transformers makes them (bands of random windows over random key ranges, shared
+    or per entry, with padding rows before or after), half of them with one element flipped: every
+    mask the analysis accepts, rebuilt from its result, is the mask; most unflipped ones are accepted."""
+    g = torch.Generator().manual_seed(0)
+    pick = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
+    counts = {"accepted": 0, "refused": 0, "flipped accepted": 0}
+    for _ in range(400):
+        b, s_q, s_k = pick(1, 4), pick(1, 9), pick(1, 12)
+        window = (pick(-1, 4), pick(-1, 2))
+        entries = []
+        for _ in range(b if pick(0, 1) else 1):
+            k0 = pick(0, s_k - 1)
+            k1 = pick(k0 + 1, s_k)
+            empty, after = pick(0, s_q) * pick(0, 1), 0
+            after = pick(0, s_q - empty) * pick(0, 1)
+            entries.append((empty, s_q - empty - after, k0, k1))
+        keys = sdpa._Entries(*map(list, zip(*(entries * b)[:b])))
+        mask = mask_of((window, keys), b, s_q, s_k)[:len(entries)][:, None]
+        flipped = bool(pick(0, 1))
+        if flipped:
+            mask[pick(0, len(entries) - 1), 0, pick(0, s_q - 1), pick(0, s_k - 1)] ^= True
+        route = sdpa._band_of(mask, b, s_q, s_k)
+        if isinstance(route, str):
+            counts["refused"] += 1
+            continue
+        assert torch.equal(mask_of(route, b, s_q, s_k), mask[:, 0].expand(b, s_q, s_k)), (mask, route)
+        counts["flipped accepted" if flipped else "accepted"] += 1
+    assert counts["accepted"] > 120 and counts["refused"] > 120 and counts["flipped accepted"] > 5, counts
 
 
 def test_enable_disable_and_scale():
