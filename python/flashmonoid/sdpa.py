@@ -204,6 +204,12 @@ def _band_of(mask, b, s_q, s_k):
     ranges = ranges[:, :, 0]
     if ranges.shape[1] > 1 and bool((ranges == ranges[:, :1]).all()):
         ranges = ranges[:, :1]
+    if s_q == 1 and ranges.shape[1] > 1:  # a decoding step of a padded batch: each entry's row sees one range
+        first, stop = ranges[:, :, 0]
+        sees = (stop > first).long()
+        if not bool(sees.any()):
+            return "the mask hides every key (in a batch entry)"
+        return (-1, -1), _Entries(*torch.stack((1 - sees, sees, first, stop)).tolist())
     first, stop = ranges.expand(2, ranges.shape[1], s_q)
     if first.shape[0] == 1 and bool((stop > first).all()):  # one band for every entry, every row seeing a key
         begin, end = int(first.min()), int(stop.max())
