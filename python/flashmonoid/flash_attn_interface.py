@@ -388,8 +388,9 @@ def flash_attn_with_kvcache(
     run (otherwise split-KV decoding over a long contiguous cache may differ in the last bits)."""
     # The eager route: one call into _C checks what lets it skip torch's dispatcher (plain tensors,
     # none needing grad, contiguous; see _C.kvcache_eager_torch) and returns None where that fails.
-    # Every rule of _check_kvcache it does not check itself (strides: the tensors are contiguous;
-    # seqlens with k; k with rotary; no ALiBi, whose padding rules differ) is checked here first.
+    # Every rule of _check_kvcache it does not check itself (strides: the tensors are contiguous, the
+    # caches' last dimension; seqlens with k; k with rotary; no ALiBi, whose padding rules differ) is
+    # checked here first.
     if (alibi_slopes is None and (k is None or cache_seqlens is not None)
             and (k is not None or (rotary_cos is None and rotary_sin is None))
             and not torch.compiler.is_compiling()):
@@ -445,13 +446,17 @@ def _kvcache_fast(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
                   block_table):
     """Whether a call may take the eager route without _C.kvcache_eager_torch (torch before 2.10): the
     checks that function makes, in Python (q 4-D with a batch and a head dim <= 256 and a multiple of
-    8, so nothing is padded; contiguous tensors; nothing differentiated). ~3 us."""
+    8, so nothing is padded; contiguous tensors, the caches with a contiguous last dimension; nothing
+    differentiated). ~3 us."""
     shape = q.shape
     if len(shape) != 4 or shape[0] <= 0 or shape[3] > 256 or shape[3] % 8 != 0:
         return False
     seqlens = None if isinstance(cache_seqlens, int) else cache_seqlens
-    return torch_ops._eager_contiguous((q, k_cache, v_cache, k, v, block_table),
-                                       (rotary_cos, rotary_sin, seqlens, cache_batch_idx, cache_leftpad))
+    if k_cache.stride()[-1] != 1 or v_cache.stride()[-1] != 1:
+        return False
+    return torch_ops._eager_contiguous((q, k, v, block_table),
+                                       (k_cache, v_cache, rotary_cos, rotary_sin, seqlens, cache_batch_idx,
+                                        cache_leftpad))
 
 
 __all__ = [

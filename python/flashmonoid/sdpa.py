@@ -39,7 +39,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from . import _C, _reference, torch_ops
+from . import _C, _reference, flash_attn_interface, torch_ops
 
 log = logging.getLogger(__name__)
 
@@ -347,9 +347,10 @@ def _per_entry_kvcache(query, key, value, window, entries, scale, softcap):
     """Inference over each entry's keys in place: one KV-cache call (cache_leftpad, cache_seqlens = each
     entry's key range), every query row of an entry aligned to the end of its keys."""
     begin, end = entries.key_ranges(query.device)
-    out, _ = torch_ops.attention_kvcache(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                         cache_seqlens=end, cache_leftpad=begin, softmax_scale=scale, window=window,
-                                         softcap=softcap)
+    # flash_attn_with_kvcache: its eager route (one C++ call) takes the head-major (b, s, h_k, d) views.
+    out = flash_attn_interface.flash_attn_with_kvcache(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), cache_seqlens=end, cache_leftpad=begin,
+        softmax_scale=scale, window_size=window, softcap=softcap)
     return out.transpose(1, 2)
 
 

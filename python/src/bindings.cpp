@@ -498,7 +498,7 @@ NB_MODULE(_C, m) {
   // a workspace kept per (device, stream) and grown, and the call, in one step (the same work in
   // Python layers took ~10 us of an 18.4 us call on the H200 VM). Returns (out, lse), or None when a
   // tensor is not a plain torch tensor, requires grad under grad mode (grad_enabled), or is not
-  // compact (q, the caches, k_new, v_new, the block table) or last-dimension contiguous (the rest),
+  // compact (q, k_new, v_new, the block table) or last-dimension contiguous (the caches, the rest),
   // or q is not 4-D with a batch and a head dim <= 256 and a multiple of 8: the caller then takes
   // the dispatcher's route. cache_seqlens: an int tensor, an int (every sequence holds that many
   // rows) or None (the full capacity). softmax_scale None: head_dim ** -0.5, as flash-attn. Errors
@@ -524,7 +524,9 @@ NB_MODULE(_C, m) {
           bool whole;
           nb::dlpack::dltensor* d;
         };
-        for (const Arg& a : {Arg{q, true, &dq}, Arg{k_cache, true, &dkc}, Arg{v_cache, true, &dvc},
+        // The caches need only a contiguous last dimension, as flash-attn's: head-major caches
+        // (transformers' (b, h_k, s, d) seen as (b, s, h_k, d)) take this route too.
+        for (const Arg& a : {Arg{q, true, &dq}, Arg{k_cache, false, &dkc}, Arg{v_cache, false, &dvc},
                              Arg{k_new, true, &dkn}, Arg{v_new, true, &dvn}, Arg{block_table, true, &dbt},
                              Arg{cos, false, &dcos}, Arg{sin, false, &dsin},
                              Arg{has_seqlens ? cache_seqlens : nb::handle(Py_None), false, &dsl},

@@ -399,8 +399,9 @@ def test_kvcache_library_errors_pass_through_the_fast_path():
 def test_kvcache_eager_route_equals_the_dispatcher_route(device, dtype, monkeypatch):
     """flash_attn_with_kvcache's eager route (_C.kvcache_eager_torch: the checks, the outputs, torch's
     stream and the kept workspace in one call) gives the dispatcher route's bits (out, lse, caches),
-    call after call on the kept workspace; it declines (None) a q that needs grad and a cache that
-    is not compact, which then take the dispatcher route."""
+    call after call on the kept workspace, for compact caches and for strided ones with a contiguous
+    last dimension (head-major, wider rows); it declines (None) a q that needs grad and a cache whose
+    last dimension is not contiguous, which then take the dispatcher route (and its error)."""
     from flashmonoid import _C, _backend
 
     if not _backend.kvcache_eager():
@@ -411,8 +412,10 @@ def test_kvcache_eager_route_equals_the_dispatcher_route(device, dtype, monkeypa
         results.append(real(*args))
         return results[-1]
 
-    for page, rotary, splits in ((0, 16, 0), (16, 0, 3), (0, 32, 5)):
-        case = Case(device, dtype, page=page, rotary_dim=rotary, leftpad=page == 0, seed=7 + page + splits)
+    for page, rotary, splits, head_major in ((0, 16, 0, False), (16, 0, 3, False), (0, 32, 5, False),
+                                             (0, 16, 0, True), (16, 0, 3, True)):
+        case = Case(device, dtype, page=page, rotary_dim=rotary, leftpad=page == 0, seed=7 + page + splits,
+                    head_major=head_major)
         monkeypatch.setattr(_C, "kvcache_eager_torch", spy)
         eager = case.run(causal=True, num_splits=splits)
         assert results[-1] is not None
@@ -443,9 +446,13 @@ def test_kvcache_eager_route_equals_the_dispatcher_route(device, dtype, monkeypa
     assert results[-1] is None
     wide = torch.cat([case.k_cache, case.k_cache], dim=-1)[..., : case.k_cache.shape[-1]]
     out = fa.flash_attn_with_kvcache(case.q, wide, case.v_cache.clone(), cache_seqlens=case.seqlens)
-    assert results[-1] is None
+    assert results[-1] is not None
     assert torch.equal(out, fa.flash_attn_with_kvcache(case.q, wide.contiguous(), case.v_cache.clone(),
                                                        cache_seqlens=case.seqlens))
+    across = case.k_cache.transpose(-1, -2).contiguous().transpose(-1, -2)  # the last dimension strided
+    with pytest.raises(AssertionError, match="k_cache must have contiguous last dimension"):
+        fa.flash_attn_with_kvcache(case.q, across, case.v_cache.clone(), cache_seqlens=case.seqlens)
+    assert results[-1] is None
 
 
 def test_kvcache_torch_route_refuses_other_arrays():
