@@ -58,9 +58,9 @@ def reset_stats():
 
 
 def _row_ranges(m, s_k):
-    """(first, stop) int64 CPU tensors of m's shape less its last dim (s_k keys, broadcast): the keys
-    each row of the boolean mask m sees are [first, stop) when it sees stop - first of them (both 0
-    when it sees none), else the row is no range. The only read of the mask's values: a few
+    """(first, stop) int64 CPU tensors of m's shape less its last dim (s_k keys, broadcast): each row
+    of the boolean mask m sees keys [first, stop) (both 0 when it sees none); a string when some row's
+    keys are not one range. The only read of the mask's values: a few
     reductions where it lives and one transfer (one device sync for a CUDA mask), so the rest of the
     analysis costs O(rows), not O(rows x keys)."""
     u = m.expand(*m.shape[:-1], s_k).to(torch.uint8)

@@ -213,7 +213,7 @@ def test_mask_analysis_accepts_a_mask_only_as_the_mask_it_runs():
         for _ in range(b if pick(0, 1) else 1):
             k0 = pick(0, s_k - 1)
             k1 = pick(k0 + 1, s_k)
-            empty, after = pick(0, s_q) * pick(0, 1), 0
+            empty = pick(0, s_q) * pick(0, 1)
             after = pick(0, s_q - empty) * pick(0, 1)
             entries.append((empty, s_q - empty - after, k0, k1))
         keys = sdpa._Entries(*map(list, zip(*(entries * b)[:b])))
