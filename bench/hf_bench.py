@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """transformers' attention implementations against attn_implementation="monoid" (flashmonoid.hf) on
 one model, same weights, alternated rounds: greedy `generate` of a padded batch (prefill and
-decoding steps, dynamic cache) and a training step (forward + backward) of a right-padded batch.
+decoding steps) with a dynamic cache and with a static one (whose decoding step transformers compiles
+on a GPU, CUDA graphs included; round 0, not timed, compiles), and a training step (forward + backward) of a right-padded batch.
 
     python3 bench/hf_bench.py [out.json] [--device cuda|cpu] [--layers 8] [--batch 8] [--prompt 512]
                               [--new 64] [--rounds 3] [--threads N] [--profile DIR]
@@ -96,21 +97,27 @@ def main():
             model.generate(ids, attention_mask=mask, max_new_tokens=args.new, min_new_tokens=args.new,
                            do_sample=False, pad_token_id=0)
 
+    def generate_static():  # a static cache: on a GPU transformers compiles the decoding step (CUDA graphs)
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=args.new, min_new_tokens=args.new,
+                           do_sample=False, pad_token_id=0, cache_implementation="static")
+
     def train_step():
         model.zero_grad(set_to_none=True)
         model(ids, attention_mask=right, labels=labels).loss.backward()
 
     impls = ["sdpa", hf.NAME]
-    times = {(task, impl): [] for task in ("generate", "train_step") for impl in impls}
+    tasks = {"generate": generate, "generate_static": generate_static, "train_step": train_step}
+    times = {(task, impl): [] for task in tasks for impl in impls}
     for r in range(args.rounds + 1):  # round 0 warms up
         for impl in (impls if r % 2 else impls[::-1]):
             model.set_attn_implementation(impl)
-            for task, fn in (("generate", generate), ("train_step", train_step)):
+            for task, fn in tasks.items():
                 t = timed(fn, args.device)
                 if r:
                     times[(task, impl)].append(t)
     if args.profile:
-        profile(args, model, impls, {"generate": generate, "train_step": train_step})
+        profile(args, model, impls, tasks)
     records = []
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     for (task, impl), ts in times.items():
@@ -120,9 +127,9 @@ def main():
                         "torch": torch.__version__, "transformers": transformers.__version__})
     print(f"{name}, {dtype}, Llama {args.layers} layers GQA 16/4 d 64, batch {args.batch} x {args.prompt} "
           f"(padded), {args.new} new tokens; medians of {args.rounds} alternated rounds, s")
-    for task in ("generate", "train_step"):
+    for task in tasks:
         s, m = (statistics.median(times[(task, i)]) for i in impls)
-        print(f"{task:10s}  sdpa {s:8.3f}  monoid {m:8.3f}  sdpa/monoid {s / m:5.2f}")
+        print(f"{task:15s}  sdpa {s:8.3f}  monoid {m:8.3f}  sdpa/monoid {s / m:5.2f}")
     if args.out:
         json.dump(records, open(args.out, "w"), indent=1)
 

@@ -139,20 +139,21 @@ class _Torch:
         return ws
 
     def forward_kvcache(self, q, k_cache, v_cache, k_new, v_new, cos, sin, interleaved, seqlens, seqlen, batch_idx,
-                        leftpad, block_table, out, lse, options, alibi_slopes, num_splits):
-        """_backend.forward_kvcache for torch tensors: the kept workspace goes in as it is, and when
-        _C finds it short (it then runs nothing) a big enough one follows; no size query per call."""
+                        leftpad, block_table, out, lse, options, alibi_slopes, num_splits, keep):
+        """_backend.forward_kvcache for torch tensors: the kept workspace (keep) goes in as it is, and
+        when _C finds it short (it then runs nothing) a big enough one follows; no size query per call."""
         stream, ws = 0, None
         if q.is_cuda:
             device = q.get_device()
             stream = self.raw_stream(device)
-            ws = None if self.capturing() else self.kept.get((device, stream))
+            ws = None if self.capturing() or not keep else self.kept.get((device, stream))
         args = (q, k_cache, v_cache, k_new, v_new, cos, sin, interleaved, seqlens, seqlen, batch_idx, leftpad,
                 block_table, out, lse, options, alibi_slopes)
         need = _C.forward_kvcache_torch(*args, ws, stream, num_splits, _cpu_algorithm, _cpu_isa)
         if need:
-            _C.forward_kvcache_torch(*args, self.kept_workspace(q, need, stream), stream, num_splits, _cpu_algorithm,
-                                     _cpu_isa)
+            ws = self.kept_workspace(q, need, stream) if keep else self.torch.empty(need, dtype=self.torch.uint8,
+                                                                                    device=q.device)
+            _C.forward_kvcache_torch(*args, ws, stream, num_splits, _cpu_algorithm, _cpu_isa)
 
 
 _torch_route = None
@@ -271,13 +272,16 @@ def _kvcache_workspace_size(a, q, k_cache, v_cache, k_new, cos, sin, interleaved
 
 
 def forward_kvcache(q, k_cache, v_cache, k_new, v_new, cos, sin, interleaved, seqlens, seqlen, batch_idx, leftpad,
-                    block_table, out, lse, options, alibi_slopes=None, num_splits=0):
+                    block_table, out, lse, options, alibi_slopes=None, num_splits=0, keep_workspace=True):
     """out, lse <- attention over the KV cache after appending k_new, v_new into it in place
-    (flashmonoid::forward_kvcache). seqlens: int32 (b) array or None, then seqlen (an int, -1 = full)."""
+    (flashmonoid::forward_kvcache). seqlens: int32 (b) array or None, then seqlen (an int, -1 = full).
+    keep_workspace=False: a torch call's workspace is a fresh tensor, not the one kept per stream
+    (the torch op does so: a compiled graph's CUDA graph trees allocate from their own pool while they
+    warm up, and a buffer kept past the graph's accounting there makes them fail)."""
     if _families.get(type(q)) == "torch" and _torch().exchange:
         return _torch_route.forward_kvcache(q, k_cache, v_cache, k_new, v_new, cos, sin, interleaved, seqlens, seqlen,
                                             batch_idx, leftpad, block_table, out, lse, options, alibi_slopes,
-                                            num_splits)
+                                            num_splits, keep_workspace)
     a = _exporter(q)
     with _on_device(q):
         stream = _stream(q)
@@ -286,7 +290,8 @@ def forward_kvcache(q, k_cache, v_cache, k_new, v_new, cos, sin, interleaved, se
             n = _kvcache_workspace_size(a, q, k_cache, v_cache, k_new, cos, sin, interleaved, seqlens, seqlen,
                                         batch_idx, leftpad, block_table, options)
             if n > 0:
-                ws = _torch().kept_workspace(q, n, stream) if family(q) == "torch" else _workspace(q, n)
+                ws = _torch().kept_workspace(q, n, stream) if family(q) == "torch" and keep_workspace else \
+                    _workspace(q, n)
         _C.forward_kvcache(a(q), a(k_cache), a(v_cache), a(k_new), a(v_new), a(cos), a(sin), interleaved,
                            a(seqlens), seqlen, a(batch_idx), a(leftpad), a(block_table), a(out), a(lse), options,
                            context(q, num_splits, stream), a(alibi_slopes), a(ws))

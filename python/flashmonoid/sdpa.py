@@ -285,11 +285,15 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
             return None, "attn_mask together with is_causal"
         if attn_mask.dtype != torch.bool:
             return None, "a float (additive) attn_mask"
-        if torch.compiler.is_compiling():
-            return None, "a boolean attn_mask under torch.compile (its values are data)"
-        band = _band_of_cached(attn_mask, b, s_q, key.shape[2])
+        # Under torch.compile a mask's values are data: only the per-row route, which never reads them on
+        # the host, can take it.
+        band = ("a boolean attn_mask under torch.compile (its values are data)" if torch.compiler.is_compiling()
+                else _band_of_cached(attn_mask, b, s_q, key.shape[2]))
         if isinstance(band, str):
-            return None, band
+            refusal = _rows_refusal(query, key, value, attn_mask, dropout_p)
+            if refusal:
+                return None, f"{band}; {refusal}"
+            band = (-1, -1), _ROWS
         window, keys = band
     elif is_causal:  # top-left: row i sees keys j <= i, so no row sees a key past seq_q
         keys = slice(0, min(s_q, key.shape[2]))
@@ -329,6 +333,8 @@ def routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sc
         log.debug("sdpa -> flashmonoid: q %s, k %s, keys %s, %s, window %s, dropout_p %s, softcap %s",
                   tuple(query.shape), tuple(key.shape), keys, query.dtype, window, dropout_p, softcap)
     deterministic = torch.are_deterministic_algorithms_enabled()
+    if keys is _ROWS:
+        return _per_row_pages(query, key, value, attn_mask, scale, softcap)
     if isinstance(keys, _Entries):
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         if dropout_p == 0.0 and not grad and keys.aligned(query.shape[2], window):
@@ -352,6 +358,99 @@ def _per_entry_kvcache(query, key, value, window, entries, scale, softcap):
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), cache_seqlens=end, cache_leftpad=begin,
         softmax_scale=scale, window_size=window, softcap=softcap)
     return out.transpose(1, 2)
+
+
+# Query rows per call up to which a mask the band analysis cannot use (or, under torch.compile, read) runs
+# per row (_per_row_pages): a decoding step's rows, speculative ones included. Each row reads its keys
+# once per KV head, so longer calls would multiply the K/V reads.
+_ROWS_MAX_S_Q = 16
+_ROWS = "rows"  # _plan's keys for _per_row_pages
+
+
+def _rows_refusal(query, key, value, mask, dropout_p):
+    """Why _per_row_pages cannot run this masked call, or "" when it can: at most _ROWS_MAX_S_Q query rows,
+    inference only (no dropout, nothing needing grad: a KV-cache call), the mask the same for every
+    head (broadcast over them), K and V contiguous (b, h_k, s_k, d) or views of contiguous
+    (b, s_k, h_k, d) tensors (as pages of one key row, without copies)."""
+    if query.shape[2] > _ROWS_MAX_S_Q:
+        return f"more than {_ROWS_MAX_S_Q} query rows"
+    if dropout_p != 0.0 or (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))):
+        return "dropout or gradients"
+    if mask.dim() == 4 and mask.shape[1] > 1 and mask.stride(1) != 0:
+        return "the mask is not broadcast over heads"
+    if mask.dim() == 3 and mask.shape[0] > 1 and mask.stride(0) != 0:  # SDPA reads a 3-d mask as (h, s_q, s_k)
+        return "the mask is not broadcast over heads"
+    if _row_layout(key) is None or _row_layout(key) != _row_layout(value):
+        return "key and value are not both contiguous (b, h, s, d) or (b, s, h, d) memory"
+    return ""
+
+
+def _row_layout(t):
+    """"heads" for a contiguous (b, h_k, s_k, d) tensor, "rows" for a (b, s_k, h_k, d) one seen through
+    transpose(1, 2), else None ("rows" when both, as with one KV head)."""
+    return "rows" if t.transpose(1, 2).is_contiguous() else "heads" if t.is_contiguous() else None
+
+
+def _row_tables(mask, b, s_q, s_k, h_k, layout):
+    """(cache_seqlens, block_table) int32 of _per_row_pages from the boolean mask (SDPA-broadcastable to
+    (b, 1, s_q, s_k)), built where the mask lives without reading it on the host: a row's keys in
+    order at the front of its table, their count its seqlens."""
+    m = mask
+    while m.dim() < 4:
+        m = m[None]
+    m = m.expand(b, m.shape[1], s_q, s_k)[:, 0]
+    seqlens = m.sum(dim=-1, dtype=torch.int32)  # (b, s_q)
+    held = m.cumsum(dim=-1)  # keys held up to and including each key
+    keys = torch.arange(s_k, device=m.device).expand(b, s_q, s_k)
+    # A stable partition: held keys in order first, then the others (past the row's count, never read).
+    place = torch.where(m, held - 1, seqlens[..., None] + keys - held)
+    order = torch.empty_like(keys).scatter_(-1, place, keys)
+    if layout == "rows":  # page = key row (all heads) of entry e: e * s_k + key
+        table = order + (torch.arange(b, device=m.device) * s_k)[:, None, None]
+        return seqlens.view(b * s_q), table.to(torch.int32).view(b * s_q, s_k)
+    # "heads": page = one head's key row: (e * h_k + head) * s_k + key; a call entry per (e, head, row).
+    base = (torch.arange(b * h_k, device=m.device) * s_k).view(b, h_k, 1, 1)
+    table = order[:, None] + base
+    return seqlens[:, None].expand(b, h_k, s_q).reshape(-1), table.to(torch.int32).view(b * h_k * s_q, s_k)
+
+
+_last_rows = None  # (a weak reference to the last mask, its key, the tables): as _last_mask
+
+
+def _row_tables_cached(mask, *args):
+    """_row_tables, remembered for the last mask as _band_of_cached remembers its analysis (eager calls)."""
+    if torch.compiler.is_compiling() or mask.is_inference():
+        return _row_tables(mask, *args)
+    global _last_rows
+    key = (mask._version, tuple(mask.shape), mask.stride(), mask.storage_offset(), args)
+    last = _last_rows
+    if last is not None and last[0]() is mask and last[1] == key:
+        return last[2]
+    tables = _row_tables(mask, *args)
+    _last_rows = (weakref.ref(mask), key, tables)
+    return tables
+
+
+def _per_row_pages(query, key, value, mask, scale, softcap):
+    """Any boolean mask the same for every head, over a few query rows: each query row attends to
+    exactly the keys its mask row holds, in one KV-cache call whose pages are single key rows of K and
+    V in place; a row's block table lists its keys, cache_seqlens counts them (_row_tables). Nothing
+    is read on the host, so torch.compile and CUDA graphs can hold the call. A row without keys gives 0."""
+    b, h, s_q, d = query.shape
+    h_k, s_k = key.shape[1], key.shape[2]
+    layout = _row_layout(key)
+    seqlens, table = _row_tables_cached(mask, b, s_q, s_k, h_k, layout)
+    if layout == "rows":  # entries (b, row) of 1 query row and h heads; pages (b * s_k, 1, h_k, d)
+        q = query.transpose(1, 2).reshape(b * s_q, 1, h, d)
+        k, v = (t.transpose(1, 2).view(b * s_k, 1, h_k, d) for t in (key, value))
+    else:  # entries (b, KV head, row) of 1 query row and that head's h / h_k query heads; pages (b * h_k * s_k, 1, 1, d)
+        q = query.reshape(b, h_k, h // h_k, s_q, d).transpose(2, 3).reshape(b * h_k * s_q, 1, h // h_k, d)
+        k, v = (t.view(b * h_k * s_k, 1, 1, d) for t in (key, value))
+    out = flash_attn_interface.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table,
+                                                       softmax_scale=scale, softcap=softcap)
+    if layout == "rows":
+        return out.view(b, s_q, h, d).transpose(1, 2)
+    return out.view(b, h_k, s_q, h // h_k, d).transpose(2, 3).reshape(b, h, s_q, d)
 
 
 def _per_entry_varlen(query, key, value, window, entries, scale, softcap, dropout_p, deterministic):

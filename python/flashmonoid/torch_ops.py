@@ -289,7 +289,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_tab
 
 def _fwd_kvcache_impl(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen,
                       cache_batch_idx, cache_leftpad, block_table, alibi_slopes, softmax_scale, causal, window_left,
-                      window_right, softcap, rotary_interleaved, num_splits):
+                      window_right, softcap, rotary_interleaved, num_splits, keep_workspace=True):
     b, s_q, h, _ = q.shape
     # Sizes as separate ints and empty_like: 1.5 us each, against 3.7 us for torch.empty(q.shape, ...);
     # the memory_format argument alone costs 1.5 us, and a contiguous q's format is contiguous.
@@ -300,7 +300,8 @@ def _fwd_kvcache_impl(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
     # The caches are written in place: never copied (their last dimension is contiguous by contract).
     _backend.forward_kvcache(_c(q), k_cache, v_cache, _c(k), _c(v), _c(rotary_cos), _c(rotary_sin),
                              rotary_interleaved, _c(cache_seqlens), cache_seqlen, _c(cache_batch_idx),
-                             _c(cache_leftpad), _c(block_table), out, lse, opts, _c(alibi_slopes), num_splits)
+                             _c(cache_leftpad), _c(block_table), out, lse, opts, _c(alibi_slopes), num_splits,
+                             keep_workspace)
     return out, lse
 
 
@@ -331,9 +332,11 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor]
                 block_table: Optional[Tensor], alibi_slopes: Optional[Tensor], softmax_scale: float, causal: bool,
                 window_left: int, window_right: int, softcap: float, rotary_interleaved: bool,
                 num_splits: int) -> Tuple[Tensor, Tensor]:
+    # A fresh workspace per call (_backend.forward_kvcache's keep_workspace): this op runs in compiled
+    # graphs, whose CUDA graph trees allocate from their own pool while warming up.
     return _fwd_kvcache_impl(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen,
                              cache_batch_idx, cache_leftpad, block_table, alibi_slopes, softmax_scale, causal,
-                             window_left, window_right, softcap, rotary_interleaved, num_splits)
+                             window_left, window_right, softcap, rotary_interleaved, num_splits, keep_workspace=False)
 
 
 @fwd_kvcache.register_fake

@@ -72,6 +72,34 @@ def test_llama_inference_as_sdpa(device, dtype):
 
 
 @pytest.mark.parametrize("device, dtype", DEVICES)
+def test_static_cache_generate_compiled(device, dtype):
+    """generate with a static cache compiles its decoding step (on a GPU by default, with CUDA graphs;
+    here on the CPU too): under torch.compile the mask's values cannot be read, and the per-row route,
+    which never reads them on the host, runs every decoding call in the compiled graph: the op
+    flashmonoid::fwd_kvcache, no PyTorch SDPA; the same greedy tokens as transformers' sdpa."""
+    torch._dynamo.reset()
+    model = small(transformers.LlamaConfig, transformers.LlamaForCausalLM, device, dtype).eval()
+    ids, mask = padded(device)
+    new = 6
+    kw = dict(attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0, cache_implementation="static")
+    compile_config = transformers.CompileConfig(fullgraph=True, mode="default" if device == "cpu" else "reduce-overhead")
+    compile_config._compile_all_devices = True  # transformers compiles only on accelerators by default
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        expected = model.generate(ids, disable_compile=True, **kw)
+        model.set_attn_implementation(hf.NAME)
+        sdpa.reset_stats()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            tokens = model.generate(ids, compile_config=compile_config, **kw)
+    names = [e.name for e in prof.events()]
+    assert sdpa.stats() == {"routed": 2, "fallback": 0}  # the prefill, eager
+    assert sum(n == "flashmonoid::fwd_kvcache" for n in names) >= 2 * (new - 1)
+    assert not [n for n in names if "scaled_dot_product" in n]
+    if dtype == torch.float32:  # bf16 greedy tokens may part at a near tie
+        assert torch.equal(tokens, expected)
+
+
+@pytest.mark.parametrize("device, dtype", DEVICES)
 def test_llama_training_step_on_a_right_padded_batch(device, dtype):
     model = small(transformers.LlamaConfig, transformers.LlamaForCausalLM, device, dtype).train()
     ids, mask = padded(device)

@@ -86,23 +86,27 @@ def test_gpt_same_outputs_and_gradients(device, masked, caplog):
         torch.testing.assert_close(g, r, **tol)
 
 
+# More query rows (20) than the per-row route takes (sdpa._ROWS_MAX_S_Q), so that masks the band
+# analysis refuses fall back to PyTorch.
+N = 20
+
+
 @pytest.mark.parametrize("kwargs,reason", [
-    (dict(attn_mask=torch.zeros(8, 8)), "float (additive) attn_mask"),
+    (dict(attn_mask=torch.zeros(N, N)), "float (additive) attn_mask"),
     # Every row keeps its diagonal key, so that no draw happens to be a band with padding rows.
-    (dict(attn_mask=(torch.rand(8, 8) > 0.5) | torch.eye(8, dtype=torch.bool)), "mask"),
+    (dict(attn_mask=(torch.rand(N, N) > 0.5) | torch.eye(N, dtype=torch.bool)), "more than 16 query rows"),
     # Causal for batch entry 0, a window of 3 for entry 1: bands, but not of one window.
-    (dict(attn_mask=torch.stack((torch.ones(8, 8).tril(), torch.ones(8, 8).tril().triu(-2)))[:, None].bool()),
+    (dict(attn_mask=torch.stack((torch.ones(N, N).tril(), torch.ones(N, N).tril().triu(-2)))[:, None].bool()),
      "one band each of one window"),
-    (dict(attn_mask=torch.stack((torch.ones(8, 8).tril(), torch.ones(8, 8).tril().triu(-2)))[None].bool().expand(
-        2, 2, 8, 8).repeat(1, 2, 1, 1)), "differs across heads"),
+    (dict(attn_mask=torch.stack((torch.ones(N, N).tril(), torch.ones(N, N).tril().triu(-2)))[None].bool().expand(
+        2, 2, N, N).repeat(1, 2, 1, 1)), "differs across heads"),
     (dict(dtype=torch.float64), "dtype"),
 ])
 def test_fallbacks_are_counted_logged_and_exact(kwargs, reason, caplog):
     kwargs = dict(kwargs)
     dtype = kwargs.pop("dtype", torch.float32)
-    k_len = kwargs.pop("k_len", 8)
-    q = torch.randn(2, 4, 8, 16, dtype=dtype)
-    k, v = torch.randn(2, 4, k_len, 16, dtype=dtype), torch.randn(2, 4, k_len, 16, dtype=dtype)
+    q = torch.randn(2, 4, N, 16, dtype=dtype)
+    k, v = torch.randn(2, 4, N, 16, dtype=dtype), torch.randn(2, 4, N, 16, dtype=dtype)
     expected = F.scaled_dot_product_attention(q, k, v, **kwargs)
     sdpa.reset_stats()
     with caplog.at_level(logging.DEBUG, logger="flashmonoid.sdpa"), sdpa.override():
@@ -161,28 +165,33 @@ def test_is_causal_is_top_left_for_any_lengths(s_q, s_k):
 
 def test_a_mask_is_analysed_once_until_it_changes(monkeypatch):
     """One mask object passed to every layer is read once; changed in place, it is read again (here it
-    stops being a band, so the call falls back and gives PyTorch's result); inference tensors (no
-    version counter) are read every time."""
-    calls = []
-    analyse = sdpa._band_of
+    stops being a band, so the call runs per row, whose tables are remembered for the mask as well and
+    rebuilt when it changes again); inference tensors (no version counter) are read every time."""
+    calls, tables = [], []
+    analyse, build = sdpa._band_of, sdpa._row_tables
     monkeypatch.setattr(sdpa, "_band_of", lambda *a: calls.append(1) or analyse(*a))
+    monkeypatch.setattr(sdpa, "_row_tables", lambda *a: tables.append(1) or build(*a))
     q, k, v = torch.randn(2, 4, 8, 16), torch.randn(2, 4, 8, 16), torch.randn(2, 4, 8, 16)
     mask = torch.ones(8, 8, dtype=torch.bool).tril()
     sdpa.reset_stats()
     with sdpa.override():
         for _ in range(3):
             F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        assert len(calls) == 1
-        mask[0, 5] = True  # not a band any more
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        assert len(calls) == 2
+        assert len(calls) == 1 and not tables
+        outs = []
+        for i, j in ((0, 5), (3, 0)):
+            mask[i, j] = not mask[i, j]  # not a band any more
+            for _ in range(2):
+                outs.append((F.scaled_dot_product_attention(q, k, v, attn_mask=mask), mask.clone()))
+        assert len(calls) == 3 and len(tables) == 2
         with torch.inference_mode():
             frozen = torch.ones(8, 8, dtype=torch.bool).tril()
             for _ in range(2):
                 F.scaled_dot_product_attention(q, k, v, attn_mask=frozen)
-        assert len(calls) == 4
-    assert sdpa.stats() == {"routed": 5, "fallback": 1}
-    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+        assert len(calls) == 5
+    assert sdpa.stats() == {"routed": 9, "fallback": 0}
+    for out, m in outs:
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=m))
 
 
 def mask_of(route, b, s_q, s_k):
@@ -387,3 +396,56 @@ def test_transformers_training_step_on_a_padded_batch(side):
     assert_rule(loss, same_loss, ref_loss)
     for g, same, r in zip(grads, same_grads, ref_grads):
         assert_rule(g, same, r)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("s_q", [1, 3, 16])
+@pytest.mark.parametrize("layout", ["heads", "rows"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_any_mask_over_few_rows_runs_per_row(device, s_q, layout, compiled):
+    """Masks the band analysis refuses (random holes, right-padded prompts in a decoding step), or any
+    mask under torch.compile, over at most 16 query rows: each row attends to exactly its mask row's
+    keys (pages of one key row, K / V in place; contiguous (b, h_k, s, d) caches and (b, s, h_k, d)
+    ones seen through transpose); rows without keys give 0. Against PyTorch's math backend and float64
+    by the FlashAttention rule; compiled, with fresh masks each call and no recompilation."""
+    torch.manual_seed(0)
+    cuda = device == "cuda"
+    dtype, d = (torch.float16, 64) if cuda else (torch.float32, 16)
+    b, h, h_k = 3, 8, 2
+    s_k = 3000 if cuda else 77  # on a GPU long enough for split-KV (and its workspace)
+    q = torch.randn(b, h, s_q, d, device=device, dtype=dtype)
+    shape = (b, h_k, s_k, d) if layout == "heads" else (b, s_k, h_k, d)
+    k, v = (torch.randn(shape, device=device, dtype=dtype) for _ in range(2))
+    if layout == "rows":
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    call = lambda m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)  # noqa: E731
+    if compiled:
+        torch._dynamo.reset()
+        # On a GPU as transformers compiles decoding steps: CUDA graph trees, which allocate from their own
+        # pool while warming up.
+        call = torch.compile(call, fullgraph=True, dynamic=False, mode="reduce-overhead" if cuda else None)
+        frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    masks = [torch.rand(b, 1, s_q, s_k, device=device) > 0.6 for _ in range(2)]
+    masks[0][1, :, 0] = False  # a row without keys
+    # A decoding step of a right-padded prompt: entry e's prompt holds keys [0, 20 + e), then padding,
+    # then the 17 tokens generated since.
+    held = torch.arange(s_k, device=device)
+    masks.append(((held < 20 + torch.arange(b, device=device)[:, None]) | (held >= s_k - 17))[:, None, None]
+                 .expand(b, 1, s_q, s_k).contiguous())  # the other masks' strides: no recompilation
+    for mask in masks:
+        sdpa.reset_stats()
+        with sdpa.override(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = call(mask)
+        names = [e.name for e in prof.events()]
+        # Calls under torch.compile are not counted; the compiled graph holds the KV-cache op instead.
+        assert sdpa.stats() == ({"routed": 0, "fallback": 0} if compiled else {"routed": 1, "fallback": 0})
+        assert "flashmonoid::fwd_kvcache" in names or not compiled
+        assert not [n for n in names if "scaled_dot_product" in n]
+        with math_in_input_dtype():
+            same = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, enable_gqa=True)
+        empty = ~mask.any(dim=-1)[:, :, :, None].expand(b, h, s_q, d)
+        assert bool((out[empty] == 0).all()), "a row without keys is not 0"
+        assert_rule(out[~empty], same[~empty], ref[~empty])
+    if compiled:
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames + 1  # compiled once
