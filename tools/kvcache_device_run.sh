@@ -72,18 +72,20 @@ fm = {(r["batch"], r["seqlen_k"], r.get("page_size", 0), r["seqlen_q"], r.get("a
 cu = {(r["batch"], r["seqlen_k"], r["seqlen_q"]): r["tbps"] for r in peers if r.get("pass") == "decode"}
 print(f"device copy {copy} TB/s; TB/s of K/V (graph); bars: paged >= 0.95x contiguous, >= 64 MB at "
       f">= 0.90 copy, s_q 4 >= 0.85 copy")
-print("| b | s_k | MB | plain | contiguous | p16 | p64 | p256 | s_q=4 | cudnn | cudnn s_q=4 | contig/copy | min paged/contig |")
-print("|---" * 13 + "|")
+print("| b | s_k | MB | plain | contiguous | p1 | p16 | p64 | p256 | s_q=4 | cudnn | cudnn s_q=4 | contig/copy | "
+      "min paged/contig (16-256) | p1/contig |")
+print("|---" * 15 + "|")
 for (b, sk) in sorted({(k[0], k[1]) for k in fm}):
     g = lambda page, sq, app=True: fm.get((b, sk, page, sq, app))
     c = g(0, 1)
     paged = [g(p, 1) for p in (16, 64, 256)]
     f = lambda x: "-" if x is None else f"{x:.3f}"
     ratio = min(p / c for p in paged if p) if c and all(paged) else None
+    p1 = g(1, 1)
     mb = 2 * b * sk * 8 * 128 * 2 / 1e6
-    print(f"| {b} | {sk // 1024}k | {mb:.0f} | {f(g(0, 1, False))} | {f(c)} | " + " | ".join(f(p) for p in paged) +
-          f" | {f(g(0, 4))} | {f(cu.get((b, sk, 1)))} | {f(cu.get((b, sk, 4)))} | "
-          f"{f(c / copy if c and copy else None)} | {f(ratio)} |")
+    print(f"| {b} | {sk // 1024}k | {mb:.0f} | {f(g(0, 1, False))} | {f(c)} | {f(p1)} | " +
+          " | ".join(f(p) for p in paged) + f" | {f(g(0, 4))} | {f(cu.get((b, sk, 1)))} | {f(cu.get((b, sk, 4)))} | "
+          f"{f(c / copy if c and copy else None)} | {f(ratio)} | {f(p1 / c if p1 and c else None)} |")
 for r in cpp_host:
     print(f"C++ host ({r['impl']}, {r.get('call_launch', 'kernels')}, {r.get('launches')} launches): b {r['batch']} "
           f"page {r['page_size']} append {r.get('append')}: {r['host_us']} us/call")

@@ -77,9 +77,10 @@ def kernels(b, s_k, h=32, h_k=8, d=128):
     return mb, contiguous, rows, heads
 
 
-print("host time of one decoding step's attention (8 layers, b 8, 2112 keys, bf16), us:")
-for r in ("sdpa", "bands", "rows", "sdpa", "bands", "rows"):
-    print(f"  {r:6s} {step_host(r) * 1e6:8.1f}")
+if "--kernels" not in sys.argv:
+    print("host time of one decoding step's attention (8 layers, b 8, 2112 keys, bf16), us:")
+    for r in ("sdpa", "bands", "rows", "sdpa", "bands", "rows"):
+        print(f"  {r:6s} {step_host(r) * 1e6:8.1f}")
 print("device time of one call (GQA 32/8, d 128, bf16), us: MB, contiguous, page-1 rows, page-1 heads")
 for b, s_k in ((1, 4096), (8, 4096), (1, 32768), (8, 32768), (32, 32768)):
     mb, c, r, hh = kernels(b, s_k)

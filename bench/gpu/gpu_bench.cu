@@ -592,7 +592,7 @@ void bench_kvcache_all(const std::string& dev) {
   for (int b : {1, 8, 32, 64})
     for (int sk : {4096, 32768, 131072}) {
       bench_kvcache(b, sk, 0, 1, false, false, dev);  // the plain cache read: the bandwidth bar's baseline
-      for (int page : {0, 16, 64, 256}) bench_kvcache(b, sk, page, 1, true, true, dev);
+      for (int page : {0, 1, 16, 64, 256}) bench_kvcache(b, sk, page, 1, true, true, dev);  // 1: SGLang-style pages
       bench_kvcache(b, sk, 0, 4, true, true, dev);  // speculative decoding, causal among 4 new tokens
     }
 }

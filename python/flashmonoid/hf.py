@@ -13,10 +13,12 @@ from its sdpa mask function, or none with is_causal) and runs them through flash
 (causal and sliding-window bands, static caches, padded batches, gradients), with two differences
 from `attn_implementation="sdpa"`: the key / value heads are passed as they are (GQA without
 transformers' repeat_kv copies), and the attention logit softcap of models such as Gemma 2, which
-SDPA lacks, runs in the kernels too. A call the routing cannot take (a mask under torch.compile,
-whose values it cannot read there, a float mask, ...) runs as attn_implementation="sdpa" would, or
-with a softcap in plain torch with the eager formula (a fully masked row averages its values, as
-transformers' eager attention does). flashmonoid.sdpa.stats() counts both.
+SDPA lacks, runs in the kernels too. Under torch.compile (the decoding step generate compiles for a
+static cache) a mask's values cannot be read, and decoding calls run per row (sdpa's route for at
+most 16 query rows, which reads nothing on the host). A call the routing cannot take (a compiled
+prefill's mask, a float mask, ...) runs as attn_implementation="sdpa" would, or with a softcap in
+plain torch with the eager formula (a fully masked row averages its values, as transformers' eager
+attention does). flashmonoid.sdpa.stats() counts both, outside torch.compile.
 """
 
 import torch

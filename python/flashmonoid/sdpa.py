@@ -14,8 +14,12 @@ with every row seeing a key, the same for every batch entry, runs as one call wi
 sees at either end cut off as views (a static KV cache's unfilled capacity, as transformers'
 StaticCache masks it); any other such mask as one KV-cache call over each entry's key range in
 place (inference with all rows aligned to the end of the keys), else as varlen calls over the
-gathered rows (gradients, dropout, right padding). Rows that see no key give 0, as PyTorch's math
-backend does since 2.5.
+gathered rows (gradients, dropout, right padding). Any other boolean mask the same for every head,
+and under torch.compile (where a mask's values cannot be read on the host) any such mask at all,
+runs per row when the call has at most 16 query rows and needs no gradient or dropout (decoding
+and speculative steps): one KV-cache call over pages of one key row of K and V in place, each row's
+block table listing exactly the keys its mask row holds (built on the device; compiled graphs and
+CUDA graphs hold it). Rows that see no key give 0, as PyTorch's math backend does since 2.5.
 Everything else (float masks, masks of other shapes, nested tensors, float64, ...) falls back to
 PyTorch.
 

@@ -157,7 +157,7 @@ KvShape decode_shape(DType t) {
 
 TEST(KvCacheCuda, Layouts) {
   SKIP_WITHOUT_GPU();
-  for (int page : {0, 1, 3, 8, 16, 32, 64, 256}) {
+  for (int page : {0, 1, 2, 3, 8, 16, 32, 64, 256}) {
     KvShape s = decode_shape(page % 2 ? DType::f16 : DType::bf16);
     s.page_size = page;
     s.s_new = 5;

@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
   static_assert(!kCacheAddressing || (!kSlotRing && kSub == 1), "cache addressing is written for the 1-tile pair ring");
   // The (K, V) pair of key tile n into a ring stage; a paged cache's through the block-table
   // entries `window` (page_window of the tile, read one step earlier).
-  auto load_pair = [&](T* stage, int n, int window) {
+  auto load_pair = [&](T* stage, int n, PageWindow window) {
     if (paged)
       load_paged_kv_async<kBlockN, kHeadDim, kThreads>(stage, stage + kBlockN * kHeadDim, p, b, kv_head,
                                                        static_cast<int>(si.k_row0) + n * kBlockN, si.len_k - n * kBlockN,
@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
     // Whether any position past the fixed ones is left to take from the counter.
     const bool take = kShareTiles && kAhead * args.num_splits < num_tiles;
     __shared__ int s_taken[2];  // g_{t + kAhead} for step t, in slot t % 2 (written by thread 0 a step earlier)
-    auto load_kv = [&](int t, int g, int window) {
+    auto load_kv = [&](int t, int g, PageWindow window) {
       if (g < num_tiles) load_pair(sK + (t % kStages) * kStageElems, s_hi - 1 - g, window);
       cp_async_commit();  // empty past the last tile, so that wait_group counts stay uniform
     };
@@ -221,7 +221,7 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
       const int n = s_hi - 1 - g;
       return paged && g < num_tiles
                  ? page_window<kBlockN>(p, b, static_cast<int>(si.k_row0) + n * kBlockN, si.len_k - n * kBlockN)
-                 : 0;
+                 : PageWindow{};
     };
     int pos[kAhead];  // g_t, ..., g_{t + kStages} (kShareTiles)
 #pragma unroll
@@ -231,7 +231,7 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
     if (at(0, 0) < num_tiles) {
       // The block table's entries for the first stages: the append does not write the block table,
       // so these reads are in flight while the append finishes.
-      int first_windows[kStages];
+      PageWindow first_windows[kStages];
 #pragma unroll
       for (int t = 0; t < kStages; ++t) first_windows[t] = window_of(at(0, t));
       // Launched under forward_kvcache's append (pdl.cuh), which writes the rotated q and the appended
@@ -252,7 +252,7 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
         taking = g < num_tiles;
         if (taking) pending = order.take_next();
       }
-      int window = first_windows[kStages - 1];
+      PageWindow window = first_windows[kStages - 1];
 #pragma unroll 1
       for (int t = 0; at(t, 0) < num_tiles; ++t) {
         const int key0 = (s_hi - 1 - at(t, 0)) * kBlockN;

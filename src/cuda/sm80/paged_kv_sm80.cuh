@@ -3,16 +3,16 @@
 // pointer and stride per thread. A paged cache is gathered one 16-byte cp.async per (row, chunk),
 // so any page size >= 1 works and loads stay 16 bytes wide, with the block table read once per
 // page per tile instead of once per row:
-// - page_window: lane j of every warp reads the entry of the tile's j-th page (one coalesced
-//   4-byte load per warp), issued one mainloop step before the tile's copies, so the copies never
-//   wait on the table;
+// - page_window: lane j of every warp reads the entries of the tile's j-th and (pages of 1 or 2
+//   rows) (j + 32)-th pages (coalesced 4-byte loads), issued one mainloop step before the tile's
+//   copies, so the copies never wait on the table;
 // - load_paged_kv_async: each row's page comes from that lane by a shuffle, its row in the page
 //   from shifts and masks (power-of-two pages) or one 32-bit division; K and V share the lookups.
 //   Where a tile starts a page of 2-4 of a thread's rows (pages of 16 or 32 at hdim 64-128), one
 //   lookup serves the page's copies.
 // Rows of one sequence are ints (capacity is an int), so the row arithmetic is 32-bit; only
-// page · batch stride is 64-bit. Windows wider than a warp (pages of 1 or 2 rows at 64 keys per
-// tile) read the table per row instead.
+// page · batch stride is 64-bit. Windows wider than two warps' lanes (pages of 1 row at 128 keys
+// per tile) read the table per row instead.
 // Out-of-range safety, as detail::kv_offset: entries past the last page that holds a row below
 // rows_valid are never read (their lanes hold 0 and their rows are zero-filled copies, which read
 // nothing), and every page number read is clamped to [0, num_pages).
@@ -45,26 +45,21 @@ __device__ __forceinline__ PageDiv page_div(int page_size) {
 }
 
 // Pages a window of kRows rows starting at `first` can touch: one more than kRows / page_size when
-// unaligned (leftpad), so a lane per page fits a warp for pages of at least 3 rows at kRows = 64.
-__device__ __forceinline__ bool page_window_fits_warp(int first_in_page, int rows, int page_size) {
-  return (first_in_page + rows - 1) / page_size < 32;
+// unaligned (leftpad), so one lane per page fits a warp for pages of at least 3 rows at kRows = 64,
+// and two lanes per page (PageWindow::hi) pages of 1 or 2 rows.
+__device__ __forceinline__ int page_window_slots(int first_in_page, int rows, int page_size) {
+  return (first_in_page + rows - 1) / page_size + 1;
 }
 
-// This lane's block-table entry for the tile of sequence b's rows [first, first + kRows): the entry
-// of the tile's (lane)-th page, unclamped (load_paged_kv_async clamps it where it is used, so that
-// the value of this load is not waited for until then); 0 for pages holding no row below
-// rows_valid, which are not read. Every lane of the warp calls it; not for unpaged caches.
-template <int kRows>
-__device__ __forceinline__ int page_window(const detail::FwdParams& p, int b, int first, int rows_valid) {
-  const detail::KvCacheParams& kv = p.kv;
-  const int last = first + (rows_valid < kRows ? rows_valid : kRows) - 1;  // last row read
-  const PageDiv pd = page_div(kv.page_size);
-  const int lane = static_cast<int>(threadIdx.x) % 32;
-  const int slot0 = pd.shift >= 0 ? pd.page<true>(first) : pd.page<false>(first);
-  const int slot_last = pd.shift >= 0 ? pd.page<true>(last) : pd.page<false>(last);
-  const bool read = rows_valid > 0 && slot0 + lane <= slot_last;
-  const int* entry = kv.block_table + b * kv.block_table_stride + slot0 + lane;
-  // A predicated load with no use in this step: the compiler keeps it in flight across the step.
+// A lane's block-table entries of a tile's pages: lo of the tile's (lane)-th page, hi of its
+// (lane + 32)-th (only tiles of more than 32 pages read it).
+struct PageWindow {
+  int lo = 0, hi = 0;
+};
+
+// A predicated 4-byte load of *entry (0 where !read) with no use in this step: the compiler keeps it
+// in flight across the step.
+__device__ __forceinline__ int table_entry(const int* entry, bool read) {
   int page;
   asm("{\n .reg .pred r;\n setp.ne.b32 r, %2, 0;\n mov.b32 %0, 0;\n @r ld.global.nc.b32 %0, [%1];\n}\n"
       : "=r"(page)
@@ -72,12 +67,32 @@ __device__ __forceinline__ int page_window(const detail::FwdParams& p, int b, in
   return page;
 }
 
+// This lane's block-table entries for the tile of sequence b's rows [first, first + kRows), unclamped
+// (load_paged_kv_async clamps each where it is used, so that these loads are not waited for until
+// then); 0 for pages holding no row below rows_valid, which are not read. Every lane of the warp
+// calls it; not for unpaged caches.
+template <int kRows>
+__device__ __forceinline__ PageWindow page_window(const detail::FwdParams& p, int b, int first, int rows_valid) {
+  const detail::KvCacheParams& kv = p.kv;
+  const int last = first + (rows_valid < kRows ? rows_valid : kRows) - 1;  // last row read
+  const PageDiv pd = page_div(kv.page_size);
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int slot0 = pd.shift >= 0 ? pd.page<true>(first) : pd.page<false>(first);
+  const int slot_last = pd.shift >= 0 ? pd.page<true>(last) : pd.page<false>(last);
+  const int* entry = kv.block_table + b * kv.block_table_stride + slot0 + lane;
+  PageWindow w;
+  w.lo = table_entry(entry, rows_valid > 0 && slot0 + lane <= slot_last);
+  if constexpr (kRows > 32)  // pages of 1 or 2 rows: a 64-row tile spans up to 64 pages (33 unaligned)
+    w.hi = table_entry(entry + 32, rows_valid > 0 && slot0 + 32 + lane <= slot_last);
+  return w;
+}
+
 // Rows [first, first + kRows) of sequence b's keys and values, KV head hk, from the pages into the
 // swizzled (kRows, kCols) tiles sk and sv; rows at or past rows_valid zero-filled. window is this
 // lane's page_window(p, b, first, rows_valid), read by every lane of each warp.
 template <int kRows, int kCols, int kThreads, class T>
 __device__ __forceinline__ void load_paged_kv_async(T* sk, T* sv, const detail::FwdParams& p, int b, int hk,
-                                                    int first, int rows_valid, int window) {
+                                                    int first, int rows_valid, PageWindow window) {
   const T* k = static_cast<const T*>(p.k);
   const T* v = static_cast<const T*>(p.v);
   const detail::KvCacheParams& kv = p.kv;
@@ -85,7 +100,7 @@ __device__ __forceinline__ void load_paged_kv_async(T* sk, T* sv, const detail::
   const int first_in_page = pd.shift >= 0 ? pd.in_page<true>(first) : pd.in_page<false>(first);
   // A tile inside one page (pages of at least kRows rows, aligned or not): one strided copy each.
   if (first_in_page + kRows <= kv.page_size) {
-    const std::int64_t page = detail::clamp_int(__shfl_sync(0xffffffffu, window, 0), 0, kv.num_pages - 1);
+    const std::int64_t page = detail::clamp_int(__shfl_sync(0xffffffffu, window.lo, 0), 0, kv.num_pages - 1);
     load_rows_async<kRows, kCols, kThreads>(
         sk, k + page * p.k_stride.batch + first_in_page * p.k_stride.row + hk * p.k_stride.head, p.k_stride.row,
         rows_valid, p.d);
@@ -108,22 +123,29 @@ __device__ __forceinline__ void load_paged_kv_async(T* sk, T* sv, const detail::
   // With kRowStep a multiple of 8 every copy of this thread has the same swizzle (row % 8).
   const int s0 = swizzled<kCols>(r0, c * 8);
   // Row r of the tile: row (first_in_page + r) % page_size of the tile's page
-  // (first_in_page + r) / page_size, whose entry lane holds (kWindow) or is read here. A zero-fill
-  // copy reads nothing, so a row past rows_valid keeps its address (in page 0 at worst): no
-  // select per copy. Without the selects and with the swizzle hoisted: H100, b = 1 32k, append,
-  // 0.741 -> 0.770 of copy (contiguous 0.818), b = 8 4k 0.734 -> 0.772.
-  auto gather = [&](auto pow2, auto from_window) {
+  // (first_in_page + r) / page_size, whose entry a lane holds (kWindow: lane slot % 32, in lo for the
+  // first 32 pages, in hi for the next 32) or is read here. A zero-fill copy reads nothing, so a row
+  // past rows_valid keeps its address (in page 0 at worst): no select per copy. Without the selects
+  // and with the swizzle hoisted: H100, b = 1 32k, append, 0.741 -> 0.770 of copy (contiguous
+  // 0.818), b = 8 4k 0.734 -> 0.772.
+  auto gather = [&](auto pow2, auto from_window, auto two_lanes) {
     constexpr bool kPow2 = decltype(pow2)::value, kWindow = decltype(from_window)::value;
+    constexpr bool kWide = decltype(two_lanes)::value;
 #pragma unroll
     for (int it = 0; it < kRows / kRowStep; ++it) {
       const int r = r0 + it * kRowStep;
       const bool ok = col_ok && r < rows_valid;
       const int slot = pd.page<kPow2>(first_in_page + r);
       int page;
-      if constexpr (kWindow)
-        page = __shfl_sync(0xffffffffu, window, slot & 31);
-      else
+      if constexpr (kWindow && kWide) {  // both shuffles: the lanes of one copy may want lo and hi
+        const int lo = __shfl_sync(0xffffffffu, window.lo, slot & 31);
+        const int hi = __shfl_sync(0xffffffffu, window.hi, slot & 31);
+        page = slot < 32 ? lo : hi;
+      } else if constexpr (kWindow) {
+        page = __shfl_sync(0xffffffffu, window.lo, slot & 31);
+      } else {
         page = ok ? kv.block_table[b * kv.block_table_stride + pd.page<kPow2>(first + r)] : 0;
+      }
       page = detail::clamp_int(page, 0, kv.num_pages - 1);
       const int row = pd.in_page<kPow2>(first_in_page + r);
       const std::uint64_t k_off = wide(page) * p.k_stride.batch + wide(row) * p.k_stride.row;
@@ -149,7 +171,7 @@ __device__ __forceinline__ void load_paged_kv_async(T* sk, T* sv, const detail::
     const T* v_row = v_head + wide(r0) * p.v_stride.row;
 #pragma unroll
     for (int g = 0; g < kRows / kRowStep / kGroup; ++g) {
-      const int page = detail::clamp_int(__shfl_sync(0xffffffffu, window, g), 0, kv.num_pages - 1);
+      const int page = detail::clamp_int(__shfl_sync(0xffffffffu, window.lo, g), 0, kv.num_pages - 1);
       const T* kp = k_row + wide(page) * p.k_stride.batch;
       const T* vp = v_row + wide(page) * p.v_stride.batch;
 #pragma unroll
@@ -178,12 +200,24 @@ __device__ __forceinline__ void load_paged_kv_async(T* sk, T* sv, const detail::
   };
   if (first_in_page == 0 && (grouped(std::integral_constant<int, 2>{}) || grouped(std::integral_constant<int, 4>{})))
     return;
-  if (!page_window_fits_warp(first_in_page, kRows, kv.page_size))
-    gather(std::false_type{}, std::false_type{});  // pages of 1 or 2 rows: one lookup per row
-  else if (pd.shift >= 0)
-    gather(std::true_type{}, std::true_type{});
-  else
-    gather(std::false_type{}, std::true_type{});
+  const int slots = page_window_slots(first_in_page, kRows, kv.page_size);
+  if (slots <= 32) {
+    if (pd.shift >= 0)
+      gather(std::true_type{}, std::true_type{}, std::false_type{});
+    else
+      gather(std::false_type{}, std::true_type{}, std::false_type{});
+    return;
+  }
+  if constexpr (kRows > 32) {
+    if (slots <= 64) {  // pages of 1 or 2 rows at kRows = 64
+      if (pd.shift >= 0)
+        gather(std::true_type{}, std::true_type{}, std::true_type{});
+      else
+        gather(std::false_type{}, std::true_type{}, std::true_type{});
+      return;
+    }
+  }
+  gather(std::false_type{}, std::false_type{}, std::false_type{});  // one lookup per row
 }
 
 }  // namespace flashmonoid::cuda
