@@ -133,13 +133,23 @@ FM_HD std::int64_t offset_of(const Strides& st, int b, std::int64_t row, int hd)
   return b * st.batch + row * st.row + hd * st.head;
 }
 
+// Where row `row` of a paged sequence b lives: its page (the block-table entry, clamped to the pool)
+// and its row in that page.
+struct PageRow {
+  int page, row;
+};
+FM_HD PageRow page_row(const KvCacheParams& kv, int b, std::int64_t row) {
+  return {clamp_int(kv.block_table[b * kv.block_table_stride + row / kv.page_size], 0, kv.num_pages - 1),
+          static_cast<int>(row % kv.page_size)};
+}
+
 // Element offset of row `row` (k_row0 + j) of sequence b's keys or values, head hk: through the
 // block table or the cache batch index when there is one.
 FM_HD std::int64_t kv_offset(const FwdParams& p, const Strides& st, int b, std::int64_t row, int hk) {
   const KvCacheParams& kv = p.kv;
   if (kv.block_table != nullptr) {
-    const int page = clamp_int(kv.block_table[b * kv.block_table_stride + row / kv.page_size], 0, kv.num_pages - 1);
-    return page * st.batch + (row % kv.page_size) * st.row + hk * st.head;
+    const PageRow at = page_row(kv, b, row);
+    return at.page * st.batch + static_cast<std::int64_t>(at.row) * st.row + hk * st.head;
   }
   if (kv.batch_idx != nullptr) return offset_of(st, clamp_int(kv.batch_idx[b], 0, kv.cache_batch - 1), row, hk);
   return offset_of(st, b, row, hk);
