@@ -5,7 +5,7 @@ decoding steps) with a dynamic cache and with a static one (whose decoding step 
 on a GPU, CUDA graphs included; round 0, not timed, compiles), and a training step (forward + backward) of a right-padded batch.
 
     python3 bench/hf_bench.py [out.json] [--device cuda|cpu] [--layers 8] [--batch 8] [--prompt 512]
-                              [--new 64] [--rounds 3] [--threads N] [--profile DIR]
+                              [--new 64] [--rounds 3] [--threads N] [--profile DIR] [--tasks a,b]
 
 A random Llama (GQA 16/4, head dim 64, hidden 1024) in bf16 on CUDA, float32 on the CPU. Prints
 median seconds per call and the ratio sdpa / monoid; writes the records as JSON. --profile DIR
@@ -83,6 +83,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--profile", default=None)
+    ap.add_argument("--tasks", default="generate,generate_static,train_step",
+                    help="comma-separated tasks to time (each in its own process: no compiled graphs or pools "
+                         "left by another task)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -108,6 +111,7 @@ def main():
 
     impls = ["sdpa", hf.NAME]
     tasks = {"generate": generate, "generate_static": generate_static, "train_step": train_step}
+    tasks = {t: tasks[t] for t in args.tasks.split(",")}
     times = {(task, impl): [] for task in tasks for impl in impls}
     for r in range(args.rounds + 1):  # round 0 warms up
         for impl in (impls if r % 2 else impls[::-1]):
