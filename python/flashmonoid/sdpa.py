@@ -293,6 +293,8 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
             return None, "attn_mask together with is_causal"
         if attn_mask.dtype != torch.bool:
             return None, "a float (additive) attn_mask"
+        if s_q == 0 or key.shape[2] == 0:
+            return None, "a mask over no query or no key"
         # Under torch.compile a mask's values are data: only the per-row route, which never reads them on
         # the host, can take it.
         band = ("a boolean attn_mask under torch.compile (its values are data)" if torch.compiler.is_compiling()

@@ -101,12 +101,15 @@ N = 20
     (dict(attn_mask=torch.stack((torch.ones(N, N).tril(), torch.ones(N, N).tril().triu(-2)))[None].bool().expand(
         2, 2, N, N).repeat(1, 2, 1, 1)), "differs across heads"),
     (dict(dtype=torch.float64), "dtype"),
+    (dict(attn_mask=torch.ones(N, 0, dtype=torch.bool), s_k=0), "no query or no key"),
+    (dict(attn_mask=torch.ones(0, N, dtype=torch.bool), s_q=0), "no query or no key"),
 ])
 def test_fallbacks_are_counted_logged_and_exact(kwargs, reason, caplog):
     kwargs = dict(kwargs)
     dtype = kwargs.pop("dtype", torch.float32)
-    q = torch.randn(2, 4, N, 16, dtype=dtype)
-    k, v = torch.randn(2, 4, N, 16, dtype=dtype), torch.randn(2, 4, N, 16, dtype=dtype)
+    s_q, s_k = kwargs.pop("s_q", N), kwargs.pop("s_k", N)
+    q = torch.randn(2, 4, s_q, 16, dtype=dtype)
+    k, v = torch.randn(2, 4, s_k, 16, dtype=dtype), torch.randn(2, 4, s_k, 16, dtype=dtype)
     expected = F.scaled_dot_product_attention(q, k, v, **kwargs)
     sdpa.reset_stats()
     with caplog.at_level(logging.DEBUG, logger="flashmonoid.sdpa"), sdpa.override():
