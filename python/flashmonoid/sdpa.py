@@ -347,7 +347,9 @@ def routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sc
         return _per_row_pages(query, key, value, attn_mask, scale, softcap)
     if isinstance(keys, _Entries):
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-        if dropout_p == 0.0 and not grad and keys.aligned(query.shape[2], window):
+        # The KV-cache call reads K and V in place: their rows' last dimension must be contiguous.
+        if (dropout_p == 0.0 and not grad and keys.aligned(query.shape[2], window) and key.stride(-1) == 1
+                and value.stride(-1) == 1):
             return _per_entry_kvcache(query, key, value, window, keys, scale, softcap)
         return _per_entry_varlen(query, key, value, window, keys, scale, softcap, dropout_p, deterministic)
     key, value = key[:, :, keys], value[:, :, keys]

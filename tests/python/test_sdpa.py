@@ -452,3 +452,51 @@ def test_any_mask_over_few_rows_runs_per_row(device, s_q, layout, compiled):
         assert_rule(out[~empty], same[~empty], ref[~empty])
     if compiled:
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames + 1  # compiled once
+
+
+def test_random_calls_route_or_fall_back_never_crash():
+    """Random SDPA calls (GQA or not; K / V head-major, (b, s, h, d) seen through transpose, or with a
+    strided head dim; no mask, is_causal, random masks, bands, padding, 2-d, 3-d and per-head masks;
+    1-24 query rows): the override never raises where PyTorch does not, and its result is PyTorch's
+    by the FlashAttention rule (rows without keys 0)."""
+    g = torch.Generator().manual_seed(0)
+    pick = lambda *xs: xs[int(torch.randint(len(xs), (1,), generator=g))]  # noqa: E731
+    routed = 0
+    for _ in range(300):
+        b, h_k = pick(1, 2, 3), pick(1, 2)
+        h, s_q, s_k, d = h_k * pick(1, 2, 4), pick(1, 2, 5, 16, 17, 24), pick(1, 3, 8, 40), pick(8, 16)
+        q = torch.randn(b, h, s_q, d, generator=g)
+        layout = pick("heads", "rows", "strided")
+        shape = {"heads": (b, h_k, s_k, d), "rows": (b, s_k, h_k, d), "strided": (b, h_k, s_k, 2 * d)}[layout]
+        k, v = (torch.randn(shape, generator=g) for _ in range(2))
+        if layout == "rows":
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+        elif layout == "strided":
+            k, v = k[..., ::2], v[..., ::2]
+        kind = pick("none", "causal", "random", "band", "padding", "2d", "3d", "per head")
+        kw = dict(enable_gqa=h != h_k, scale=pick(None, 0.3))
+        i, j = torch.arange(s_q)[:, None] + (s_k - s_q), torch.arange(s_k)[None]
+        if kind == "causal":
+            kw["is_causal"] = True
+        elif kind == "random":
+            kw["attn_mask"] = torch.rand(b, 1, s_q, s_k, generator=g) > 0.4
+        elif kind == "band":
+            kw["attn_mask"] = (j <= i) & (j > i - int(torch.randint(1, 7, (1,), generator=g)))
+        elif kind == "padding":
+            pads = torch.randint(0, s_k + 1, (b, 1), generator=g)
+            kw["attn_mask"] = (j >= pads)[:, None, None].expand(b, 1, s_q, s_k)
+        elif kind != "none":
+            mask_shape = {"2d": (s_q, s_k), "3d": (1, s_q, s_k), "per head": (b, h, s_q, s_k)}[kind]
+            kw["attn_mask"] = torch.rand(mask_shape, generator=g) > 0.3
+        with math_in_input_dtype():
+            same = F.scaled_dot_product_attention(q, k, v, **kw)
+        ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), **kw)
+        sdpa.reset_stats()
+        with sdpa.override():
+            out = F.scaled_dot_product_attention(q, k, v, **kw)
+        routed += sdpa.stats()["routed"]
+        empty = torch.isnan(ref) | (ref == 0).all(dim=-1, keepdim=True)  # rows without keys
+        assert bool((out[empty] == 0).all()) or sdpa.stats()["fallback"], (kind, layout)
+        if bool((~empty).any()):
+            assert_rule(out[~empty], same[~empty], ref[~empty])
+    assert routed > 150
