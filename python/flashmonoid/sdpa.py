@@ -193,14 +193,21 @@ def _entries_of(first, stop):
     return window, entries
 
 
+def _mask_4d(mask):
+    """The mask as SDPA broadcasts it against (b, h, s_q, s_k): leading dims of 1 added (a 3-d mask's
+    first dim is the heads')."""
+    m = mask
+    while m.dim() < 4:
+        m = m[None]
+    return m
+
+
 def _band_of(mask, b, s_q, s_k):
     """(window, keys) for a boolean mask the same for every head: keys a slice when the mask is one
     band for every batch entry in which every row sees a key, else _Entries when each entry's rows
     are a bottom-right band of one window over its own keys with padding rows before (no key) or
     after (every key); a string saying why not otherwise. Reads the mask's values once (_row_ranges)."""
-    m = mask
-    while m.dim() < 4:  # SDPA broadcasts masks to (b, h, s_q, s_k)
-        m = m[None]
+    m = _mask_4d(mask)
     m = m[:1] if m.shape[0] > 1 and m.stride(0) == 0 else m  # broadcast dims: read once
     m = m[:, :1] if m.shape[1] > 1 and m.stride(1) == 0 else m
     ranges = _row_ranges(m, s_k)
@@ -228,26 +235,32 @@ def _band_of(mask, b, s_q, s_k):
     return _entries_of(first.expand(b, s_q), stop.expand(b, s_q))
 
 
-_last_mask = None  # (a weak reference to the last mask analysed, its version and shapes, the result): one tuple,
-# replaced whole, so threads never see one call's reference with another's result
+# Per kind of result, (a weak reference to the last mask, its version and shapes with the call's
+# arguments, the result): one tuple, replaced whole, so threads never see one call's reference with
+# another's result.
+_last_per_mask = {}
+
+
+def _per_mask(kind, mask, args, compute):
+    """compute(), remembered for the last mask object (per kind) while torch's version counter says it
+    is unchanged (a write that bypasses it, through .data or another library's view of the memory, is
+    not seen): a model passes one mask to every layer of a forward, so its reads (and a CUDA mask's
+    device syncs) happen once per forward, not once per layer (a decoding step's analysis costs about
+    what its attention does). Inference tensors (no version counter) and traced calls compute anew."""
+    if torch.compiler.is_compiling() or mask.is_inference():
+        return compute()
+    key = (mask._version, tuple(mask.shape), mask.stride(), mask.storage_offset(), args)
+    last = _last_per_mask.get(kind)
+    if last is not None and last[0]() is mask and last[1] == key:
+        return last[2]
+    result = compute()
+    _last_per_mask[kind] = (weakref.ref(mask), key, result)
+    return result
 
 
 def _band_of_cached(mask, b, s_q, s_k):
-    """_band_of, remembered for the last mask object while torch's version counter says it is
-    unchanged (a write that bypasses it, through .data or another library's view of the memory,
-    is not seen): a model passes one mask to every layer of a forward, so its reads (and a CUDA
-    mask's device syncs) happen once per forward, not once per layer (a decoding step's analysis
-    costs about what its attention does)."""
-    if mask.is_inference():  # no version counter: nothing tells an in-place change
-        return _band_of(mask, b, s_q, s_k)
-    global _last_mask
-    key = (mask._version, tuple(mask.shape), mask.stride(), mask.storage_offset(), b, s_q, s_k)
-    last = _last_mask
-    if last is not None and last[0]() is mask and last[1] == key:
-        return last[2]
-    result = _band_of(mask, b, s_q, s_k)
-    _last_mask = (weakref.ref(mask), key, result)
-    return result
+    """_band_of, remembered per mask (_per_mask)."""
+    return _per_mask("band", mask, (b, s_q, s_k), lambda: _band_of(mask, b, s_q, s_k))
 
 
 _support_cache = {}
@@ -388,11 +401,11 @@ def _rows_refusal(query, key, value, mask, dropout_p):
         return f"more than {_ROWS_MAX_S_Q} query rows"
     if dropout_p != 0.0 or (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))):
         return "dropout or gradients"
-    if mask.dim() == 4 and mask.shape[1] > 1 and mask.stride(1) != 0:
+    m = _mask_4d(mask)
+    if m.shape[1] > 1 and m.stride(1) != 0:
         return "the mask is not broadcast over heads"
-    if mask.dim() == 3 and mask.shape[0] > 1 and mask.stride(0) != 0:  # SDPA reads a 3-d mask as (h, s_q, s_k)
-        return "the mask is not broadcast over heads"
-    if _row_layout(key) is None or _row_layout(key) != _row_layout(value):
+    layout = _row_layout(key)
+    if layout is None or layout != _row_layout(value):
         return "key and value are not both contiguous (b, h, s, d) or (b, s, h, d) memory"
     return ""
 
@@ -407,9 +420,7 @@ def _row_tables(mask, b, s_q, s_k, h_k, layout):
     """(cache_seqlens, block_table) int32 of _per_row_pages from the boolean mask (SDPA-broadcastable to
     (b, 1, s_q, s_k)), built where the mask lives without reading it on the host: a row's keys in
     order at the front of its table, their count its seqlens."""
-    m = mask
-    while m.dim() < 4:
-        m = m[None]
+    m = _mask_4d(mask)
     m = m.expand(b, m.shape[1], s_q, s_k)[:, 0]
     seqlens = m.sum(dim=-1, dtype=torch.int32)  # (b, s_q)
     held = m.cumsum(dim=-1)  # keys held up to and including each key
@@ -426,21 +437,9 @@ def _row_tables(mask, b, s_q, s_k, h_k, layout):
     return seqlens[:, None].expand(b, h_k, s_q).reshape(-1), table.to(torch.int32).view(b * h_k * s_q, s_k)
 
 
-_last_rows = None  # (a weak reference to the last mask, its key, the tables): as _last_mask
-
-
 def _row_tables_cached(mask, *args):
-    """_row_tables, remembered for the last mask as _band_of_cached remembers its analysis (eager calls)."""
-    if torch.compiler.is_compiling() or mask.is_inference():
-        return _row_tables(mask, *args)
-    global _last_rows
-    key = (mask._version, tuple(mask.shape), mask.stride(), mask.storage_offset(), args)
-    last = _last_rows
-    if last is not None and last[0]() is mask and last[1] == key:
-        return last[2]
-    tables = _row_tables(mask, *args)
-    _last_rows = (weakref.ref(mask), key, tables)
-    return tables
+    """_row_tables, remembered per mask (_per_mask)."""
+    return _per_mask("rows", mask, args, lambda: _row_tables(mask, *args))
 
 
 def _per_row_pages(query, key, value, mask, scale, softcap):
