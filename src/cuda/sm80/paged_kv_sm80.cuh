@@ -11,8 +11,8 @@
 //   Where a tile starts a page of 2-4 of a thread's rows (pages of 16 or 32 at hdim 64-128), one
 //   lookup serves the page's copies.
 // Rows of one sequence are ints (capacity is an int), so the row arithmetic is 32-bit; only
-// page · batch stride is 64-bit. Windows wider than two warps' lanes (pages of 1 row at 128 keys
-// per tile) read the table per row instead.
+// page · batch stride is 64-bit. Tiles hold at most 64 rows, so a window covers the pages of any
+// page size.
 // Out-of-range safety, as detail::kv_offset: entries past the last page that holds a row below
 // rows_valid are never read (their lanes hold 0 and their rows are zero-filled copies, which read
 // nothing), and every page number read is clamped to [0, num_pages).
@@ -123,28 +123,25 @@ __device__ __forceinline__ void load_paged_kv_async(T* sk, T* sv, const detail::
   // With kRowStep a multiple of 8 every copy of this thread has the same swizzle (row % 8).
   const int s0 = swizzled<kCols>(r0, c * 8);
   // Row r of the tile: row (first_in_page + r) % page_size of the tile's page
-  // (first_in_page + r) / page_size, whose entry a lane holds (kWindow: lane slot % 32, in lo for the
-  // first 32 pages, in hi for the next 32) or is read here. A zero-fill copy reads nothing, so a row
-  // past rows_valid keeps its address (in page 0 at worst): no select per copy. Without the selects
-  // and with the swizzle hoisted: H100, b = 1 32k, append, 0.741 -> 0.770 of copy (contiguous
-  // 0.818), b = 8 4k 0.734 -> 0.772.
-  auto gather = [&](auto pow2, auto from_window, auto two_lanes) {
-    constexpr bool kPow2 = decltype(pow2)::value, kWindow = decltype(from_window)::value;
-    constexpr bool kWide = decltype(two_lanes)::value;
+  // (first_in_page + r) / page_size, whose entry lane slot % 32 holds (in lo for the first 32 pages,
+  // in hi for the next 32). A zero-fill copy reads nothing, so a row past rows_valid keeps its
+  // address (in page 0 at worst): no select per copy. Without the selects and with the swizzle
+  // hoisted: H100, b = 1 32k, append, 0.741 -> 0.770 of copy (contiguous 0.818), b = 8 4k 0.734 ->
+  // 0.772.
+  auto gather = [&](auto pow2, auto two_lanes) {
+    constexpr bool kPow2 = decltype(pow2)::value, kWide = decltype(two_lanes)::value;
 #pragma unroll
     for (int it = 0; it < kRows / kRowStep; ++it) {
       const int r = r0 + it * kRowStep;
       const bool ok = col_ok && r < rows_valid;
       const int slot = pd.page<kPow2>(first_in_page + r);
       int page;
-      if constexpr (kWindow && kWide) {  // both shuffles: the lanes of one copy may want lo and hi
+      if constexpr (kWide) {  // both shuffles: the lanes of one copy may want lo and hi
         const int lo = __shfl_sync(0xffffffffu, window.lo, slot & 31);
         const int hi = __shfl_sync(0xffffffffu, window.hi, slot & 31);
         page = slot < 32 ? lo : hi;
-      } else if constexpr (kWindow) {
-        page = __shfl_sync(0xffffffffu, window.lo, slot & 31);
       } else {
-        page = ok ? kv.block_table[b * kv.block_table_stride + pd.page<kPow2>(first + r)] : 0;
+        page = __shfl_sync(0xffffffffu, window.lo, slot & 31);
       }
       page = detail::clamp_int(page, 0, kv.num_pages - 1);
       const int row = pd.in_page<kPow2>(first_in_page + r);
@@ -200,24 +197,17 @@ __device__ __forceinline__ void load_paged_kv_async(T* sk, T* sv, const detail::
   };
   if (first_in_page == 0 && (grouped(std::integral_constant<int, 2>{}) || grouped(std::integral_constant<int, 4>{})))
     return;
-  const int slots = page_window_slots(first_in_page, kRows, kv.page_size);
-  if (slots <= 32) {
-    if (pd.shift >= 0)
-      gather(std::true_type{}, std::true_type{}, std::false_type{});
-    else
-      gather(std::false_type{}, std::true_type{}, std::false_type{});
-    return;
-  }
+  static_assert(kRows <= 64, "a window holds the entries of 64 pages (two per lane)");
   if constexpr (kRows > 32) {
-    if (slots <= 64) {  // pages of 1 or 2 rows at kRows = 64
-      if (pd.shift >= 0)
-        gather(std::true_type{}, std::true_type{}, std::true_type{});
-      else
-        gather(std::false_type{}, std::true_type{}, std::true_type{});
+    if (page_window_slots(first_in_page, kRows, kv.page_size) > 32) {  // pages of 1 or 2 rows: powers of two
+      gather(std::true_type{}, std::true_type{});
       return;
     }
   }
-  gather(std::false_type{}, std::false_type{}, std::false_type{});  // one lookup per row
+  if (pd.shift >= 0)
+    gather(std::true_type{}, std::false_type{});
+  else
+    gather(std::false_type{}, std::false_type{});
 }
 
 }  // namespace flashmonoid::cuda
