@@ -101,15 +101,8 @@ cudaStream_t capture_stream(GraphCache& cache, int device) {
 
 // The batch's kernels captured on a private stream (so every edge is what launch_now makes:
 // programmatic where asked) and instantiated; nodes mapped to the batch's order by function (the
-// key's functions are distinct: LaunchBatch::launch checks).
+// key's functions are distinct: LaunchBatch::launch checks). Called in relaxed capture mode.
 CachedGraph build(GraphCache& cache, const GraphKey& key, const LaunchBatch::Kernel* kernels) {
-  // This thread's calls in relaxed capture mode meanwhile: instantiating a graph is "unsafe" while a
-  // capture in global mode (torch.cuda.graph's default) runs on any thread, and would fail or end it.
-  struct RelaxedCaptureMode {
-    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-    RelaxedCaptureMode() { FM_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode)); }
-    ~RelaxedCaptureMode() { cudaThreadExchangeStreamCaptureMode(&mode); }
-  } relaxed;
   CachedGraph g;
   g.key = key;
   const cudaStream_t s = capture_stream(cache, key.device);
@@ -183,6 +176,9 @@ void LaunchBatch::launch(cudaStream_t stream, int device) {
   std::lock_guard<std::mutex> lock(cache.mutex);  // a node's arguments and the launch that uses them
   auto it = std::find_if(cache.graphs.begin(), cache.graphs.end(), [&](const CachedGraph& g) { return g.key == key; });
   if (it == cache.graphs.end()) {
+    // Evicting and instantiating graphs are "unsafe" while any thread captures in global mode
+    // (torch.cuda.graph's default): this thread's calls meanwhile in relaxed mode (check.cuh).
+    const RelaxedCaptureMode relaxed;
     if (cache.graphs.size() == kMaxGraphs) {
       cudaGraphExecDestroy(cache.graphs.front().exec);
       cudaGraphDestroy(cache.graphs.front().graph);

@@ -475,6 +475,8 @@ TEST(KvCacheCuda, GraphCallsFromTwoThreadsOnOneStream) {
 
 // A call's first graph (built and instantiated on that call) while this thread captures another
 // stream in global mode, as torch.cuda.graph does: the build must neither fail nor end that capture.
+// The cache of graphs is full first (graphs on 40 streams; it keeps 32), so the build also evicts
+// one (cudaGraphExecDestroy under the capture failed it once the cache had filled in this process).
 TEST(KvCacheCuda, GraphBuiltDuringAnotherCapture) {
   SKIP_WITHOUT_GPU();
   cudaStream_t captured, own;
@@ -485,6 +487,14 @@ TEST(KvCacheCuda, GraphBuiltDuringAnotherCapture) {
   s.rotary_dim = 128;
   KvProblem pb(s);
   DeviceKv d(pb, 0);
+  for (int i = 0; i < 40; ++i) {
+    cudaStream_t filler;
+    cuda_ok(cudaStreamCreateWithFlags(&filler, cudaStreamNonBlocking));
+    d.run(0, filler, CallLaunch::graph);
+    cuda_ok(cudaStreamSynchronize(filler));
+    cuda_ok(cudaStreamDestroy(filler));
+  }
+  d.load(pb);  // the cache as the problem holds it, before the checked call
   cuda_ok(cudaStreamBeginCapture(captured, cudaStreamCaptureModeGlobal));
   d.run(0, own, CallLaunch::graph);
   cudaGraph_t graph = nullptr;

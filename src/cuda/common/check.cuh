@@ -17,3 +17,19 @@
 
 // After a launch: report a bad configuration immediately (no synchronisation).
 #define FM_CUDA_CHECK_LAUNCH() FM_CUDA_CHECK(cudaGetLastError())
+
+namespace flashmonoid::cuda {
+
+// This thread's CUDA calls in relaxed stream-capture mode while it lives. Setup a call needs once
+// (instantiating a cached graph, a kernel's shared-memory attribute on its first launch) is
+// "potentially unsafe" while any thread captures a stream in global mode (torch.cuda.graph's
+// default): it would fail and invalidate that capture.
+struct RelaxedCaptureMode {
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  RelaxedCaptureMode() { FM_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode)); }
+  ~RelaxedCaptureMode() { cudaThreadExchangeStreamCaptureMode(&mode); }
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+};
+
+}  // namespace flashmonoid::cuda

@@ -73,6 +73,7 @@ template <auto kKernel>
 void allow_dynamic_smem(std::size_t bytes, int device) {
   using props_detail::kMaxDevices;
   if (device < 0 || device >= kMaxDevices) {
+    const RelaxedCaptureMode relaxed;  // a first launch may come while another thread captures (check.cuh)
     FM_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
     return;
   }
@@ -81,6 +82,7 @@ void allow_dynamic_smem(std::size_t bytes, int device) {
   if (allowed[device].load(std::memory_order_acquire) >= bytes) return;
   std::lock_guard<std::mutex> lock(mutex);  // one setter at a time, so the attribute never shrinks
   if (allowed[device].load(std::memory_order_relaxed) >= bytes) return;
+  const RelaxedCaptureMode relaxed;
   FM_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
   allowed[device].store(bytes, std::memory_order_release);
 }

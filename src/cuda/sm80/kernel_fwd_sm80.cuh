@@ -56,7 +56,11 @@ struct FwdKernelArgs {
 // kShareTiles: the split blocks share their row block's key tiles (args.tile_counters; the narrow
 // tile's pair ring only). A variant of its own: carried as a run-time choice, the positions'
 // bookkeeping slowed the fixed splits' loop by 1-3.5% (paged 134 MB shapes the most; H100).
-template <class T, int kHeadDim, FwdTileKind kKind, bool kScoreMods, bool kShareTiles = false>
+// kPaged: K/V through a block table (the cache tiles only). A variant of its own for the same
+// reason: as a run-time choice (the block-table window carried by every call) contiguous decoding
+// ran 1.1-1.5% slower at 134 MB, s_q 4 1.6-5.9%, paged 0.1-1.4% (H200); one kernel holding a loop
+// of each kind cost paged calls 2-4%.
+template <class T, int kHeadDim, FwdTileKind kKind, bool kScoreMods, bool kShareTiles = false, bool kPaged = false>
 __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd_tile_sm80(kHeadDim, kKind).min_blocks)
     fwd_kernel_sm80(const __grid_constant__ FwdKernelArgs args) {
   constexpr FwdTileSm80 kTile = fwd_tile_sm80(kHeadDim, kKind);
@@ -139,10 +143,12 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
   // wide tiles the cache addressing cost hdim 128 a 4-byte spill (ptxas, sm90), so they keep the
   // plain strided copy.
   constexpr bool kCacheAddressing = fwd_cache_tile(kKind);
-  const bool paged = kCacheAddressing && p.kv.block_table != nullptr;
-  const T* k_seq = k + (kCacheAddressing ? (paged ? 0 : detail::kv_offset(p, p.k_stride, b, si.k_row0, kv_head))
+  static_assert(!kPaged || (kCacheAddressing && !kShareTiles), "a block table is read by the cache tiles' fixed splits");
+  // What a paged copy carries from one step to the next: the tile's block-table entries.
+  using Window = std::conditional_t<kPaged, PageWindow, NoWindow>;
+  const T* k_seq = k + (kCacheAddressing ? (kPaged ? 0 : detail::kv_offset(p, p.k_stride, b, si.k_row0, kv_head))
                                          : detail::offset_of(p.k_stride, b, si.k_row0, kv_head));
-  const T* v_seq = v + (kCacheAddressing ? (paged ? 0 : detail::kv_offset(p, p.v_stride, b, si.k_row0, kv_head))
+  const T* v_seq = v + (kCacheAddressing ? (kPaged ? 0 : detail::kv_offset(p, p.v_stride, b, si.k_row0, kv_head))
                                          : detail::offset_of(p.v_stride, b, si.k_row0, kv_head));
   // Rows [key0, key0 + kRows) of K or V into a ring slot.
   auto load_keys = [&](auto rows, T* dst, bool is_v, int key0) {
@@ -154,8 +160,8 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
   static_assert(!kCacheAddressing || (!kSlotRing && kSub == 1), "cache addressing is written for the 1-tile pair ring");
   // The (K, V) pair of key tile n into a ring stage; a paged cache's through the block-table
   // entries `window` (page_window of the tile, read one step earlier).
-  auto load_pair = [&](T* stage, int n, PageWindow window) {
-    if (paged)
+  auto load_pair = [&](T* stage, int n, Window window) {
+    if constexpr (kPaged)
       load_paged_kv_async<kBlockN, kHeadDim, kThreads>(stage, stage + kBlockN * kHeadDim, p, b, kv_head,
                                                        static_cast<int>(si.k_row0) + n * kBlockN, si.len_k - n * kBlockN,
                                                        window);
@@ -212,16 +218,19 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
     // Whether any position past the fixed ones is left to take from the counter.
     const bool take = kShareTiles && kAhead * args.num_splits < num_tiles;
     __shared__ int s_taken[2];  // g_{t + kAhead} for step t, in slot t % 2 (written by thread 0 a step earlier)
-    auto load_kv = [&](int t, int g, PageWindow window) {
+    auto load_kv = [&](int t, int g, Window window) {
       if (g < num_tiles) load_pair(sK + (t % kStages) * kStageElems, s_hi - 1 - g, window);
       cp_async_commit();  // empty past the last tile, so that wait_group counts stay uniform
     };
     // Block-table entries of position g (paged caches): read a whole step before its copies are issued.
     auto window_of = [&](int g) {
       const int n = s_hi - 1 - g;
-      return paged && g < num_tiles
-                 ? page_window<kBlockN>(p, b, static_cast<int>(si.k_row0) + n * kBlockN, si.len_k - n * kBlockN)
-                 : PageWindow{};
+      if constexpr (kPaged)
+        return g < num_tiles
+                   ? page_window<kBlockN>(p, b, static_cast<int>(si.k_row0) + n * kBlockN, si.len_k - n * kBlockN)
+                   : PageWindow{};
+      else
+        return Window{};
     };
     int pos[kAhead];  // g_t, ..., g_{t + kStages} (kShareTiles)
 #pragma unroll
@@ -229,11 +238,11 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
     // Position g_{t + j}: a fixed split's is t + j, computed, so its loop is the plain one.
     auto at = [&](int t, int j) { return kShareTiles ? pos[j] : t + j; };
     if (at(0, 0) < num_tiles) {
-      // The block table's entries for the first stages: the append does not write the block table,
+      // The block table's entries for the first copies: the append does not write the block table,
       // so these reads are in flight while the append finishes.
-      PageWindow first_windows[kStages];
+      Window first_windows[kStages - 1];
 #pragma unroll
-      for (int t = 0; t < kStages; ++t) first_windows[t] = window_of(at(0, t));
+      for (int t = 0; t < kStages - 1; ++t) first_windows[t] = window_of(at(0, t));
       // Launched under forward_kvcache's append (pdl.cuh), which writes the rotated q and the appended
       // K/V rows: every read of them waits for it.
       if (args.programmatic) pdl_wait();
@@ -252,7 +261,9 @@ __global__ void __launch_bounds__(fwd_tile_sm80(kHeadDim, kKind).warps * 32, fwd
         taking = g < num_tiles;
         if (taking) pending = order.take_next();
       }
-      PageWindow window = first_windows[kStages - 1];
+      // The next copy's entries, read after the first copies are issued (in flight until tile 0
+      // lands): held across the wait too, they spilled 4 bytes at hdim 256 with score modifiers.
+      Window window = window_of(at(0, kStages - 1));
 #pragma unroll 1
       for (int t = 0; at(t, 0) < num_tiles; ++t) {
         const int key0 = (s_hi - 1 - at(t, 0)) * kBlockN;

@@ -17,14 +17,14 @@
 
 namespace flashmonoid::cuda {
 
-template <class T, int kHeadDim, FwdTileKind kKind, bool kScoreMods, bool kShareTiles = false>
+template <class T, int kHeadDim, FwdTileKind kKind, bool kScoreMods, bool kShareTiles = false, bool kPaged = false>
 void launch_fwd_tile_sm80(const FwdKernelArgs& args, const FwdPlanSm80& plan, const FwdLaunch& launch) {
   constexpr FwdTileSm80 kTile = fwd_tile_sm80(kHeadDim, kKind);
-  auto* kernel = fwd_kernel_sm80<T, kHeadDim, kKind, kScoreMods, kShareTiles>;
+  auto* kernel = fwd_kernel_sm80<T, kHeadDim, kKind, kScoreMods, kShareTiles, kPaged>;
   const std::size_t smem = kTile.smem_bytes(kHeadDim, args.kv_slots);
   // Above 48 KB a block needs the opt-in limit (up to 227 KB on sm90, 163 KB on sm80).
-  if (smem > 48 * 1024)
-    allow_dynamic_smem<fwd_kernel_sm80<T, kHeadDim, kKind, kScoreMods, kShareTiles>>(smem, args.p.device.index);
+  if (smem > 48 * 1024) allow_dynamic_smem<fwd_kernel_sm80<T, kHeadDim, kKind, kScoreMods, kShareTiles, kPaged>>(
+      smem, args.p.device.index);
   const dim3 grid(plan.num_m_blocks * args.num_splits, plan.grid_heads, args.p.batch);
   launch_kernel(launch.batch, kernel, grid, dim3(kTile.warps * 32), smem, launch.stream,
                 args.programmatic || args.wait_at_entry, args);
@@ -58,9 +58,18 @@ void run_fwd_sm80(const detail::FwdParams& p, const FwdLaunch& launch) {
   // Softcap, ALiBi and dropout are compiled into a second variant so the common path carries none
   // of their registers (tanhf and 10-round Philox per element would otherwise crowd out O and S).
   const bool score_mods = p.score_mods();
+  // A block table: the cache tiles' paged variant (plan_fwd_sm80 gives every paged call a cache tile).
+  const bool paged = p.kv.block_table != nullptr;
   auto launch_kind = [&](auto kind) {
-    if (score_mods) launch_fwd_tile_sm80<T, kHeadDim, decltype(kind)::value, true>(args, plan, launch);
-    else launch_fwd_tile_sm80<T, kHeadDim, decltype(kind)::value, false>(args, plan, launch);
+    constexpr FwdTileKind kKind = decltype(kind)::value;
+    auto with_mods = [&](auto mods) {
+      if constexpr (fwd_cache_tile(kKind)) {
+        if (paged) return launch_fwd_tile_sm80<T, kHeadDim, kKind, decltype(mods)::value, false, true>(args, plan, launch);
+      }
+      launch_fwd_tile_sm80<T, kHeadDim, kKind, decltype(mods)::value, false>(args, plan, launch);
+    };
+    if (score_mods) with_mods(std::true_type{});
+    else with_mods(std::false_type{});
   };
   using K = FwdTileKind;
   if (share_tiles) {

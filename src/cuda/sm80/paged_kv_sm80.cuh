@@ -56,6 +56,7 @@ __device__ __forceinline__ int page_window_slots(int first_in_page, int rows, in
 struct PageWindow {
   int lo = 0, hi = 0;
 };
+struct NoWindow {};  // a contiguous cache's tiles: nothing carried
 
 // A predicated 4-byte load of *entry (0 where !read) with no use in this step: the compiler keeps it
 // in flight across the step.
