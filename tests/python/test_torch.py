@@ -200,6 +200,44 @@ def test_eager_calls_skip_the_dispatcher_only_when_nothing_is_traced_or_differen
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])
+def test_differentiated_eager_calls_skip_the_dispatcher_with_the_ops_bits(device, varlen):
+    # Calls autograd records run an autograd.Function over the ops' implementations (host time);
+    # outputs and gradients must be the ops' own bits, and a double backward must still raise.
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    q, k, v = inputs(2, 7, 9, 4, 2, 16, dtype, device, seed=3)
+    assert torch_ops._plain(q, k, v) and not torch_ops._eager(q, k, v)
+    fake = torch._subclasses.fake_tensor.FakeTensorMode().from_tensor(q.detach())
+    assert not torch_ops._plain(fake, k, v)
+    rng = torch.tensor([1234, 0], dtype=torch.int64)
+    options = (16 ** -0.5, True, -1, -1, 4.0, None, 0.25, rng, False)
+    if varlen:
+        q, k, v = (x.detach().flatten(0, 1).requires_grad_() for x in (q, k, v))
+        cu_q, cu_k = (torch.tensor([0, n, 2 * n], dtype=torch.int32, device=device) for n in (7, 9))
+        out, lse = torch_ops.attention_varlen(q, k, v, cu_q, cu_k, 7, 9, causal=True, softcap=4.0, dropout_p=0.25,
+                                              rng=rng)
+        ref_out, ref_lse = torch.ops.flashmonoid.fwd_varlen(q, k, v, cu_q, cu_k, 7, 9, *options)
+        node = "_EagerFwdVarlen"
+    else:
+        out, lse = torch_ops.attention(q, k, v, causal=True, softcap=4.0, dropout_p=0.25, rng=rng)
+        ref_out, ref_lse = torch.ops.flashmonoid.fwd(q, k, v, *options)
+        node = "_EagerFwd"
+    assert any(node + "Backward" == type(f).__name__ for f, _ in out.grad_fn.next_functions)
+    assert not lse.requires_grad
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_grads = torch.autograd.grad(ref_out, (q, k, v), dout)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    for g, r in zip(grads, ref_grads):
+        assert torch.equal(g, r)
+    out, _ = (torch_ops.attention_varlen(q, k, v, cu_q, cu_k, 7, 9, causal=True) if varlen else
+              torch_ops.attention(q, k, v, causal=True))
+    dq, = torch.autograd.grad(out, q, dout, create_graph=True)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        dq.sum().backward()
+
+
 def test_opcheck():
     q, k, v = (x.detach() for x in inputs(1, 5, 6, 2, 1, 8, torch.float32, "cpu"))
     args = (q, k, v, 8 ** -0.5, True, -1, -1, 0.0, None, 0.0, None, False)
