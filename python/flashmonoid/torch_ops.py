@@ -15,6 +15,9 @@ differentiable either. flashmonoid.attention and attention_varlen call the imple
 directly, without the dispatcher, when nothing is traced or differentiated (_eager: plain tensors,
 no input that autograd must track); the dispatcher's share of a forward's host time was ~95 us on
 the H100 machine (profiled before this path existed; the path itself was timed on CPU tensors only).
+Differentiated eager calls on plain tensors run the same formula as an autograd.Function
+(_plain, _EagerFwd, _EagerFwdVarlen); only traced calls (torch.compile, export, fake tensors,
+functorch transforms) go through the ops.
 
 Dtypes: float32, float16 and bfloat16 run in the C++ library (CPU or CUDA). float64 runs an
 exact float64 torch implementation of the same semantics (flashmonoid._reference), including the
