@@ -238,6 +238,24 @@ def test_differentiated_eager_calls_skip_the_dispatcher_with_the_ops_bits(device
         dq.sum().backward()
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_and_saved_tensor_hooks_keep_the_gradients(reentrant):
+    # transformers' gradient checkpointing reruns the forward in the backward (with dropout: the same
+    # rng), and offloading hooks move the saved tensors: the gradients must be the plain call's bits.
+    q, k, v = inputs(2, 9, 11, 4, 2, 16, torch.float32, "cpu", seed=5)
+    rng = torch.tensor([99, 0], dtype=torch.int64)
+    f = lambda q, k, v: torch_ops.attention(q * 1.5, k, v, causal=True, dropout_p=0.2, rng=rng)[0]  # noqa: E731
+    f(q, k, v).square().sum().backward()
+    ref = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    torch.utils.checkpoint.checkpoint(f, q, k, v, use_reentrant=reentrant).square().sum().backward()
+    assert all(torch.equal(x.grad, r) for x, r in zip((q, k, v), ref))
+    with torch.autograd.graph.save_on_cpu():
+        grads = torch.autograd.grad(f(q, k, v).square().sum(), (q, k, v))
+    assert all(torch.equal(g, r) for g, r in zip(grads, ref))
+
+
 def test_opcheck():
     q, k, v = (x.detach() for x in inputs(1, 5, 6, 2, 1, 8, torch.float32, "cpu"))
     args = (q, k, v, 8 ** -0.5, True, -1, -1, 0.0, None, 0.0, None, False)
