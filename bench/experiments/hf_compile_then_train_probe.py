@@ -3,8 +3,8 @@
 generate with a static cache (compiled decoding step, CUDA graph trees) ran before it in the same
 process, 0.98-0.99x in a process of its own. Times monoid's training step before and after a
 compiled static-cache generate (with sdpa, then with monoid), with flashmonoid.sdpa.stats() and
-torch.profiler tables of one step in each state, the garbage collector's collections and seconds
-during the timed steps, and the same after gc.freeze().
+torch.profiler tables of one step and cProfile of three in each state, the garbage collector's
+collections and seconds during the timed steps, and the same after gc.freeze().
 
     python3 bench/experiments/hf_compile_then_train_probe.py OUT_DIR
 """
@@ -85,9 +85,23 @@ def measure(tag, impl="monoid", n=7):
         train()
         sync()
     t = prof.key_averages()
-    with open(os.path.join(out, f"{tag.replace(' ', '_')}_{impl}.txt"), "w") as f:
+    import cProfile
+    import io
+    import pstats
+    import re
+    py = cProfile.Profile()  # the Python side of 3 steps: where host time outside torch's ops goes
+    py.enable()
+    for _ in range(3):
+        train()
+    sync()
+    py.disable()
+    text = io.StringIO()
+    pstats.Stats(py, stream=text).sort_stats("tottime").print_stats(30)
+    pstats.Stats(py, stream=text).sort_stats("cumulative").print_stats(40)
+    with open(os.path.join(out, re.sub(r"[^A-Za-z0-9]+", "_", tag) + f"_{impl}.txt"), "w") as f:
         f.write(t.table(sort_by="self_cpu_time_total" if small else "self_cuda_time_total", row_limit=25) + "\n")
         f.write(t.table(sort_by="cpu_time_total", row_limit=40) + "\n")
+        f.write(text.getvalue())
 
 
 measure("fresh", "monoid")
