@@ -6,6 +6,7 @@ on a GPU, CUDA graphs included; round 0, not timed, compiles), and a training st
 
     python3 bench/hf_bench.py [out.json] [--device cuda|cpu] [--layers 8] [--batch 8] [--prompt 512]
                               [--new 64] [--rounds 3] [--threads N] [--profile DIR] [--tasks a,b]
+                              [--processes one|each]
 
 A random Llama (GQA 16/4, head dim 64, hidden 1024) in bf16 on CUDA, float32 on the CPU. Prints
 median seconds per call and the ratio sdpa / monoid; writes the records as JSON. --profile DIR
@@ -72,6 +73,41 @@ def profile(args, model, impls, tasks):
                 f.write(table.table(sort_by="cpu_time_total", row_limit=40) + "\n")
 
 
+def each_task_in_own_process(args):
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    records = []
+    for task in args.tasks.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "records.json")
+            cmd = [sys.executable, os.path.abspath(__file__), out, "--device", args.device, "--layers", str(args.layers),
+                   "--batch", str(args.batch), "--prompt", str(args.prompt), "--new", str(args.new),
+                   "--rounds", str(args.rounds), "--threads", str(args.threads), "--tasks", task]
+            if args.profile:
+                cmd += ["--profile", args.profile]
+            subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
+            for r in json.load(open(out)):
+                records.append(dict(r, process="own"))
+    report(args, records)
+
+
+def report(args, records):
+    """The table of medians (sdpa / monoid per task) and the JSON records."""
+    by = {(r["task"], r["impl"]): r for r in records}
+    r0 = records[0]
+    print(f"{r0['device']}, torch.{r0['dtype']}, Llama {args.layers} layers GQA 16/4 d 64, batch {args.batch} x "
+          f"{args.prompt} (padded), {args.new} new tokens; medians of {args.rounds} alternated rounds, s"
+          + (", each task in its own process" if r0.get("process") == "own" else ""))
+    for task in dict.fromkeys(r["task"] for r in records):
+        s, m = by[(task, "sdpa")]["seconds"], by[(task, hf.NAME)]["seconds"]
+        print(f"{task:15s}  sdpa {s:8.3f}  monoid {m:8.3f}  sdpa/monoid {s / m:5.2f}")
+    if args.out:
+        json.dump(records, open(args.out, "w"), indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", nargs="?", default=None)
@@ -84,9 +120,14 @@ def main():
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--profile", default=None)
     ap.add_argument("--tasks", default="generate,generate_static,train_step",
-                    help="comma-separated tasks to time (each in its own process: no compiled graphs or pools "
-                         "left by another task)")
+                    help="comma-separated tasks to time")
+    ap.add_argument("--processes", choices=("one", "each"), default="one",
+                    help="each: every task in a process of its own, the records merged (a compiled generate "
+                         "through monoid left our eager calls' host time ~13 ms a training step higher in the "
+                         "same process on the H200; bench/NOTES.md)")
     args = ap.parse_args()
+    if args.processes == "each":
+        return each_task_in_own_process(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -129,13 +170,7 @@ def main():
                         "layers": args.layers, "batch": args.batch, "prompt": args.prompt, "new_tokens": args.new,
                         "threads": torch.get_num_threads(), "seconds": statistics.median(ts), "rounds": ts,
                         "torch": torch.__version__, "transformers": transformers.__version__})
-    print(f"{name}, {dtype}, Llama {args.layers} layers GQA 16/4 d 64, batch {args.batch} x {args.prompt} "
-          f"(padded), {args.new} new tokens; medians of {args.rounds} alternated rounds, s")
-    for task in tasks:
-        s, m = (statistics.median(times[(task, i)]) for i in impls)
-        print(f"{task:15s}  sdpa {s:8.3f}  monoid {m:8.3f}  sdpa/monoid {s / m:5.2f}")
-    if args.out:
-        json.dump(records, open(args.out, "w"), indent=1)
+    report(args, [dict(r, process="shared") for r in records])
 
 
 if __name__ == "__main__":
