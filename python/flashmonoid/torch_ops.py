@@ -68,8 +68,8 @@ def _eager(*tensors):
     not traced by torch.compile or torch.export) with nothing for autograd to record. The dispatcher
     (custom_op's Python layers and autograd wrapper) took ~95 us of host time per forward on the
     H100 machine (cProfile there: 160 us for flashmonoid.attention against 64 us for the same call
-    below the op), more than the kernel itself at short sequences; traced or differentiable calls
-    still go through the ops."""
+    below the op), more than the kernel itself at short sequences. Differentiable calls run
+    _EagerFwd / _EagerFwdVarlen (_plain); traced calls go through the ops."""
     return _eager_contiguous((), tensors)
 
 
@@ -96,7 +96,7 @@ def _plain(*tensors):
     tensors (as _eager, gradients allowed). Such calls run _EagerFwd / _EagerFwdVarlen, an
     autograd.Function over the same implementations, instead of the custom op and its registered
     autograd: the op's Python layers cost ~70 us of host time per forward and backward pair (local
-    EPYC, a tiny varlen call: 166 -> 95 us), and made transformers' training step host-bound on the
+    EPYC, a tiny varlen call: 166 -> 88 us), and made transformers' training step host-bound on the
     H200 (54 ms of host time in a 66 ms step; sdpa's 39)."""
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return False
