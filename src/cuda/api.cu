@@ -77,6 +77,8 @@ void check_fwd_pointers(const detail::FwdParams& p, PointerSource src) {
   check_pointer(p.lse, "lse", dev, sizeof(float), src);
   check_pointer(p.cu_seqlens_q, "cu_seqlens_q", dev, sizeof(int), src);
   check_pointer(p.cu_seqlens_k, "cu_seqlens_k", dev, sizeof(int), src);
+  check_pointer(p.seqused_q, "seqused_q", dev, sizeof(int), src);
+  check_pointer(p.seqused_k, "seqused_k", dev, sizeof(int), src);
   check_pointer(p.alibi, "options.alibi_slopes", dev, sizeof(float), src);
   check_pointer(p.kv.seqlens, "seqlens", dev, sizeof(int), src);
   check_pointer(p.kv.leftpad, "leftpad", dev, sizeof(int), src);
