@@ -62,9 +62,10 @@ struct Options {
 // cu_seqlens_q[b+1]) of q, and likewise for seqused_k, so a padded batch runs in place, each slot
 // a padded sequence: q viewed as (b·s_q, h, d) with cu_seqlens_q = (0, s_q, 2·s_q, ...). max_seqlen_*
 // then bound the used lengths. The rows of a slot past its used length do not enter the result and
-// are not written (out, lse, dq, dk, dv keep what they held), and on CUDA a call with seqused_q runs without KV
-// splits (Context::num_splits is ignored). On the CPU a used length must lie in [0, slot] and within
-// max_seqlen; on CUDA one outside the slot is clamped to it, and max_seqlen is trusted to bound it.
+// are not written (out, lse, dq, dk, dv keep what they held); on CUDA a call with seqused_q runs
+// without KV splits (Context::num_splits is ignored). On the CPU a used length must lie in [0, slot]
+// and within max_seqlen; on CUDA one outside the slot is clamped to it, and max_seqlen is trusted to
+// bound it.
 struct Varlen {
   TensorView cu_seqlens_q;
   TensorView cu_seqlens_k;

@@ -541,7 +541,8 @@ TEST(FlashVarlen, UsedLengthsRunInPlaceAsThePackedCall) {
                           const std::vector<int>& used, int width) {
         for (int b = 0; b < 4; ++b)
           for (int i = 0; i < used[b]; ++i)
-            for (int j = 0; j < width; ++j) to.set((ct[b] + i) * std::int64_t{width} + j, from.get((cf[b] + i) * std::int64_t{width} + j));
+            for (int j = 0; j < width; ++j)
+              to.set((ct[b] + i) * std::int64_t{width} + j, from.get((cf[b] + i) * std::int64_t{width} + j));
       };
       const int wq = slots.h * slots.d, wk = slots.h_k * slots.d;
       copy_rows(pad.q, sq, pk.q, pq, used_q, wq);
