@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# A/B of a Python-only change to the installed flashmonoid package on transformers' workloads
-# (bench/hf_bench.py, each run a process of its own), on the device machine or here:
-#   tools/hf_ab.sh PATCH [PATCH ...]
+# A/B of a change to the flashmonoid package on transformers' workloads (bench/hf_bench.py, each run
+# a process of its own), on the device machine or here:
+#   tools/hf_ab.sh [PATCH ...]
 # The installed package (or FM_AB_PKG, a folder holding the package `flashmonoid` with its _C
-# extension) is copied twice, as the reference and with the patches applied (paths as in this repo:
-# python/flashmonoid/...); the variants alternate FM_AB_ROUNDS times (default 3, the order reversed
+# extension) is copied twice, as the reference and as the new variant with the patches applied
+# (Python-only; paths as in this repo: python/flashmonoid/...). FM_AB_NEW_PKG: the new variant's
+# package instead, e.g. a branch installed with `pip install --target DIR .` (C++ changes too). The
+# variants alternate FM_AB_ROUNDS times (default 3, the order reversed
 # every other round), each an hf_bench run of FM_HF_TASKS (default train_step) with FM_HF_ARGS
 # (default: the device script's model, 3 rounds), and a table of medians is printed last. FM_AB_PROBE=1
 # also runs bench/experiments/hf_compile_then_train_probe.py once per variant. Logs and JSON go to $OUT.
 set -euo pipefail
-[ $# -ge 1 ] || { echo "usage: tools/hf_ab.sh PATCH [PATCH ...]" >&2; exit 2; }
+[ $# -ge 1 ] || [ -n "${FM_AB_NEW_PKG:-}" ] || { echo "usage: tools/hf_ab.sh PATCH [PATCH ...] (or FM_AB_NEW_PKG=DIR)" >&2; exit 2; }
 repo=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$PWD/hf_ab_out}
 mkdir -p "$OUT"
@@ -20,12 +22,14 @@ ARGS=${FM_HF_ARGS:---prompt 2048 --layers 8 --rounds 3}
 root=$(mktemp -d /tmp/fm-hf-ab.XXXXXX)
 for v in ref new; do
   mkdir -p "$root/$v/python"
-  cp -rL "$PKG/flashmonoid" "$root/$v/python/flashmonoid"
+  src=$PKG
+  [ $v = new ] && src=${FM_AB_NEW_PKG:-$PKG}
+  cp -rL "$src/flashmonoid" "$root/$v/python/flashmonoid"
 done
 for p in "$@"; do
   patch -s -p1 -d "$root/new" <"$(realpath "$p")"
 done
-echo "package: $PKG; patched: $*"
+echo "reference: $PKG; new: ${FM_AB_NEW_PKG:-$PKG}, patched: ${*:-nothing}"
 for v in ref new; do  # each variant imports its own copy
   (cd /tmp && PYTHONPATH="$root/$v/python" python3 -c 'import flashmonoid.sdpa as s; print(s.__file__)')
 done
