@@ -73,10 +73,16 @@ def _eager(*tensors):
     return _eager_contiguous((), tensors)
 
 
+def _traced():
+    """Whether calls now are traced (torch.compile, export) or transformed (functorch): they must go
+    through the ops, whose fake kernels and registered formulas these mechanisms use."""
+    return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+
+
 def _eager_contiguous(contiguous, others):
     """_eager(*contiguous, *others), and every tensor of `contiguous` contiguous: one pass for the
     decoding step's fast path (flash_attn_with_kvcache), 2 us instead of 4.7 for two."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    if _traced():
         return False
     grad = torch.is_grad_enabled()
     for t in contiguous:
@@ -98,7 +104,7 @@ def _plain(*tensors):
     autograd: the op's Python layers cost ~70 us of host time per forward and backward pair (local
     EPYC, a tiny varlen call: 166 -> 88 us), and made transformers' training step host-bound on the
     H200 (54 ms of host time in a 66 ms step; sdpa's 39)."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    if _traced():
         return False
     return all(t is None or type(t) in _PLAIN_TENSORS for t in tensors)
 
@@ -180,10 +186,10 @@ def _setup_fwd(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _backward_fwd(ctx, dout, dlse):
+def _backward_fwd(ctx, dout, dlse, run=None):
+    """fwd's formula: the bwd op, or `run`, a function of its signature (_EagerFwd: _bwd_impl)."""
     q, k, v, out, lse = ctx.saved_tensors
-    scale, causal, wl, wr, softcap, alibi, p, rng, deterministic = ctx.options
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, scale, causal, wl, wr, softcap, alibi, p, rng, deterministic)
+    dq, dk, dv = (run or bwd)(dout, q, k, v, out, lse, *ctx.options)
     return (dq, dk, dv) + (None,) * _N_OPTION_ARGS
 
 
@@ -204,10 +210,7 @@ class _EagerFwd(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        if torch.is_grad_enabled():
-            return _backward_fwd(ctx, dout, dlse)
-        q, k, v, out, lse = ctx.saved_tensors
-        return _bwd_impl(dout, q, k, v, out, lse, *ctx.options) + (None,) * _N_OPTION_ARGS
+        return _backward_fwd(ctx, dout, dlse, bwd if torch.is_grad_enabled() else _bwd_impl)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,10 +301,10 @@ def _setup_fwd_varlen(ctx, inputs, output):
 _N_VARLEN_ARGS = 7 + _N_OPTION_ARGS + 2  # q ... max_seqlen_k, the options, seqused_q / _k
 
 
-def _backward_fwd_varlen(ctx, dout, dlse):
+def _backward_fwd_varlen(ctx, dout, dlse, run=None):
+    """fwd_varlen's formula: the bwd_varlen op, or `run`, a function of its signature (_bwd_varlen_impl)."""
     q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
-    max_q, max_k = ctx.varlen
-    dq, dk, dv = bwd_varlen(dout, q, k, v, cu_q, cu_k, max_q, max_k, out, lse, *ctx.options, *ctx.used)
+    dq, dk, dv = (run or bwd_varlen)(dout, q, k, v, cu_q, cu_k, *ctx.varlen, out, lse, *ctx.options, *ctx.used)
     return (dq, dk, dv) + (None,) * (_N_VARLEN_ARGS - 3)
 
 
@@ -319,11 +322,7 @@ class _EagerFwdVarlen(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        if torch.is_grad_enabled():
-            return _backward_fwd_varlen(ctx, dout, dlse)
-        q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
-        grads = _bwd_varlen_impl(dout, q, k, v, cu_q, cu_k, *ctx.varlen, out, lse, *ctx.options, *ctx.used)
-        return grads + (None,) * (_N_VARLEN_ARGS - 3)
+        return _backward_fwd_varlen(ctx, dout, dlse, bwd_varlen if torch.is_grad_enabled() else _bwd_varlen_impl)
 
 
 # ---------------------------------------------------------------------------------------------
