@@ -56,12 +56,24 @@ struct Options {
 // and key j of sequence b (j < cu_seqlens_k[b+1] - cu_seqlens_k[b]) is row j % page_size of page
 // block_table[b, j / page_size]; cu_seqlens_k then only gives the lengths (see kvcache.hpp for
 // what the CUDA kernels do with values only the device sees).
+//
+// Used lengths (flash-attn 3's seqused_q / seqused_k; not with a block_table): with seqused_q int32
+// (b) defined, sequence b is the first seqused_q[b] rows of its slot [cu_seqlens_q[b],
+// cu_seqlens_q[b+1]) of q, and likewise for seqused_k, so a padded batch runs in place, each slot
+// a padded sequence: q viewed as (b·s_q, h, d) with cu_seqlens_q = (0, s_q, 2·s_q, ...). max_seqlen_*
+// then bound the used lengths. The rows of a slot past its used length do not enter the result and
+// are not written (out, lse, dq, dk, dv keep what they held); on CUDA a call with seqused_q runs
+// without KV splits (Context::num_splits is ignored). On the CPU a used length must lie in [0, slot]
+// and within max_seqlen; on CUDA one outside the slot is clamped to it, and max_seqlen is trusted to
+// bound it.
 struct Varlen {
   TensorView cu_seqlens_q;
   TensorView cu_seqlens_k;
   std::int64_t max_seqlen_q = 0;
   std::int64_t max_seqlen_k = 0;
   TensorView block_table;
+  TensorView seqused_q;
+  TensorView seqused_k;
 };
 
 // Which algorithm runs on the CPU. The reference materialises S in float64 and is meant as an

@@ -24,6 +24,8 @@ run (say, CUDA arrays on a CPU-only build) raises NotSupportedError, a subclass 
 NotImplementedError and ValueError.
 """
 
+import math
+
 import numpy as np
 
 from . import _backend, _C
@@ -109,9 +111,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), sof
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                     return_lse=False, dropout_seed=None, dropout_offset=0, deterministic=False):
+                     return_lse=False, dropout_seed=None, dropout_offset=0, deterministic=False, seqused_q=None,
+                     seqused_k=None):
     """attention() over packed sequences: q (total_q, h, d), k and v (total_k, h_k, d); sequence i
-    owns rows cu_seqlens_q[i]:cu_seqlens_q[i+1] of q (int32, on q's device). lse is (h, total_q)."""
+    owns rows cu_seqlens_q[i]:cu_seqlens_q[i+1] of q (int32, on q's device). lse is (h, total_q).
+    seqused_q / seqused_k (int32 (b)): sequence i is the first seqused rows of that slot (a padded
+    batch in place); the other rows get out 0 and lse -inf, and max_seqlen bounds the used lengths."""
     _check_ndim(q, "q", 3, "(total_q, heads, head_dim)")
     if _backend.family(q) == "torch":
         from . import torch_ops
@@ -120,13 +125,16 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
             softmax_scale=softmax_scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
             dropout_p=dropout_p, deterministic=deterministic,
-            rng=_torch_rng(q, dropout_p, dropout_seed, dropout_offset))
+            rng=_torch_rng(q, dropout_p, dropout_seed, dropout_offset), seqused_q=seqused_q, seqused_k=seqused_k)
         return (out, lse) if return_lse else out
     out = _backend.empty(q, q.shape)
     lse = _backend.empty(q, (q.shape[1], q.shape[0]), "float32")
+    if seqused_q is not None:  # the kernels write the used rows only
+        out.fill(0)
+        lse.fill(-math.inf)
     opts = _options(q, causal, softmax_scale, window, softcap, dropout_p, dropout_seed, dropout_offset)
     _backend.forward(q, k, v, out, lse, opts, alibi_slopes,
-                     (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k)))
+                     (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), seqused_q, seqused_k))
     return (out, lse) if return_lse else out
 
 
@@ -153,8 +161,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
 
 def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse, *,
                               causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None,
-                              dropout_p=0.0, dropout_seed=0, dropout_offset=0, deterministic=False):
-    """attention_backward() for packed sequences (see attention_varlen)."""
+                              dropout_p=0.0, dropout_seed=0, dropout_offset=0, deterministic=False, seqused_q=None,
+                              seqused_k=None):
+    """attention_backward() for packed sequences (see attention_varlen; rows past used lengths get 0)."""
     _check_ndim(q, "q", 3, "(total_q, heads, head_dim)")
     if _backend.family(q) == "torch":
         from . import torch_ops
@@ -163,12 +172,15 @@ def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seq
         return torch_ops.bwd_varlen(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                     int(max_seqlen_k), out, lse, _scale(q, softmax_scale), bool(causal),
                                     int(window[0]), int(window[1]), float(softcap), alibi_slopes, float(dropout_p),
-                                    rng, bool(deterministic))
+                                    rng, bool(deterministic), seqused_q, seqused_k)
     dq, dk, dv = _backend.empty(q, q.shape), _backend.empty(k, k.shape), _backend.empty(v, v.shape)
+    for x, used in ((dq, seqused_q), (dk, seqused_k), (dv, seqused_k)):
+        if used is not None:  # the kernels write the used rows only
+            x.fill(0)
     opts = _options(q, causal, softmax_scale, window, softcap, dropout_p, dropout_seed, dropout_offset,
                     deterministic)
     _backend.backward(dout, q, k, v, out, lse, dq, dk, dv, opts, alibi_slopes,
-                      (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k)))
+                      (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), seqused_q, seqused_k))
     return dq, dk, dv
 
 

@@ -232,8 +232,8 @@ def _device_index(x):
 
 
 def forward(q, k, v, out, lse, options, alibi_slopes=None, varlen=None, num_splits=0, block_table=None):
-    """out, lse <- attention. varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k); with a
-    block_table (paged varlen), k and v are pages (num_pages, page_size, h_k, d)."""
+    """out, lse <- attention. varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k[, seqused_q,
+    seqused_k]); with a block_table (paged varlen), k and v are pages (num_pages, page_size, h_k, d)."""
     a = _exporter(q)
     cu = lambda: () if varlen is None else (a(varlen[0]), a(varlen[1]), varlen[2], varlen[3])  # noqa: E731
     with _on_device(q):
@@ -245,7 +245,7 @@ def forward(q, k, v, out, lse, options, alibi_slopes=None, varlen=None, num_spli
             _C.forward(a(q), a(k), a(v), a(out), a(lse), options, ctx, a(alibi_slopes), a(ws))
         else:
             _C.forward_varlen(a(q), a(k), a(v), *cu(), a(out), a(lse), options, ctx, a(alibi_slopes), a(ws),
-                              a(block_table))
+                              a(block_table), *_used(a, varlen))
 
 
 # Workspace bytes of forward_kvcache by call signature: they depend on shapes, dtype, device and
@@ -297,6 +297,11 @@ def forward_kvcache(q, k_cache, v_cache, k_new, v_new, cos, sin, interleaved, se
                            context(q, num_splits, stream), a(alibi_slopes), a(ws))
 
 
+def _used(a, varlen):
+    """(seqused_q, seqused_k) of a varlen tuple, exported (None where not given)."""
+    return (a(varlen[4]), a(varlen[5])) if len(varlen) > 4 else (None, None)
+
+
 def backward(dout, q, k, v, out, lse, dq, dk, dv, options, alibi_slopes=None, varlen=None):
     a = _exporter(q)
     cu = lambda: () if varlen is None else (a(varlen[0]), a(varlen[1]), varlen[2], varlen[3])  # noqa: E731
@@ -310,7 +315,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, options, alibi_slopes=None, va
                         a(alibi_slopes), a(ws))
         else:
             _C.backward_varlen(a(dout), a(q), a(k), a(v), *cu(), a(out), a(lse), a(dq), a(dk), a(dv), options,
-                               ctx, a(alibi_slopes), a(ws))
+                               ctx, a(alibi_slopes), a(ws), *_used(a, varlen))
 
 
 def merge(outs, lses, out, lse):

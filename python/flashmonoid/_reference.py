@@ -119,23 +119,29 @@ def backward(dout, q, k, v, out, o):
     return tuple(torch.stack(x) for x in zip(*grads))
 
 
-def _segments(cu_seqlens_q, cu_seqlens_k):
+def _segments(cu_seqlens_q, cu_seqlens_k, seqused_q=None, seqused_k=None):
+    """(b, q0, q1, k0, k1) per sequence: its rows, the first seqused of its slot where given (clamped)."""
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    return [(b, cq[b], cq[b + 1], ck[b], ck[b + 1]) for b in range(len(cq) - 1)]
+
+    def stop(c, used, b):
+        return c[b + 1] if used is None else c[b] + min(max(used[b], 0), c[b + 1] - c[b])
+
+    uq, uk = (None if u is None else u.tolist() for u in (seqused_q, seqused_k))
+    return [(b, cq[b], stop(cq, uq, b), ck[b], stop(ck, uk, b)) for b in range(len(cq) - 1)]
 
 
-def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, o):
-    """q (total_q, h, d) -> out like q, lse float32 (h, total_q)."""
+def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, o, seqused_q=None, seqused_k=None):
+    """q (total_q, h, d) -> out like q, lse float32 (h, total_q); rows outside every sequence 0 and -inf."""
     out = torch.zeros_like(q)
     lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32, device=q.device)
-    for b, q0, q1, k0, k1 in _segments(cu_seqlens_q, cu_seqlens_k):
+    for b, q0, q1, k0, k1 in _segments(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
         out[q0:q1], lse[:, q0:q1] = _forward_seq(q[q0:q1], k[k0:k1], v[k0:k1], _Seq(b, q0, q.shape[0]), o)
     return out, lse
 
 
-def backward_varlen(dout, q, k, v, out, cu_seqlens_q, cu_seqlens_k, o):
+def backward_varlen(dout, q, k, v, out, cu_seqlens_q, cu_seqlens_k, o, seqused_q=None, seqused_k=None):
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for b, q0, q1, k0, k1 in _segments(cu_seqlens_q, cu_seqlens_k):
+    for b, q0, q1, k0, k1 in _segments(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
         dq[q0:q1], dk[k0:k1], dv[k0:k1] = _backward_seq(
             dout[q0:q1], q[q0:q1], k[k0:k1], v[k0:k1], out[q0:q1], _Seq(b, q0, q.shape[0]), o)
     return dq, dk, dv

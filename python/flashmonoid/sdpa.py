@@ -36,7 +36,6 @@ enable() keeps PyTorch's. Each decision is logged at DEBUG level on the logger "
 
 import contextlib
 import dataclasses
-import itertools
 import logging
 import weakref
 
@@ -135,28 +134,28 @@ class _Entries:
         return self._memo[key]
 
     def varlen_calls(self, device, s_q, s_k, window):
-        """The varlen calls of _per_entry_varlen: (window, iq, ik, cu_q, cu_k, max_q, max_k) each, iq and
-        ik the rows of the (b·s_q) queries and (b·s_k) keys they gather."""
+        """The varlen calls of _per_entry_varlen, in place over the padded batch's (b·s_q) query and
+        (b·s_k) key rows: (window, cu_q, used_q, cu_k, used_k, max_q, max_k) each. Entry e's slot
+        starts at its call's first row (cu, int32, b + 1) and its used rows are that call's rows of it
+        (seqused); the keys are the entry's [begin, end) in every call."""
         key = ("varlen", device, s_q, s_k, window)
         if key in self._memo:
             return self._memo[key]
-        first = [e * s_q + empty for e, empty in enumerate(self.empty)]
-        band_rows = [(r, r + n) for r, n in zip(first, self.band)]
-        after_rows = [(r1, (e + 1) * s_q) for e, (_, r1) in enumerate(band_rows)]
-        groups = [(window, band_rows), ((-1, -1), after_rows)] if window != (-1, -1) else \
-            [(window, [(r0, (e + 1) * s_q) for e, (r0, _) in enumerate(band_rows)])]
+        b = len(self.end)
+        n_k = [max(0, k1 - k0) for k0, k1 in zip(self.begin, self.end)]
+        first = list(self.empty)  # the band's rows start after the rows without a key
+        band = [n if k else 0 for n, k in zip(self.band, n_k)]
+        after = [s_q - e - n if k else 0 for e, n, k in zip(self.empty, self.band, n_k)]
+        groups = [(window, first, band), ((-1, -1), [e + n for e, n in zip(self.empty, self.band)], after)] \
+            if window != (-1, -1) else [(window, first, [n + a for n, a in zip(band, after)])]
+        i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+        cu_k = i32([e * s_k + k0 for e, k0 in enumerate(self.begin)] + [b * s_k])
+        used_k = i32(n_k)
         calls = []
-        for w, rows in groups:
-            keep = [e for e, (r0, r1) in enumerate(rows) if r1 > r0 and self.end[e] > self.begin[e]]
-            if not keep:
-                continue
-            iq = torch.cat([torch.arange(*rows[e]) for e in keep]).to(device)
-            ik = torch.cat([torch.arange(e * s_k + self.begin[e], e * s_k + self.end[e]) for e in keep]).to(device)
-            n_q = [rows[e][1] - rows[e][0] for e in keep]
-            n_k = [self.end[e] - self.begin[e] for e in keep]
-            cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device=device)
-                          for n in (n_q, n_k))
-            calls.append((w, iq, ik, cu_q, cu_k, max(n_q), max(n_k)))
+        for w, start, used in groups:
+            if any(used):
+                calls.append((w, i32([e * s_q + r for e, r in enumerate(start)] + [b * s_q]), i32(used), cu_k, used_k,
+                               max(used), max(n_k)))
         self._memo[key] = calls
         return calls
 
@@ -465,19 +464,22 @@ def _per_row_pages(query, key, value, mask, scale, softcap):
 
 
 def _per_entry_varlen(query, key, value, window, entries, scale, softcap, dropout_p, deterministic):
-    """Each entry's rows gathered into varlen calls (with backward and dropout): its band rows with the
-    window, the rows after the band (which see every key of the entry) without one; rows without keys
-    stay 0."""
+    """Each entry's rows as varlen calls (with backward and dropout) over the padded batch in place
+    (used lengths, _Entries.varlen_calls): its band rows with the window, the rows after the band (which
+    see every key of the entry) without one; rows without keys stay 0. No gather or scatter: each call
+    leaves 0 in the rows it does not own, so the output is their sum."""
     b, h, s_q, d = query.shape
     h_k, s_k = key.shape[1], key.shape[2]
-    q = query.transpose(1, 2).reshape(b * s_q, h, d)
+    q = query.transpose(1, 2).reshape(b * s_q, h, d)  # views of transformers' (b, s, h, d) projections
     k, v = (x.transpose(1, 2).reshape(b * s_k, h_k, d) for x in (key, value))
-    out = q.new_zeros(b * s_q, h, d)
-    for w, iq, ik, cu_q, cu_k, max_q, max_k in entries.varlen_calls(query.device, s_q, s_k, window):
-        rows_q, rows_k, rows_v = q.index_select(0, iq), k.index_select(0, ik), v.index_select(0, ik)
-        o, _ = torch_ops.attention_varlen(rows_q, rows_k, rows_v, cu_q, cu_k, max_q, max_k, softmax_scale=scale,
-                                          window=w, softcap=softcap, dropout_p=dropout_p, deterministic=deterministic)
-        out = out.index_copy(0, iq, o)
+    out = None
+    for w, cu_q, used_q, cu_k, used_k, max_q, max_k in entries.varlen_calls(query.device, s_q, s_k, window):
+        o, _ = torch_ops.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, window=w,
+                                          softcap=softcap, dropout_p=dropout_p, deterministic=deterministic,
+                                          seqused_q=used_q, seqused_k=used_k)
+        out = o if out is None else out + o
+    if out is None:
+        out = q.new_zeros(b * s_q, h, d)
     return out.view(b, s_q, h, d).transpose(1, 2)
 
 

@@ -218,14 +218,21 @@ class _EagerFwd(torch.autograd.Function):
 
 
 def _fwd_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                     window_left, window_right, softcap, alibi_slopes, dropout_p, rng, deterministic):
+                     window_left, window_right, softcap, alibi_slopes, dropout_p, rng, deterministic, seqused_q=None,
+                     seqused_k=None):
     if q.dtype == torch.float64:
         o = _math_options(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng)
-        return _reference.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, o)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+        return _reference.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, o, seqused_q, seqused_k)
+    # With used lengths the kernels write only the used rows: the others are 0 and -inf, as rows of no
+    # sequence are in the float64 path (the identity of merge).
+    if seqused_q is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    else:
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32, device=q.device)
     opts = _options(softmax_scale, causal, window_left, window_right, softcap, dropout_p, rng)
-    varlen = (_c(cu_seqlens_q), _c(cu_seqlens_k), max_seqlen_q, max_seqlen_k)
+    varlen = (_c(cu_seqlens_q), _c(cu_seqlens_k), max_seqlen_q, max_seqlen_k, _c(seqused_q), _c(seqused_k))
     _backend.forward(_c(q), _c(k), _c(v), out, lse, opts, _c(alibi_slopes), varlen)
     return out, lse
 
@@ -234,27 +241,32 @@ def _fwd_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 def fwd_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int, window_right: int,
                softcap: float, alibi_slopes: Optional[Tensor], dropout_p: float, rng: Optional[Tensor],
-               deterministic: bool) -> Tuple[Tensor, Tensor]:
+               deterministic: bool, seqused_q: Optional[Tensor] = None,
+               seqused_k: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     return _fwd_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                            window_left, window_right, softcap, alibi_slopes, dropout_p, rng, deterministic)
+                            window_left, window_right, softcap, alibi_slopes, dropout_p, rng, deterministic, seqused_q,
+                            seqused_k)
 
 
 @fwd_varlen.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-      window_right, softcap, alibi_slopes, dropout_p, rng, deterministic):
+      window_right, softcap, alibi_slopes, dropout_p, rng, deterministic, seqused_q=None, seqused_k=None):
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 def _bwd_varlen_impl(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse, softmax_scale,
-                     causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng, deterministic):
+                     causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng, deterministic,
+                     seqused_q=None, seqused_k=None):
     if q.dtype == torch.float64:
         o = _math_options(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng)
-        return _reference.backward_varlen(dout, q, k, v, out, cu_seqlens_q, cu_seqlens_k, o)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        return _reference.backward_varlen(dout, q, k, v, out, cu_seqlens_q, cu_seqlens_k, o, seqused_q, seqused_k)
+    new_q = torch.empty if seqused_q is None else torch.zeros  # rows past the used ones: gradient 0
+    new_k = torch.empty if seqused_k is None else torch.zeros
+    dq = new_q(q.shape, dtype=q.dtype, device=q.device)
+    dk = new_k(k.shape, dtype=k.dtype, device=k.device)
+    dv = new_k(v.shape, dtype=v.dtype, device=v.device)
     opts = _options(softmax_scale, causal, window_left, window_right, softcap, dropout_p, rng, deterministic)
-    varlen = (_c(cu_seqlens_q), _c(cu_seqlens_k), max_seqlen_q, max_seqlen_k)
+    varlen = (_c(cu_seqlens_q), _c(cu_seqlens_k), max_seqlen_q, max_seqlen_k, _c(seqused_q), _c(seqused_k))
     _backend.backward(_c(dout), _c(q), _c(k), _c(v), _c(out), _c(lse), dq, dk, dv, opts, _c(alibi_slopes), varlen)
     return dq, dk, dv
 
@@ -263,32 +275,37 @@ def _bwd_varlen_impl(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 def bwd_varlen(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                max_seqlen_q: int, max_seqlen_k: int, out: Tensor, lse: Tensor, softmax_scale: float, causal: bool,
                window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
-               dropout_p: float, rng: Optional[Tensor], deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+               dropout_p: float, rng: Optional[Tensor], deterministic: bool, seqused_q: Optional[Tensor] = None,
+               seqused_k: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     return _bwd_varlen_impl(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse,
                             softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng,
-                            deterministic)
+                            deterministic, seqused_q, seqused_k)
 
 
 @bwd_varlen.register_fake
 def _(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse, softmax_scale, causal,
-      window_left, window_right, softcap, alibi_slopes, dropout_p, rng, deterministic):
+      window_left, window_right, softcap, alibi_slopes, dropout_p, rng, deterministic, seqused_q=None, seqused_k=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_fwd_varlen(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, max_q, max_k, *options = inputs
+    q, k, v, cu_q, cu_k, max_q, max_k, *rest = inputs
     out, lse = output
     ctx.varlen = (max_q, max_k)
-    ctx.options = options
+    ctx.options = rest[:_N_OPTION_ARGS]
+    ctx.used = (tuple(rest[_N_OPTION_ARGS:]) + (None, None))[:2]  # seqused_q, seqused_k
     ctx.save_for_backward(q, k, v, cu_q, cu_k, out, lse)
     ctx.mark_non_differentiable(lse)
+
+
+_N_VARLEN_ARGS = 7 + _N_OPTION_ARGS + 2  # q ... max_seqlen_k, the options, seqused_q / _k
 
 
 def _backward_fwd_varlen(ctx, dout, dlse, run=None):
     """fwd_varlen's formula: the bwd_varlen op, or `run`, a function of its signature (_bwd_varlen_impl)."""
     q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
-    dq, dk, dv = (run or bwd_varlen)(dout, q, k, v, cu_q, cu_k, *ctx.varlen, out, lse, *ctx.options)
-    return (dq, dk, dv) + (None,) * (4 + _N_OPTION_ARGS)
+    dq, dk, dv = (run or bwd_varlen)(dout, q, k, v, cu_q, cu_k, *ctx.varlen, out, lse, *ctx.options, *ctx.used)
+    return (dq, dk, dv) + (None,) * (_N_VARLEN_ARGS - 3)
 
 
 torch.library.register_autograd("flashmonoid::fwd_varlen", _backward_fwd_varlen, setup_context=_setup_fwd_varlen)
@@ -460,18 +477,23 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), sof
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                     deterministic=False, rng=None):
+                     deterministic=False, rng=None, seqused_q=None, seqused_k=None):
+    """(out, lse) of packed q (total_q, h, d) over k, v (total_k, h_k, d), differentiable in q, k and v.
+    seqused_q / seqused_k (int32 (b)): sequence b is the first seqused rows of its slot in cu_seqlens
+    (a padded batch in place: q.view(b * s_q, h, d), cu_seqlens_q = arange(b + 1) * s_q); the other
+    rows get out 0, lse -inf and gradient 0, and max_seqlen bounds the used lengths."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if rng is None:
         rng = new_rng(dropout_p)
     d = q.shape[-1]
     if _needs_pad(q):
         q, k, v = _pad(q), _pad(k), _pad(v)
-    op = (_fwd_varlen_impl if _eager(q, k, v, alibi_slopes) else
-          _EagerFwdVarlen.apply if _plain(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k) else fwd_varlen)
+    op = (_fwd_varlen_impl if _eager(q, k, v, alibi_slopes, seqused_q, seqused_k) else
+          _EagerFwdVarlen.apply if _plain(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+          else fwd_varlen)
     out, lse = op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal),
                   int(window[0]), int(window[1]), float(softcap), alibi_slopes, float(dropout_p), rng,
-                  bool(deterministic))
+                  bool(deterministic), seqused_q, seqused_k)
     return out[..., :d], lse
 
 

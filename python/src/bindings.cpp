@@ -265,9 +265,11 @@ fm::Context with_workspace(fm::Context c, const OptArray& workspace) {
 }
 
 fm::Varlen make_varlen(const Array& cu_seqlens_q, const Array& cu_seqlens_k, std::int64_t max_seqlen_q,
-                       std::int64_t max_seqlen_k) {
-  return fm::Varlen{view(cu_seqlens_q, "cu_seqlens_q"), view(cu_seqlens_k, "cu_seqlens_k"), max_seqlen_q,
-                    max_seqlen_k};
+                       std::int64_t max_seqlen_k, const OptArray& seqused_q = {}, const OptArray& seqused_k = {}) {
+  fm::Varlen vl{view(cu_seqlens_q, "cu_seqlens_q"), view(cu_seqlens_k, "cu_seqlens_k"), max_seqlen_q, max_seqlen_k};
+  vl.seqused_q = view(seqused_q, "seqused_q");
+  vl.seqused_k = view(seqused_k, "seqused_k");
+  return vl;
 }
 
 // The KVCache of a forward_kvcache call's arrays, each made a view by view_of(array, name).
@@ -395,9 +397,9 @@ NB_MODULE(_C, m) {
       [](const Array& q, const Array& k, const Array& v, const Array& cu_seqlens_q, const Array& cu_seqlens_k,
          std::int64_t max_seqlen_q, std::int64_t max_seqlen_k, const Array& out, const Array& lse,
          const fm::Options& options, const fm::Context& ctx, const OptArray& alibi_slopes, const OptArray& workspace,
-         const OptArray& block_table) {
+         const OptArray& block_table, const OptArray& seqused_q, const OptArray& seqused_k) {
         auto tq = view(q, "q"), tk = view(k, "k"), tv = view(v, "v"), to = view(out, "out"), tl = view(lse, "lse");
-        auto vl = make_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+        auto vl = make_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k);
         vl.block_table = view(block_table, "block_table");
         auto o = with_alibi(options, alibi_slopes);
         auto c = with_workspace(ctx, workspace);
@@ -407,7 +409,8 @@ NB_MODULE(_C, m) {
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"),
       nb::arg("max_seqlen_q"), nb::arg("max_seqlen_k"), nb::arg("out"), nb::arg("lse"), nb::arg("options"),
       nb::arg("ctx"), nb::arg("alibi_slopes").none() = nb::none(), nb::arg("workspace").none() = nb::none(),
-      nb::arg("block_table").none() = nb::none());
+      nb::arg("block_table").none() = nb::none(), nb::arg("seqused_q").none() = nb::none(),
+      nb::arg("seqused_k").none() = nb::none());
 
   // forward_kvcache: the cache arrays are written in place (k_new, v_new appended).
   auto kv_cache = [](const Array& k_cache, const Array& v_cache, const OptArray& seqlens, int seqlen,
@@ -659,11 +662,12 @@ NB_MODULE(_C, m) {
       [](const Array& dout, const Array& q, const Array& k, const Array& v, const Array& cu_seqlens_q,
          const Array& cu_seqlens_k, std::int64_t max_seqlen_q, std::int64_t max_seqlen_k, const Array& out,
          const Array& lse, const Array& dq, const Array& dk, const Array& dv, const fm::Options& options,
-         const fm::Context& ctx, const OptArray& alibi_slopes, const OptArray& workspace) {
+         const fm::Context& ctx, const OptArray& alibi_slopes, const OptArray& workspace, const OptArray& seqused_q,
+         const OptArray& seqused_k) {
         auto tdo = view(dout, "dout"), tq = view(q, "q"), tk = view(k, "k"), tv = view(v, "v");
         auto to = view(out, "out"), tl = view(lse, "lse");
         auto tdq = view(dq, "dq"), tdk = view(dk, "dk"), tdv = view(dv, "dv");
-        auto vl = make_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+        auto vl = make_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k);
         auto o = with_alibi(options, alibi_slopes);
         auto c = with_workspace(ctx, workspace);
         nb::gil_scoped_release release;
@@ -672,7 +676,8 @@ NB_MODULE(_C, m) {
       nb::arg("dout"), nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"),
       nb::arg("max_seqlen_q"), nb::arg("max_seqlen_k"), nb::arg("out"), nb::arg("lse"), nb::arg("dq"),
       nb::arg("dk"), nb::arg("dv"), nb::arg("options"), nb::arg("ctx"), nb::arg("alibi_slopes").none() = nb::none(),
-      nb::arg("workspace").none() = nb::none());
+      nb::arg("workspace").none() = nb::none(), nb::arg("seqused_q").none() = nb::none(),
+      nb::arg("seqused_k").none() = nb::none());
 
   m.def(
       "merge",

@@ -49,6 +49,8 @@ struct FwdParams {
   int seqlen_q = 0, seqlen_k = 0;              // per sequence; the max ones for varlen
   const int* cu_seqlens_q = nullptr;           // varlen only (device of q)
   const int* cu_seqlens_k = nullptr;
+  const int* seqused_q = nullptr;              // varlen: used rows of each slot (b), or nullptr
+  const int* seqused_k = nullptr;
   std::int64_t total_q = 0;                    // b·s_q, or rows of packed q
   std::int64_t total_k = 0;                    // b·s_k, or rows of packed k
 
@@ -98,13 +100,20 @@ struct SeqInfo {
 
 FM_HD int clamp_int(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
+// Rows of varlen sequence b: its slot [cu[b], cu[b+1]), or the slot's first used[b] rows (clamped to
+// it) with used lengths (Varlen::seqused_q / seqused_k).
+FM_HD int varlen_len(const int* cu, const int* used, int b) {
+  const int slot = cu[b + 1] - cu[b];
+  return used != nullptr ? clamp_int(used[b], 0, slot) : slot;
+}
+
 FM_HD SeqInfo seq_info(const FwdParams& p, int b) {
   SeqInfo s;
   if (p.cu_seqlens_q != nullptr) {
     s.q_row0 = p.cu_seqlens_q[b];
     s.k_row0 = p.cu_seqlens_k[b];
-    s.len_q = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
-    s.len_k = p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b];
+    s.len_q = varlen_len(p.cu_seqlens_q, p.seqused_q, b);
+    s.len_k = varlen_len(p.cu_seqlens_k, p.seqused_k, b);
     s.global_q_row0 = s.q_row0;
   } else {
     s.len_q = p.seqlen_q;

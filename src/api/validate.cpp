@@ -119,7 +119,7 @@ void check_int_range(std::int64_t v, const std::string& name) {
 // cannot be read without a synchronisation, which launchers never do: on CUDA they are trusted,
 // as in FlashAttention-2 (options.hpp says so).
 int check_cu_seqlens(const TensorView& cu, const std::string& name, std::int64_t total, std::int64_t max_seqlen,
-                     Device dev, const std::string& max_name, bool need_data) {
+                     Device dev, const std::string& max_name, bool need_data, bool used_lengths) {
   if (!cu.defined()) fail(name, "is required for varlen attention");
   check_view(cu, name, 1, need_data);
   if (cu.dtype != DType::i32) fail(name, "dtype must be int32, got " + to_string(cu.dtype));
@@ -136,7 +136,7 @@ int check_cu_seqlens(const TensorView& cu, const std::string& name, std::int64_t
       if (c[b + 1] < c[b])
         fail(name, "must be non-decreasing, but entry " + std::to_string(b + 1) + " (" + std::to_string(c[b + 1]) +
                        ") < entry " + std::to_string(b) + " (" + std::to_string(c[b]) + ")");
-      if (c[b + 1] - c[b] > max_seqlen)
+      if (c[b + 1] - c[b] > max_seqlen && !used_lengths)  // with seqused max_seqlen bounds the used rows
         fail(name, "sequence " + std::to_string(b) + " has length " + std::to_string(c[b + 1] - c[b]) + " > " +
                        max_name + " = " + std::to_string(max_seqlen));
     }
@@ -145,6 +145,30 @@ int check_cu_seqlens(const TensorView& cu, const std::string& name, std::int64_t
                      " rows");
   }
   return batch;
+}
+
+// seqused (Varlen's used lengths): int32, (b), contiguous, on q's device; when host-readable each in
+// [0, its slot's length] and within max_seqlen. Returns the pointer (nullptr when not given).
+const int* check_seqused(const TensorView& used, const std::string& name, const TensorView& cu, int batch,
+                         std::int64_t max_seqlen, const std::string& max_name, Device dev, bool need_data) {
+  if (!used.defined()) return nullptr;
+  check_view(used, name, 1, need_data);
+  if (used.dtype != DType::i32) fail(name, "dtype must be int32, got " + to_string(used.dtype));
+  check_same_device(used, name, dev);
+  if (used.shape[0] != batch)
+    fail(name, "shape " + shape_str(used) + " must be (b) = (" + std::to_string(batch) + "), one entry per sequence");
+  if (need_data && dev.kind == DeviceKind::cpu) {
+    const int* u = used.ptr<const int>();
+    const int* c = cu.ptr<const int>();
+    for (int b = 0; b < batch; ++b) {
+      const std::string at = "entry " + std::to_string(b) + " (" + std::to_string(u[b]) + ")";
+      if (u[b] < 0 || u[b] > c[b + 1] - c[b])
+        fail(name, at + " must lie in [0, " + std::to_string(c[b + 1] - c[b]) + "], the rows of its slot in " +
+                       (name == "seqused_q" ? "cu_seqlens_q" : "cu_seqlens_k"));
+      if (u[b] > max_seqlen) fail(name, at + " > " + max_name + " = " + std::to_string(max_seqlen));
+    }
+  }
+  return used.ptr<const int>();
 }
 
 void fill_strides(Strides& s, const TensorView& t, bool varlen) {
@@ -195,10 +219,17 @@ FwdParams make_fwd_params(const TensorView& q, const TensorView& k, const Tensor
     check_shape(out, "out", {total_q, h, d}, "the shape of q");
     check_view(lse, "lse", 2, call);
     check_shape(lse, "lse", {h, total_q}, "(h, total_q) for varlen");
-    int b = check_cu_seqlens(varlen->cu_seqlens_q, "cu_seqlens_q", total_q, varlen->max_seqlen_q, dev, "max_seqlen_q", call);
-    int bk = check_cu_seqlens(varlen->cu_seqlens_k, "cu_seqlens_k", total_k, varlen->max_seqlen_k, dev, "max_seqlen_k", call);
+    const bool used_q = varlen->seqused_q.defined(), used_k = varlen->seqused_k.defined();
+    int b = check_cu_seqlens(varlen->cu_seqlens_q, "cu_seqlens_q", total_q, varlen->max_seqlen_q, dev, "max_seqlen_q",
+                             call, used_q);
+    int bk = check_cu_seqlens(varlen->cu_seqlens_k, "cu_seqlens_k", total_k, varlen->max_seqlen_k, dev, "max_seqlen_k",
+                              call, used_k);
     if (b != bk)
       fail("cu_seqlens_k", "length " + std::to_string(bk + 1) + " differs from cu_seqlens_q's " + std::to_string(b + 1));
+    p.seqused_q = check_seqused(varlen->seqused_q, "seqused_q", varlen->cu_seqlens_q, b, varlen->max_seqlen_q,
+                                "max_seqlen_q", dev, call);
+    p.seqused_k = check_seqused(varlen->seqused_k, "seqused_k", varlen->cu_seqlens_k, b, varlen->max_seqlen_k,
+                                "max_seqlen_k", dev, call);
     check_int_range(total_q, "q");
     check_int_range(total_k, "k");
     p.batch = b;

@@ -241,6 +241,9 @@ KvCacheCall make_kvcache_params(const TensorView& q, const KVCache& cache, const
 FwdParams make_paged_varlen_params(const TensorView& q, const TensorView& k, const TensorView& v, const Varlen& varlen,
                                    const TensorView& out, const TensorView& lse, const Options& options) {
   check_view(q, "q", 3);
+  if (varlen.seqused_q.defined() || varlen.seqused_k.defined())
+    fail(varlen.seqused_q.defined() ? "seqused_q" : "seqused_k",
+         "used lengths are for packed q, k, v; with a block_table cu_seqlens give each sequence's rows");
   if (!is_float(q.dtype)) fail("q", "dtype must be fp32, fp16 or bf16, got " + to_string(q.dtype));
   check_kv(k, v, "k", "v", q, q.shape[1], q.shape[2]);
   const std::int64_t h_k = k.shape[2], d = q.shape[2];

@@ -77,6 +77,8 @@ void check_fwd_pointers(const detail::FwdParams& p, PointerSource src) {
   check_pointer(p.lse, "lse", dev, sizeof(float), src);
   check_pointer(p.cu_seqlens_q, "cu_seqlens_q", dev, sizeof(int), src);
   check_pointer(p.cu_seqlens_k, "cu_seqlens_k", dev, sizeof(int), src);
+  check_pointer(p.seqused_q, "seqused_q", dev, sizeof(int), src);
+  check_pointer(p.seqused_k, "seqused_k", dev, sizeof(int), src);
   check_pointer(p.alibi, "options.alibi_slopes", dev, sizeof(float), src);
   check_pointer(p.kv.seqlens, "seqlens", dev, sizeof(int), src);
   check_pointer(p.kv.leftpad, "leftpad", dev, sizeof(int), src);
@@ -368,6 +370,7 @@ std::size_t forward_workspace_size(const detail::FwdParams& p) {
     if (p.is_varlen() || !fwd_split_tail(bucket, variant)) return 0;
     return fwd_tail_layout_sm90(fwd_tile_sm90(bucket, variant), bucket, props.num_sms).total;
   }
+  if (p.seqused_q != nullptr) return 0;  // runs unsplit (forward below)
   return fwd_split_workspace_bytes(p, fwd_choose_num_splits(p, props.num_sms, props.smem_per_sm));
 }
 
@@ -402,7 +405,11 @@ void forward(const detail::FwdParams& p, const Context& ctx, bool after_own_kern
   launch.pdl = pdl_available(props);
   launch.after_own_kernel = after_own_kernel;
   launch.batch = batch;
-  int splits = ctx.num_splits > 0 ? ctx.num_splits : fwd_choose_num_splits(p, launch.num_sms, launch.smem_per_sm);
+  // Used query lengths run unsplit: the combine kernels write every packed row, and the rows past the
+  // used ones must keep what they held (options.hpp: Varlen).
+  int splits = p.seqused_q != nullptr ? 1
+               : ctx.num_splits > 0  ? ctx.num_splits
+                                     : fwd_choose_num_splits(p, launch.num_sms, launch.smem_per_sm);
   // Without room for the partials the call still runs, unsplit (documented in attention.hpp).
   if (splits > 1 && (ctx.workspace == nullptr || ctx.workspace_bytes < fwd_split_workspace_bytes(p, splits)))
     splits = 1;

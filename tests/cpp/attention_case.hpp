@@ -33,6 +33,7 @@ struct Shape {
   float dropout_p = 0.0f;
   bool varlen = false;
   std::vector<int> lens_q, lens_k;  // varlen sequence lengths (b entries)
+  std::vector<int> used_q, used_k;  // varlen used lengths (Varlen::seqused_*), lens_* then the slots
   bool padded_strides = true;       // non-contiguous head/row strides
   bool head_major_kv = false;       // K/V held (b, h_k, s_k, d) in memory (torch's layout), not varlen
 
@@ -47,6 +48,7 @@ struct Shape {
     if (alibi) s += " alibi";
     if (dropout_p > 0) s += " dropout" + std::to_string(dropout_p);
     if (varlen) s += " varlen";
+    if (!used_q.empty() || !used_k.empty()) s += " used";
     if (head_major_kv) s += " head-major K/V";
     return s;
   }
@@ -67,7 +69,7 @@ inline Shape shape_of(DType t, int b, int sq, int sk, int h, int hk, int d) {
 
 struct Problem {
   Shape shape;
-  HostTensor q, k, v, dout, alibi, cu_q, cu_k;
+  HostTensor q, k, v, dout, alibi, cu_q, cu_k, seqused_q, seqused_k;
   flashmonoid::Options opt;
   flashmonoid::Varlen vl;
   std::int64_t total_q = 0, total_k = 0;
@@ -101,6 +103,19 @@ struct Problem {
       total_q = cq[s.b];
       total_k = ck[s.b];
       vl = flashmonoid::Varlen{cu_q.view, cu_k.view, mq, mk};
+      // Used lengths: the slots above hold them; max_seqlen bounds them.
+      auto used = [&](const std::vector<int>& u, HostTensor& t, flashmonoid::TensorView& view, std::int64_t& max) {
+        if (u.empty()) return;
+        t = HostTensor(DType::i32, {s.b});
+        max = 0;
+        for (int i = 0; i < s.b; ++i) {
+          t.view.ptr<int>()[i] = u[i];
+          max = std::max<std::int64_t>(max, u[i]);
+        }
+        view = t.view;
+      };
+      used(s.used_q, seqused_q, vl.seqused_q, vl.max_seqlen_q);
+      used(s.used_k, seqused_k, vl.seqused_k, vl.max_seqlen_k);
     } else {
       total_q = static_cast<std::int64_t>(s.b) * s.s_q;
       total_k = static_cast<std::int64_t>(s.b) * s.s_k;
@@ -151,6 +166,17 @@ struct Problem {
     return o;
   }
   const flashmonoid::Varlen* varlen() const { return shape.varlen ? &vl : nullptr; }
+
+  // Packed rows past each slot's used rows (used lengths; none otherwise), of q's side or k's.
+  std::vector<std::int64_t> unused_rows(bool q_side) const {
+    std::vector<std::int64_t> rows;
+    const std::vector<int>& used = q_side ? shape.used_q : shape.used_k;
+    if (used.empty()) return rows;
+    const int* cu = (q_side ? cu_q : cu_k).view.ptr<int>();
+    for (int b = 0; b < shape.b; ++b)
+      for (int r = cu[b] + used[b]; r < cu[b + 1]; ++r) rows.push_back(r);
+    return rows;
+  }
 
   // Forward with the public API (ctx selects the CPU algorithm) into fresh poisoned outputs.
   std::pair<HostTensor, HostTensor> forward(const flashmonoid::Context& ctx) const {
@@ -258,25 +284,34 @@ inline void expect_grads_meet_rule(const Problem& pb, const HostTensor& out, con
   const auto oracle = f32.reference_backward(o_given, fwd64.second, Precision::f64_given_out);
   const auto lowp = pb.reference_backward(out, lse, Precision::input);
   const double u = unit_roundoff(pb.shape.dtype);
-  auto check = [&](const char* what, const HostTensor& got, const HostTensor& ref, const HostTensor& lp) {
-    const std::vector<double> r = ref.values(), g = got.values();
-    double excess = 0.0;  // the largest error beyond storing the exact value
+  // With used lengths the rows past them must keep their poison and are left out of the comparison.
+  auto check = [&](const char* what, const HostTensor& got, const HostTensor& ref, const HostTensor& lp, bool q_side) {
+    const std::vector<double> r = ref.values(), g = got.values(), l = lp.values();
+    std::vector<char> skip(r.size(), 0);
+    const std::int64_t width = static_cast<std::int64_t>(q_side ? pb.shape.h : pb.shape.h_k) * pb.shape.d;
+    for (std::int64_t row : pb.unused_rows(q_side))
+      for (std::int64_t j = 0; j < width; ++j) skip[row * width + j] = 1;
+    double excess = 0.0, lowp_err = 0.0, err = 0.0;  // excess: the largest error beyond storing the exact value
     for (std::size_t i = 0; i < r.size(); ++i) {
+      if (skip[i]) {
+        EXPECT_TRUE(std::isnan(g[i])) << what << ": element " << i << " past the used rows was written";
+        continue;
+      }
       if (!std::isfinite(g[i])) {  // a poisoned or overflowed element
         excess = std::numeric_limits<double>::infinity();
         break;
       }
       excess = std::max(excess, std::abs(g[i] - r[i]) - u * std::abs(r[i]));
+      lowp_err = std::max(lowp_err, std::abs(l[i] - r[i]));
+      err = std::max(err, std::abs(g[i] - r[i]));
     }
-    const double lowp_err = max_abs_diff(lp.values(), r);
     EXPECT_LE(excess, 2.0 * lowp_err + kAbsFloor)
-        << what << ": max error beyond storage rounding " << excess << " (max error " << max_abs_diff(g, r)
-        << ") > 2x the " << flashmonoid::to_string(pb.shape.dtype) << " reference's error (" << lowp_err << ") + "
-        << kAbsFloor;
+        << what << ": max error beyond storage rounding " << excess << " (max error " << err << ") > 2x the "
+        << flashmonoid::to_string(pb.shape.dtype) << " reference's error (" << lowp_err << ") + " << kAbsFloor;
   };
-  check("dq", dq, oracle.dq, lowp.dq);
-  check("dk", dk, oracle.dk, lowp.dk);
-  check("dv", dv, oracle.dv, lowp.dv);
+  check("dq", dq, oracle.dq, lowp.dq, true);
+  check("dk", dk, oracle.dk, lowp.dk, false);
+  check("dv", dv, oracle.dv, lowp.dv, false);
 }
 
 }  // namespace fmtest

@@ -106,6 +106,44 @@ TEST(ApiErrors, CuSeqlens) {
   expect_error(run, "cu_seqlens_k", "dtype must be int32");
 }
 
+TEST(ApiErrors, SeqUsed) {
+  Shape s;
+  s.varlen = true;
+  s.b = 3;
+  s.lens_q = {2, 3, 4};
+  s.lens_k = {2, 3, 4};
+  s.h = 2;
+  s.h_k = 2;
+  s.d = 8;
+  Problem pb(s);
+  HostTensor o = pb.new_out(), l = pb.new_lse();
+  auto run = [&] { flashmonoid::forward_varlen(pb.q.view, pb.k.view, pb.v.view, pb.vl, o.view, l.view, pb.opt); };
+  HostTensor used(DType::i32, {3});
+  int* u = used.view.ptr<int>();
+  u[0] = 1, u[1] = 3, u[2] = 2;
+  pb.vl.seqused_k = used.view;
+  run();  // valid: slots of 2, 3, 4 keys, 1, 3, 2 of them used
+  u[1] = 4;
+  expect_error(run, "seqused_k", "entry 1 (4) must lie in [0, 3], the rows of its slot in cu_seqlens_k");
+  u[1] = -1;
+  expect_error(run, "seqused_k", "must lie in [0, 3]");
+  u[1] = 3;
+  pb.vl.max_seqlen_k = 2;  // bounds the used lengths, not the slots
+  expect_error(run, "seqused_k", "entry 1 (3) > max_seqlen_k = 2");
+  pb.vl.max_seqlen_k = 3;
+  run();  // the slot of 4 keys exceeds max_seqlen_k: allowed with used lengths
+  HostTensor two(DType::i32, {2});
+  pb.vl.seqused_q = two.view;
+  expect_error(run, "seqused_q", "must be (b) = (3), one entry per sequence");
+  HostTensor f(DType::f32, {3});
+  pb.vl.seqused_q = f.view;
+  expect_error(run, "seqused_q", "dtype must be int32");
+  pb.vl.seqused_q = {};
+  HostTensor table(DType::i32, {3, 1});
+  pb.vl.block_table = table.view;
+  expect_error(run, "seqused_k", "with a block_table cu_seqlens give each sequence's rows");
+}
+
 TEST(ApiErrors, MixedDevices) {
   Call c;
   TensorView k = c.pb.k.view;

@@ -5,6 +5,9 @@
 // with FLASHMONOID_CPU_ISA=avx2) and with the 16-lane (AVX-512) kernels' source emulated on AVX2;
 // the forward grid also in bf16 through the bf16-pair products (VDPBF16PS emulated, and the real
 // instruction where the CPU has it).
+#include <algorithm>
+#include <cmath>
+
 #include "attention_case.hpp"
 
 namespace fmtest {
@@ -491,6 +494,134 @@ TEST(FlashCpu, BitIdenticalForAnyThreadCount) {
       EXPECT_EQ(a.dv.buf, b.dv.buf) << threads << " threads";
     }
   }
+}
+
+// Used lengths (Varlen::seqused_q / seqused_k): a padded batch run in place computes what the call
+// over the same rows packed computes, bit for bit, forward and backward, and leaves every row past a
+// slot's used length as it was (poisoned here): out, lse, dq, dk, dv.
+TEST(FlashVarlen, UsedLengthsRunInPlaceAsThePackedCall) {
+  const std::vector<int> used_q = {5, 0, 12, 3}, used_k = {7, 5, 1, 0};
+  for (DType t : {DType::f32, DType::bf16}) {
+    for (bool causal : {false, true}) {
+      SCOPED_TRACE(flashmonoid::to_string(t) + (causal ? " causal" : ""));
+      Shape slots;
+      slots.varlen = true;
+      slots.b = 4;
+      slots.h = 4;
+      slots.h_k = 2;
+      slots.d = 40;
+      slots.dtype = t;
+      slots.causal = causal;
+      slots.lens_q = {9, 4, 12, 7};
+      slots.lens_k = {11, 5, 12, 3};
+      Problem pad(slots);
+      HostTensor uq(DType::i32, {4}), uk(DType::i32, {4});
+      for (int b = 0; b < 4; ++b) {
+        uq.view.ptr<int>()[b] = used_q[b];
+        uk.view.ptr<int>()[b] = used_k[b];
+      }
+      pad.vl.seqused_q = uq.view;
+      pad.vl.seqused_k = uk.view;
+      pad.vl.max_seqlen_q = 12;
+      pad.vl.max_seqlen_k = 7;
+      Shape packed = slots;
+      packed.lens_q = used_q;
+      packed.lens_k = used_k;
+      Problem pk(packed);
+      pk.opt = pad.opt;
+      const int* sq = pad.cu_q.view.ptr<int>();
+      const int* sk = pad.cu_k.view.ptr<int>();
+      const int* pq = pk.cu_q.view.ptr<int>();
+      const int* pkk = pk.cu_k.view.ptr<int>();
+      // Row r of `from` (h heads of d) <-> row r2 of `to`.
+      auto for_rows = [](const HostTensor& a, std::int64_t ra, const HostTensor& b, std::int64_t rb, int width,
+                         auto&& fn) {
+        for (int j = 0; j < width; ++j) fn(a.get(ra * width + j), b.get(rb * width + j));
+      };
+      auto copy_rows = [](const HostTensor& from, const int* cf, HostTensor& to, const int* ct,
+                          const std::vector<int>& used, int width) {
+        for (int b = 0; b < 4; ++b)
+          for (int i = 0; i < used[b]; ++i)
+            for (int j = 0; j < width; ++j)
+              to.set((ct[b] + i) * std::int64_t{width} + j, from.get((cf[b] + i) * std::int64_t{width} + j));
+      };
+      const int wq = slots.h * slots.d, wk = slots.h_k * slots.d;
+      copy_rows(pad.q, sq, pk.q, pq, used_q, wq);
+      copy_rows(pad.dout, sq, pk.dout, pq, used_q, wq);
+      copy_rows(pad.k, sk, pk.k, pkk, used_k, wk);
+      copy_rows(pad.v, sk, pk.v, pkk, used_k, wk);
+      // Used rows equal the packed call's; rows past the used ones keep their poison.
+      auto expect_rows = [&](const char* name, const HostTensor& got, const int* cg, const HostTensor& want,
+                             const int* cw, const std::vector<int>& used, const std::vector<int>& slot, int width) {
+        for (int b = 0; b < 4; ++b) {
+          for (int i = 0; i < used[b]; ++i)
+            for_rows(got, cg[b] + i, want, cw[b] + i, width, [&](float x, float y) {
+              ASSERT_EQ(x, y) << name << " sequence " << b << " row " << i;
+            });
+          for (int i = used[b]; i < slot[b]; ++i)
+            for (int j = 0; j < width; ++j)
+              ASSERT_TRUE(std::isnan(got.get((cg[b] + i) * std::int64_t{width} + j))) << name << " written past the used rows";
+        }
+      };
+      auto [o, l] = pad.forward(Context{});
+      auto [ko, kl] = pk.forward(Context{});
+      expect_rows("out", o, sq, ko, pq, used_q, slots.lens_q, wq);
+      for (int hd = 0; hd < slots.h; ++hd)
+        for (int b = 0; b < 4; ++b) {
+          for (int i = 0; i < used_q[b]; ++i)
+            ASSERT_EQ(l.get(hd * pad.total_q + sq[b] + i), kl.get(hd * pk.total_q + pq[b] + i)) << "lse";
+          for (int i = used_q[b]; i < slots.lens_q[b]; ++i) ASSERT_TRUE(std::isnan(l.get(hd * pad.total_q + sq[b] + i)));
+        }
+      auto g = pad.backward(o, l, Context{});
+      auto kg = pk.backward(ko, kl, Context{});
+      expect_rows("dq", g.dq, sq, kg.dq, pq, used_q, slots.lens_q, wq);
+      expect_rows("dk", g.dk, sk, kg.dk, pkk, used_k, slots.lens_k, wk);
+      expect_rows("dv", g.dv, sk, kg.dv, pkk, used_k, slots.lens_k, wk);
+    }
+  }
+}
+
+// Used lengths with dropout and ALiBi (the keep-mask's row ids are the slots' rows): the flash path
+// against the float64 reference, which the CUDA tests take as their oracle for such calls, on the used
+// rows; neither writes the others.
+TEST(FlashVarlen, UsedLengthsWithDropoutMatchTheReference) {
+  Shape s;
+  s.varlen = true;
+  s.b = 3;
+  s.h = 4;
+  s.h_k = 2;
+  s.d = 32;
+  s.causal = true;
+  s.alibi = true;
+  s.dropout_p = 0.2f;
+  s.lens_q = {40, 8, 33};
+  s.lens_k = {70, 8, 33};
+  s.used_q = {29, 0, 33};
+  s.used_k = {61, 5, 0};
+  Problem pb(s);
+  auto [o, l] = pb.forward(Context{});
+  auto [ro, rl] = pb.reference(Precision::f64);
+  auto g = pb.backward(o, l, Context{});
+  auto rg = pb.reference_backward(ro, rl, Precision::f64);
+  auto compare = [&](const char* name, const HostTensor& got, const HostTensor& ref, bool q_side, int width) {
+    const std::vector<std::int64_t> skip = pb.unused_rows(q_side);
+    double err = 0.0, scale = 1.0;
+    for (std::int64_t i = 0; i < got.numel(); ++i) {
+      const std::int64_t row = i / width;
+      const float x = got.get(i), y = ref.get(i);
+      if (std::find(skip.begin(), skip.end(), row) != skip.end()) {
+        ASSERT_TRUE(std::isnan(x) && std::isnan(y)) << name << " row " << row << " past the used rows was written";
+        continue;
+      }
+      err = std::max(err, static_cast<double>(std::abs(x - y)));
+      scale = std::max(scale, static_cast<double>(std::abs(y)));
+    }
+    EXPECT_LE(err, 2e-5 * scale) << name;
+  };
+  compare("out", o, ro, true, s.h * s.d);
+  compare("dq", g.dq, rg.dq, true, s.h * s.d);
+  compare("dk", g.dk, rg.dk, false, s.h_k * s.d);
+  compare("dv", g.dv, rg.dv, false, s.h_k * s.d);
 }
 
 }  // namespace

@@ -48,7 +48,8 @@ struct GpuResult {
 // path are set here.
 GpuResult gpu_forward(const Problem& pb, int splits = 0, flashmonoid::CudaPath path = flashmonoid::CudaPath::automatic,
                       Context ctx = {}, bool with_workspace = true) {
-  DeviceTensor q(pb.q), k(pb.k), v(pb.v), alibi(pb.alibi), cu_q(pb.cu_q), cu_k(pb.cu_k);
+  DeviceTensor q(pb.q), k(pb.k), v(pb.v), alibi(pb.alibi), cu_q(pb.cu_q), cu_k(pb.cu_k), used_q(pb.seqused_q),
+      used_k(pb.seqused_k);
   GpuResult r{pb.new_out(), pb.new_lse()};
   DeviceTensor out(r.out), lse(r.lse);  // NaN-poisoned
   flashmonoid::Options opt = pb.opt;
@@ -57,6 +58,8 @@ GpuResult gpu_forward(const Problem& pb, int splits = 0, flashmonoid::CudaPath p
   if (pb.shape.varlen) {
     vl.cu_seqlens_q = cu_q.view;
     vl.cu_seqlens_k = cu_k.view;
+    if (!pb.shape.used_q.empty()) vl.seqused_q = used_q.view;
+    if (!pb.shape.used_k.empty()) vl.seqused_k = used_k.view;
   }
   const flashmonoid::Varlen* vlp = pb.shape.varlen ? &vl : nullptr;
   std::size_t ws = flashmonoid::forward_workspace_size(q.view, k.view, opt, vlp);
@@ -81,13 +84,25 @@ GpuResult gpu_forward(const Problem& pb, int splits = 0, flashmonoid::CudaPath p
 }
 
 // GPU vs the fp32-output float64 reference, with the input-precision reference setting the budget.
-void check_against_reference(const Problem& pb, const GpuResult& g) {
+// With used lengths the rows past them must keep their poison; they are left out (set to 0 in all).
+void check_against_reference(const Problem& pb, GpuResult g) {
   HostTensor q32 = to_f32(pb.q), k32 = to_f32(pb.k), v32 = to_f32(pb.v);
   HostTensor o32(DType::f32, std::vector<std::int64_t>(g.out.view.shape, g.out.view.shape + g.out.view.ndim));
   HostTensor l32 = pb.new_lse();
   auto p = flashmonoid::detail::make_fwd_params(q32.view, k32.view, v32.view, o32.view, l32.view, pb.opt, pb.varlen());
   flashmonoid::cpu::reference_forward(p, Precision::f64);
   auto [lp_o, lp_l] = pb.reference(Precision::input);
+  const std::int64_t width = static_cast<std::int64_t>(pb.shape.h) * pb.shape.d;
+  for (std::int64_t r : pb.unused_rows(true)) {
+    for (std::int64_t j = 0; j < width; ++j) {
+      EXPECT_TRUE(std::isnan(g.out.get(r * width + j))) << "out row " << r << " past the used rows was written";
+      for (HostTensor* t : {&g.out, &o32, &lp_o}) t->set(r * width + j, 0.0f);
+    }
+    for (int hd = 0; hd < pb.shape.h; ++hd) {
+      EXPECT_TRUE(std::isnan(g.lse.get(hd * pb.total_q + r))) << "lse row " << r << " past the used rows was written";
+      for (HostTensor* t : {&g.lse, &l32}) t->set(hd * pb.total_q + r, 0.0f);
+    }
+  }
   expect_close("out", pb.shape.dtype, g.out.values(), o32.values(), lp_o.values());
   const double lse_err = max_abs_diff(g.lse.values(), l32.values());
   EXPECT_LE(lse_err, 1e-5 * std::max(1.0, max_abs(l32.values()))) << "lse";
@@ -189,6 +204,26 @@ std::vector<Shape> gpu_grid() {
     none.causal = true;
     out.push_back(none);
   }
+  // Used lengths (Varlen::seqused_*): padded slots run in place (flashmonoid.sdpa's padded route), an
+  // entry without used queries and one without used keys among them. Last, so the cases above keep
+  // their numbers (the device script's sanitizer filters name them).
+  for (DType t : dtypes)
+    for (int c = 0; c < 2; ++c) {
+      Shape s;
+      s.varlen = true;
+      s.b = 3;
+      s.lens_q = {300, 64, 200};
+      s.lens_k = {300, 64, 200};
+      s.used_q = {257, 0, 200};
+      s.used_k = {300, 17, 0};
+      s.h = 4;
+      s.h_k = 2;
+      s.d = c ? 64 : 128;
+      s.dtype = t;
+      s.causal = c == 1;
+      s.dropout_p = c ? 0.0f : 0.1f;
+      out.push_back(s);
+    }
   return out;
 }
 
@@ -199,7 +234,8 @@ bool sm90_runs(const Shape& s) {
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) != cudaSuccess || major != 9) return false;
   int max_q = s.s_q, total_k = s.b * s.s_k;
   if (s.varlen) {
-    max_q = *std::max_element(s.lens_q.begin(), s.lens_q.end());
+    const std::vector<int>& lens_q = s.used_q.empty() ? s.lens_q : s.used_q;  // max_seqlen_q
+    max_q = *std::max_element(lens_q.begin(), lens_q.end());
     total_k = std::accumulate(s.lens_k.begin(), s.lens_k.end(), 0);
   }
   return max_q >= 65 && total_k > 0;
@@ -648,6 +684,14 @@ std::vector<Shape> decode_grid() {
   v.d = 128;
   v.dtype = DType::bf16;
   out.push_back(v);
+  // Used lengths: decoding rows in padded slots (seqused_q runs unsplit whatever num_splits asks; the
+  // rows past the used ones keep their poison), long and empty key ranges.
+  Shape u = v;
+  u.lens_q = {4, 4, 4, 4};
+  u.lens_k = {9000, 64, 3000, 10};
+  u.used_q = {1, 0, 2, 1};
+  u.used_k = {3000, 0, 2999, 1};
+  out.push_back(u);
   return out;
 }
 

@@ -103,6 +103,28 @@ def test_varlen_matches_per_sequence(algorithm):
         np.testing.assert_allclose(lse[:, sq], rl[0], rtol=1e-5, atol=1e-6)
 
 
+def test_varlen_used_lengths_run_padded_slots_in_place(algorithm):
+    # seqused_q / seqused_k: the first rows of each slot, as the same rows packed give them, bit for
+    # bit; the other rows 0 (out, gradients) and -inf (lse).
+    s_q, s_k, used_q, used_k = 9, 11, [5, 0, 9], [7, 3, 0]
+    q, k, v = make((3 * s_q, 4, 16), (3 * s_k, 2, 16))
+    i32 = lambda x: np.asarray(x, dtype=np.int32)  # noqa: E731
+    slots = (i32([0, s_q, 2 * s_q, 3 * s_q]), i32([0, s_k, 2 * s_k, 3 * s_k]), 9, 7)
+    used = dict(seqused_q=i32(used_q), seqused_k=i32(used_k))
+    out, lse = fm.attention_varlen(q, k, v, *slots, causal=True, return_lse=True, **used)
+    rq = [r for b, n in enumerate(used_q) for r in range(b * s_q, b * s_q + n)]
+    rk = [r for b, n in enumerate(used_k) for r in range(b * s_k, b * s_k + n)]
+    packed = (i32(np.cumsum([0] + used_q)), i32(np.cumsum([0] + used_k)), 9, 7)
+    po, pl = fm.attention_varlen(q[rq], k[rk], v[rk], *packed, causal=True, return_lse=True)
+    assert np.array_equal(out[rq], po) and np.array_equal(lse[:, rq], pl)
+    assert (np.delete(out, rq, 0) == 0).all() and np.isneginf(np.delete(lse, rq, 1)).all()
+    dout = make((3 * s_q, 4, 16), (1, 1, 16), seed=1)[0]
+    grads = fm.attention_varlen_backward(dout, q, k, v, *slots, out, lse, causal=True, **used)
+    packed_grads = fm.attention_varlen_backward(dout[rq], q[rq], k[rk], v[rk], *packed, po, pl, causal=True)
+    for g, pg, rows in zip(grads, packed_grads, (rq, rk, rk)):
+        assert np.array_equal(g[rows], pg) and (np.delete(g, rows, 0) == 0).all()
+
+
 def numeric_grad(f, x, eps=1e-3):
     g = np.zeros_like(x, dtype=np.float64)
     it = np.nditer(x, flags=["multi_index"])

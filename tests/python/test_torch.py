@@ -1,5 +1,7 @@
 """torch integration: autograd, gradcheck, torch.compile, CUDA. Skipped without torch."""
 
+import math
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -80,6 +82,52 @@ def test_varlen_autograd_against_float64(device):
         assert rel_err(out[sq], ref[0]) <= 1e-5
         for x, xb, s in ((q, qb, sq), (k, kb, sk), (v, vb, sk)):
             assert rel_err(x.grad[s], xb.grad[0]) <= 1e-4
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "op"])
+def test_varlen_used_lengths_run_a_padded_batch_in_place(device, traced):
+    # A padded batch (slots of s rows) with seqused: the packed call's values and gradients on the used
+    # rows, 0 / -inf / zero gradient on the others; through the Function and through the ops.
+    s_q, s_k, used_q, used_k = 9, 11, [5, 0, 9], [7, 3, 0]
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(1)
+    mk = lambda n, h: torch.randn(n, h, 16, generator=g).to(dtype=dtype, device=device).requires_grad_()  # noqa: E731
+    q, k, v = mk(3 * s_q, 4), mk(3 * s_k, 2), mk(3 * s_k, 2)
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    cu_q, cu_k, uq, uk = i32([0, s_q, 2 * s_q, 3 * s_q]), i32([0, s_k, 2 * s_k, 3 * s_k]), i32(used_q), i32(used_k)
+    if traced:
+        out, lse = torch.ops.flashmonoid.fwd_varlen(q, k, v, cu_q, cu_k, 9, 7, 0.25, True, -1, -1, 0.0, None, 0.0, None,
+                                                    False, uq, uk)
+    else:
+        out, lse = torch_ops.attention_varlen(q, k, v, cu_q, cu_k, 9, 7, causal=True, softmax_scale=0.25,
+                                              seqused_q=uq, seqused_k=uk)
+    dout = torch.randn(out.shape, generator=g).to(dtype=dtype, device=device)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    rows = lambda s, used: [r for b, n in enumerate(used) for r in range(b * s, b * s + n)]  # noqa: E731
+    rq, rk = rows(s_q, used_q), rows(s_k, used_k)
+    cu = lambda lens: i32([0, *torch.tensor(lens).cumsum(0).tolist()])  # noqa: E731
+    pq, pk, pv = (x.detach()[r].clone().requires_grad_() for x, r in ((q, rq), (k, rk), (v, rk)))
+    ref_out, ref_lse = torch_ops.attention_varlen(pq, pk, pv, cu(used_q), cu(used_k), 9, 7, causal=True,
+                                                  softmax_scale=0.25)
+    ref = torch.autograd.grad(ref_out, (pq, pk, pv), dout[rq])
+    assert torch.equal(out[rq], ref_out) and torch.equal(lse[:, rq], ref_lse)
+    for got, want, r in ((dq, ref[0], rq), (dk, ref[1], rk), (dv, ref[2], rk)):
+        assert torch.equal(got[r], want)
+    others = lambda n, r: [i for i in range(n) if i not in r]  # noqa: E731
+    oq, ok = others(3 * s_q, rq), others(3 * s_k, rk)
+    assert (out[oq] == 0).all() and (lse[:, oq] == -math.inf).all() and (dq[oq] == 0).all()
+    assert (dk[ok] == 0).all() and (dv[ok] == 0).all()
+
+
+def test_varlen_used_lengths_float64_gradcheck():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(n, h, 8, generator=g, dtype=torch.float64).requires_grad_() for n, h in
+               ((10, 2), (12, 1), (12, 1)))
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    args = (i32([0, 5, 10]), i32([0, 6, 12]), 4, 5)
+    used = dict(seqused_q=i32([4, 2]), seqused_k=i32([5, 3]), causal=True)
+    torch.autograd.gradcheck(lambda q, k, v: torch_ops.attention_varlen(q, k, v, *args, **used)[0], (q, k, v))
 
 
 def test_lse_is_returned_but_not_differentiable():

@@ -291,7 +291,7 @@ struct BwdWork {
     if (p.cu_seqlens_k == nullptr) return false;
     const BwdBlockCoords c = coords(args, item);
     const int b = static_cast<int>(c.batch_head) / p.h_k;
-    return static_cast<std::int64_t>(c.n_block) * kBlockN >= p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b];
+    return static_cast<std::int64_t>(c.n_block) * kBlockN >= detail::varlen_len(p.cu_seqlens_k, p.seqused_k, b);
   }
 
   __device__ __forceinline__ BwdWork(const BwdKernelArgsSm90& args, int item) : group(args.p.h / args.p.h_k) {
