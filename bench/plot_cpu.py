@@ -16,6 +16,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from charts import grouped_bars, reference_line  # noqa: E402
 
 SOURCES = {16: "cpu_vs_torch_16t_xeon_s35", 8: "cpu_vs_torch_8t_xeon_s35"}
 SERIES = [  # label, pass, causal
@@ -49,14 +50,11 @@ def chart(results, out):
     if not panels:
         return
     fig, axes = plt.subplots(len(panels), 1, figsize=(13, 4 * len(panels)), sharey=True, squeeze=False)
-    width = 0.8 / len(SERIES)
     for ax, (threads, (val, cpu)) in zip(axes[:, 0], sorted(panels.items(), reverse=True)):
         shapes = sorted({k[2:] for k in val}, key=lambda k: (k[0] != "bf16", k[1], k[2]))
-        for i, (label, pas, causal) in enumerate(SERIES):
-            ys = [val.get((pas, causal) + sh, 0.0) for sh in shapes]
-            ax.bar([x + (i - (len(SERIES) - 1) / 2) * width for x in range(len(shapes))], ys, width, label=label)
-        ax.axhline(1.0, color="gray", linestyle="--", linewidth=0.8)
-        ax.set_xticks(range(len(shapes)), [f"{dt} d {d}\n{s // 1024}k" for dt, d, s in shapes], fontsize=8)
+        grouped_bars(ax, [f"{dt} d {d}\n{s // 1024}k" for dt, d, s in shapes],
+                     [(label, [val.get((pas, causal) + sh, 0.0) for sh in shapes]) for label, pas, causal in SERIES])
+        reference_line(ax, 1.0)
         ax.set_ylabel("torch's time / ours")
         ax.set_title(f"{threads} threads, {cpu}", fontsize=10)
         ax.legend(fontsize=8, ncol=4, loc="upper left")

@@ -19,6 +19,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from charts import grouped_bars, reference_line  # noqa: E402
 
 
 def gpu_chart(path, out):
@@ -36,16 +37,12 @@ def gpu_chart(path, out):
            r["tbps"] / copy for r in rows if r.get("pass") == "decode"}
     shapes = sorted({(k[4], k[5]) for k in val})
     fig, ax = plt.subplots(figsize=(13, 4.8))
-    width = 0.8 / len(series)
-    for i, (label, impl, page, sq, app) in enumerate(series):
-        ys = [val.get((impl, page, sq, app, b, s), 0.0) for b, s in shapes]
-        ax.bar([x + (i - (len(series) - 1) / 2) * width for x in range(len(shapes))], ys, width, label=label)
-    for y, text in ((0.9, "bar 0.9"), (0.85, "bar 0.85 (s_q 4)")):
-        ax.axhline(y, color="gray", linestyle="--", linewidth=0.8)
-        ax.text(-0.55, y, text, va="bottom", ha="left", fontsize=8, color="gray")
     # bf16 K and V of 8 KV heads, hdim 128
-    ax.set_xticks(range(len(shapes)), [f"b {b}\n{s // 1024}k\n{2 * b * s * 8 * 128 * 2 / 1e6:.0f} MB"
-                                       for b, s in shapes], fontsize=8)
+    grouped_bars(ax, [f"b {b}\n{s // 1024}k\n{2 * b * s * 8 * 128 * 2 / 1e6:.0f} MB" for b, s in shapes],
+                 [(label, [val.get((impl, page, sq, app, b, s), 0.0) for b, s in shapes])
+                  for label, impl, page, sq, app in series])
+    for y, text in ((0.9, "bar 0.9"), (0.85, "bar 0.85 (s_q 4)")):
+        reference_line(ax, y, text)
     ax.set_ylabel(f"K/V bytes / time, x copy ({copy:.2f} TB/s)")
     ax.set_title(f"Decoding on the {device}: bf16, GQA 32/8, hdim 128, graph-replayed ({os.path.basename(path)})",
                  fontsize=10)
