@@ -1,0 +1,256 @@
+"""Drop-in for flash-attn 3's ``flash_attn_interface`` (its Hopper package): the same functions,
+argument names, defaults, layouts and return conventions, so that code written for it runs after
+changing the import to ``from flashmonoid import flash_attn3_interface as flash_attn_interface``.
+It runs wherever flashmonoid does (CUDA sm80+, with the Hopper kernels on H100/H200, and the CPU).
+
+It shares flashmonoid.flash_attn_interface's (flash-attn 2's) checks, messages and behaviour (lse =
+-inf for a row without a key, more dtypes and head dims, see that module), and differs from
+flash-attn 3 in these ways:
+  * Not supported; each raises flashmonoid.NotSupportedError (a NotImplementedError) naming the
+    argument: FP8 (q_descale, k_descale, v_descale and float8 tensors), qv, attention_chunk > 0, and
+    in flash_attn_with_kvcache cu_seqlens_q, cu_seqlens_k_new and rotary_seqlens.
+  * num_splits, pack_gqa and sm_margin of the training functions are flash-attn 3's tuning knobs;
+    flashmonoid plans its own grid, so they are accepted and change nothing.
+    flash_attn_with_kvcache passes num_splits on (0: the heuristic, else forced).
+  * scheduler_metadata is accepted and unused: flashmonoid plans splits inside the call (which is
+    graph-capturable as is), and get_scheduler_metadata returns None.
+  * flash_attn_with_kvcache(..., return_softmax_lse=True) returns (out, softmax_lse, out_accum,
+    softmax_lse_accum) as flash-attn 3 does; the last two are empty tensors (flashmonoid keeps its
+    split partials in its workspace).
+  * flash_attn_combine merges any number of splits with flashmonoid.merge (the monoid's merge; a
+    split with lse = -inf contributes nothing), on any device flashmonoid runs on.
+"""
+
+import torch
+
+from . import _C, torch_ops
+from . import flash_attn_interface as _fa2
+
+# What each refused argument is in flash-attn 3.
+_FEATURES = {
+    "qv": "the extra query part of MLA decoding", "q_descale": "FP8 scaling", "k_descale": "FP8 scaling",
+    "v_descale": "FP8 scaling", "attention_chunk": "chunked local attention",
+    "cu_seqlens_q": "varlen queries over a KV cache", "cu_seqlens_k_new": "varlen new keys",
+    "rotary_seqlens": "rotary positions apart from cache_seqlens",
+}
+
+
+def _refuse(name, value, unset=None):
+    if value is not unset:
+        raise _C.NotSupportedError(f"flashmonoid.flash_attn3_interface: {name}: not supported (flash-attn 3's "
+                                   f"{_FEATURES[name]}); leave it {unset!r}")
+
+
+def _refuse_fp8_qv_chunk(q, qv, q_descale, k_descale, v_descale, attention_chunk):
+    if q.dtype in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)):
+        raise _C.NotSupportedError("flashmonoid.flash_attn3_interface: q: float8 inputs (flash-attn 3's FP8) are not "
+                                "supported; use fp16 or bf16")
+    for name, value in (("qv", qv), ("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        _refuse(name, value)
+    if attention_chunk:
+        _refuse("attention_chunk", attention_chunk, 0)
+
+
+def _attn(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs):
+    _fa2._check_batched(q, k, v, None, 0.0)
+    out, lse = torch_ops.attention(q, k, v, causal=causal, softmax_scale=_fa2._scale(q, softmax_scale),
+                                   window=window_size, softcap=softcap, deterministic=deterministic)
+    return (out, lse) if return_attn_probs else out
+
+
+def flash_attn_qkvpacked_func(
+    qkv,
+    softmax_scale=None,
+    causal=False,
+    q_descale=None, k_descale=None, v_descale=None,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    softcap=0.0,
+    deterministic=False,
+    num_heads_q=None,
+    sm_margin=0,
+    return_attn_probs=False,
+):
+    """qkv (batch_size, seqlen, 3, nheads, headdim), or (batch_size, seqlen, num_heads_q + 2 *
+    nheads_k, headdim) with num_heads_q (GQA: q's heads, then k's, then v's). Returns out, and with
+    return_attn_probs (out, softmax_lse (batch_size, nheads, seqlen))."""
+    _refuse_fp8_qv_chunk(qkv, None, q_descale, k_descale, v_descale, attention_chunk)
+    if qkv.dim() == 5:
+        _fa2._require(qkv.shape[-3] == 3, "qkv must have shape (batch_size, seqlen, 3, nheads, headdim)")
+        q, k, v = qkv.unbind(dim=-3)
+    else:
+        _fa2._require(qkv.dim() == 4 and num_heads_q is not None,
+                      "qkv must have shape (batch_size, seqlen, 3, nheads, headdim), or (batch_size, seqlen, "
+                      "num_heads_q + 2 * nheads_k, headdim) with num_heads_q given")
+        num_heads_k = (qkv.shape[2] - num_heads_q) // 2
+        _fa2._require(num_heads_q > 0 and num_heads_k > 0 and num_heads_q + 2 * num_heads_k == qkv.shape[2],
+                      f"qkv: {qkv.shape[2]} heads are not num_heads_q ({num_heads_q}) + 2 * nheads_k")
+        q, k, v = qkv.split([num_heads_q, num_heads_k, num_heads_k], dim=-2)
+    return _attn(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs)
+
+
+def flash_attn_func(
+    q,
+    k,
+    v,
+    softmax_scale=None,
+    causal=False,
+    qv=None,
+    q_descale=None, k_descale=None, v_descale=None,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    softcap=0.0,
+    num_splits=1,
+    pack_gqa=None,
+    deterministic=False,
+    sm_margin=0,
+    return_attn_probs=False,
+):
+    """q (batch_size, seqlen_q, nheads, headdim), k and v (batch_size, seqlen_k, nheads_k, headdim),
+    nheads % nheads_k == 0; masks aligned to the bottom-right corner. Returns out, and with
+    return_attn_probs (out, softmax_lse (batch_size, nheads, seqlen_q))."""
+    _refuse_fp8_qv_chunk(q, qv, q_descale, k_descale, v_descale, attention_chunk)
+    return _attn(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    seqused_q=None,
+    seqused_k=None,
+    softmax_scale=None,
+    causal=False,
+    qv=None,
+    q_descale=None, k_descale=None, v_descale=None,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    softcap=0.0,
+    num_splits=1,
+    pack_gqa=None,
+    deterministic=False,
+    sm_margin=0,
+    return_attn_probs=False,
+):
+    """q (total_q, nheads, headdim), k and v (total_k, nheads_k, headdim), cu_seqlens_q/k int32
+    (batch_size + 1,). seqused_q / seqused_k int32 (batch_size,): sequence b is the first seqused
+    rows of its cu_seqlens slot (a padded batch runs in place); the other rows get out 0, lse -inf
+    and gradient 0. Returns out, and with return_attn_probs (out, softmax_lse (nheads, total_q))."""
+    _refuse_fp8_qv_chunk(q, qv, q_descale, k_descale, v_descale, attention_chunk)
+    _fa2._require(cu_seqlens_q is not None and cu_seqlens_k is not None,
+                  "flashmonoid.flash_attn3_interface: flash_attn_varlen_func needs cu_seqlens_q and cu_seqlens_k "
+                  "(a batched q or k runs through flash_attn_func)")
+    _fa2._check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, None, 0.0)
+    out, lse = torch_ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                          causal=causal, softmax_scale=_fa2._scale(q, softmax_scale),
+                                          window=window_size, softcap=softcap, deterministic=deterministic,
+                                          seqused_q=seqused_q, seqused_k=seqused_k)
+    return (out, lse) if return_attn_probs else out
+
+
+def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
+    """(out, softmax_lse) of attention over the union of num_splits disjoint key sets, from each
+    split's result: out_partial (num_splits, batch_size, seqlen, nheads, headdim) and lse_partial
+    (num_splits, batch_size, seqlen, nheads), both float32. out (batch_size, seqlen, nheads,
+    headdim) of out_dtype (default float32; or written into `out`), softmax_lse float32 (batch_size,
+    seqlen, nheads), a view of a (batch_size, nheads, seqlen) tensor as in flash-attn 3."""
+    _fa2._require(out_partial.dtype == torch.float32 and lse_partial.dtype == torch.float32,
+                  "Attention combine function only support fp32 data type")
+    _fa2._require(out_partial.dim() == 5, "out_partial must have shape (num_splits, batch_size, seqlen, num_heads, "
+                                          "head_size)")
+    num_splits, batch_size, seqlen, num_heads, _ = out_partial.shape
+    _fa2._require(tuple(lse_partial.shape) == (num_splits, batch_size, seqlen, num_heads),
+                  "lse_partial must have shape (num_splits, batch_size, seqlen, num_heads)")
+    _fa2._require(num_splits > 0, "out_partial: needs at least one split")
+    out_dtype = out_dtype if out_dtype is not None else (out.dtype if out is not None else torch.float32)
+    _fa2._require(out_dtype in (torch.float32, torch.bfloat16, torch.float16), "Output type must be FP32, FP16 or BF16")
+    if out is not None:
+        _fa2._require(out.dtype == out_dtype and out.shape == out_partial.shape[1:],
+                      "out must have shape (batch_size, seqlen, num_heads, head_size) and dtype out_dtype")
+    merged, lse = torch_ops.merge(list(out_partial.unbind(0)), [x.transpose(1, 2) for x in lse_partial.unbind(0)])
+    if out is None:
+        out = merged.to(out_dtype)
+    else:
+        out.copy_(merged)
+    return out, lse.transpose(1, 2)
+
+
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    qv=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    page_table=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k_new=None,
+    max_seqlen_q=None,
+    rotary_seqlens=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    softcap=0.0,
+    rotary_interleaved=True,
+    scheduler_metadata=None,
+    num_splits=0,
+    pack_gqa=None,
+    sm_margin=0,
+    return_softmax_lse=False,
+):
+    """flashmonoid.flash_attn_interface.flash_attn_with_kvcache with flash-attn 3's names: the pages'
+    block table is page_table (any page size). k, v are written into the caches in place at
+    cache_seqlens, then q attends over the cache. Returns out, or with return_softmax_lse (out,
+    softmax_lse (batch_size, nheads, seqlen), empty, empty)."""
+    _refuse_fp8_qv_chunk(q, qv, q_descale, k_descale, v_descale, attention_chunk)
+    for name, value in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k_new", cu_seqlens_k_new),
+                        ("rotary_seqlens", rotary_seqlens)):
+        _refuse(name, value)
+    r = _fa2.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                     cache_leftpad, page_table, softmax_scale, causal, window_size, softcap,
+                                     rotary_interleaved, None, num_splits, return_softmax_lse)
+    if not return_softmax_lse:
+        return r
+    empty = torch.empty((0,), dtype=torch.float32, device=q.device)
+    return r[0], r[1], empty, empty
+
+
+def get_scheduler_metadata(
+    batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
+    cache_seqlens,
+    qkv_dtype=torch.bfloat16,
+    headdim_v=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k_new=None,
+    cache_leftpad=None,
+    page_size=None,
+    max_seqlen_k_new=0,
+    causal=False,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    has_softcap=False,
+    num_splits=0,
+    pack_gqa=None,
+    sm_margin=0,
+):
+    """None: flashmonoid plans a call's splits inside the call (graph-capturable, no host read of
+    cache_seqlens), so there is no metadata to compute ahead; flash_attn_with_kvcache accepts the
+    None back as scheduler_metadata."""
+    return None
+
+
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "flash_attn_combine",
+           "flash_attn_with_kvcache", "get_scheduler_metadata"]
