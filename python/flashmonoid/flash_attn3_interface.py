@@ -8,7 +8,8 @@ It shares flashmonoid.flash_attn_interface's (flash-attn 2's) checks, messages a
 flash-attn 3 in these ways:
   * Not supported; each raises flashmonoid.NotSupportedError (a NotImplementedError) naming the
     argument: FP8 (q_descale, k_descale, v_descale and float8 tensors), qv, attention_chunk > 0, and
-    in flash_attn_with_kvcache cu_seqlens_q, cu_seqlens_k_new and rotary_seqlens.
+    in flash_attn_with_kvcache rotary_seqlens, cu_seqlens_k_new with new keys, and new keys, rotary,
+    cache_batch_idx or cache_leftpad together with packed queries (cu_seqlens_q).
   * num_splits, pack_gqa and sm_margin of the training functions are flash-attn 3's tuning knobs;
     flashmonoid plans its own grid, so they are accepted and change nothing.
     flash_attn_with_kvcache passes num_splits on (0: the heuristic, else forced).
@@ -30,7 +31,7 @@ from . import flash_attn_interface as _fa2
 _FEATURES = {
     "qv": "the extra query part of MLA decoding", "q_descale": "FP8 scaling", "k_descale": "FP8 scaling",
     "v_descale": "FP8 scaling", "attention_chunk": "chunked local attention",
-    "cu_seqlens_q": "varlen queries over a KV cache", "cu_seqlens_k_new": "varlen new keys",
+    "cu_seqlens_k_new": "varlen new keys",
     "rotary_seqlens": "rotary positions apart from cache_seqlens",
 }
 
@@ -214,18 +215,61 @@ def flash_attn_with_kvcache(
     """flashmonoid.flash_attn_interface.flash_attn_with_kvcache with flash-attn 3's names: the pages'
     block table is page_table (any page size). k, v are written into the caches in place at
     cache_seqlens, then q attends over the cache. Returns out, or with return_softmax_lse (out,
-    softmax_lse (batch_size, nheads, seqlen), empty, empty)."""
+    softmax_lse, empty, empty).
+
+    With cu_seqlens_q (b + 1) int32 and max_seqlen_q, q is packed (total_q, nheads, headdim) and
+    sequence b's queries, the last of its cache_seqlens[b] keys among them (a prefill or extend step
+    whose keys are already in the cache, as SGLang's flash-attn 3 backend calls it), attend over
+    those keys, causal aligned to their end; softmax_lse is then (nheads, total_q). This runs as the
+    keys' cu_seqlens from cache_seqlens (a cumsum on the device) and one paged varlen call
+    (flashmonoid::forward_varlen with a block table; a contiguous cache is one page per sequence),
+    with no host read of a device tensor, so it can be captured in a CUDA graph. No new k, v or rotary in this form;
+    cu_seqlens_k_new describes new keys and is unused without them."""
     _refuse_fp8_qv_chunk(q, qv, q_descale, k_descale, v_descale, attention_chunk)
-    for name, value in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k_new", cu_seqlens_k_new),
-                        ("rotary_seqlens", rotary_seqlens)):
-        _refuse(name, value)
+    _refuse("rotary_seqlens", rotary_seqlens)
+    if k is not None:
+        _refuse("cu_seqlens_k_new", cu_seqlens_k_new)
+    empty = torch.empty((0,), dtype=torch.float32, device=q.device)
+    if cu_seqlens_q is not None:
+        out, lse = _kvcache_varlen_q(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                     cache_leftpad, page_table, cu_seqlens_q, max_seqlen_q, softmax_scale, causal,
+                                     window_size, softcap)
+        return (out, lse, empty, empty) if return_softmax_lse else out
     r = _fa2.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                      cache_leftpad, page_table, softmax_scale, causal, window_size, softcap,
                                      rotary_interleaved, None, num_splits, return_softmax_lse)
-    if not return_softmax_lse:
-        return r
-    empty = torch.empty((0,), dtype=torch.float32, device=q.device)
-    return r[0], r[1], empty, empty
+    return (r[0], r[1], empty, empty) if return_softmax_lse else r
+
+
+def _kvcache_varlen_q(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                      cache_leftpad, page_table, cu_seqlens_q, max_seqlen_q, softmax_scale, causal, window_size,
+                      softcap):
+    """flash_attn_with_kvcache's packed-q form as a paged varlen call: (out, lse (nheads, total_q))."""
+    _fa2._require(max_seqlen_q is not None, "max_seqlen_q must be provided if cu_seqlens_q is provided")
+    for name, value in (("k", k), ("v", v), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+                        ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if value is not None:
+            raise _C.NotSupportedError(f"flashmonoid.flash_attn3_interface: {name}: not supported with cu_seqlens_q "
+                                       "(packed queries attend over keys already in the cache); leave it None")
+    assert k_cache.stride(-1) == 1, "k_cache must have contiguous last dimension"
+    assert v_cache.stride(-1) == 1, "v_cache must have contiguous last dimension"
+    _fa2._require(k_cache.dim() == 4, "k_cache must have shape (num_blocks, page_block_size, num_heads_k, head_size) "
+                                     "or (batch_size_cache, seqlen_cache, num_heads_k, head_size)")
+    batch_size = cu_seqlens_q.shape[0] - 1
+    if page_table is None:  # a contiguous cache: sequence b's page is its whole row of the cache
+        _fa2._require(k_cache.shape[0] >= batch_size, "k_cache: fewer cache rows than sequences in cu_seqlens_q")
+        page_table = torch.arange(batch_size, dtype=torch.int32, device=q.device)[:, None]
+    capacity = page_table.shape[-1] * k_cache.shape[1]
+    if cache_seqlens is None or isinstance(cache_seqlens, int):
+        fill = capacity if cache_seqlens is None else cache_seqlens
+        cache_seqlens = torch.full((batch_size,), fill, dtype=torch.int32, device=q.device)
+    _fa2._require(cache_seqlens.dtype == torch.int32, "cache_seqlens must have dtype int32")
+    _fa2._require(tuple(cache_seqlens.shape) == (batch_size,), "cache_seqlens must have shape (batch_size)")
+    # The keys' cu_seqlens from the lengths on the device (a paged varlen call reads only the lengths).
+    cu_seqlens_k = torch.nn.functional.pad(torch.cumsum(cache_seqlens, 0, dtype=torch.int32), (1, 0))
+    out, lse, _ = _fa2._attn_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, capacity, 0.0,
+                                          softmax_scale, causal, window_size, softcap, None, True, page_table)
+    return out, lse
 
 
 def get_scheduler_metadata(

@@ -207,6 +207,56 @@ def test_kvcache_page_table_is_the_block_table(device, dtype):
                                                         causal=True))
 
 
+@pytest.mark.parametrize("device,dtype", CONFIGS)
+@pytest.mark.parametrize("page", [1, 16, 0], ids=["page1", "page16", "contiguous"])
+def test_kvcache_packed_queries_as_sglang_calls_it(device, dtype, page):
+    """SGLang's flash-attn 3 backend: packed queries (cu_seqlens_q, max_seqlen_q) whose keys are
+    already the last rows of each sequence's cache_seqlens, shuffled pages of 1 or 16 rows (or a
+    contiguous cache), causal, cu_seqlens_k_new passed without new keys: each sequence meets the
+    FlashAttention rule against float64 over its keys; lse (nheads, total_q)."""
+    h, h_k, d, cap = 4, 2, 64, 48
+    lens_q, lens_k = [5, 1, 0, 9], [12, 7, 3, 9]  # extend, decode, nothing new, a whole prefill
+    b = len(lens_q)
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    q = rand(sum(lens_q), h, d, device=device, dtype=dtype, grad=False)
+    rows = [rand(cap, h_k, d, device=device, dtype=dtype, seed=10 + e, grad=False) for e in range(2 * b)]
+    for e in range(2 * b):  # the cache past each sequence's length: poison that must not be read
+        rows[e][lens_k[e % b]:] = float("nan")
+    if page:
+        per_seq = cap // page
+        order = torch.randperm(b * per_seq, generator=torch.Generator().manual_seed(3))
+        table = order.view(b, per_seq).to(device=device, dtype=torch.int32)
+        k_cache, v_cache = (torch.empty((b * per_seq, page, h_k, d), device=device, dtype=dtype) for _ in range(2))
+        for e in range(b):  # sequence e's rows through its pages
+            k_cache[order[e * per_seq:(e + 1) * per_seq]] = rows[e].view(per_seq, page, h_k, d)
+            v_cache[order[e * per_seq:(e + 1) * per_seq]] = rows[b + e].view(per_seq, page, h_k, d)
+    else:
+        table = None
+        k_cache, v_cache = torch.stack(rows[:b]), torch.stack(rows[b:])
+    require_supported(q[None], k_cache[:1], causal=True)
+    cu_q = i32([sum(lens_q[:e]) for e in range(b + 1)])
+    cu_k = i32([sum(lens_k[:e]) for e in range(b + 1)])
+    out, lse, *rest = fa3.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=i32(lens_k), page_table=table,
+                                                  cu_seqlens_q=cu_q, cu_seqlens_k_new=cu_k, max_seqlen_q=max(lens_q),
+                                                  causal=True, return_softmax_lse=True)
+    assert out.shape == q.shape and lse.shape == (h, q.shape[0]) and [r.numel() for r in rest] == [0, 0]
+    for e in range(b):
+        rq = slice(sum(lens_q[:e]), sum(lens_q[:e + 1]))
+        if rq.stop == rq.start:
+            continue
+        seq = (q[rq][None], rows[e][:lens_k[e]][None], rows[b + e][:lens_k[e]][None])
+        low, ref = (ref_attention(*seq, causal=True, upcast=u) for u in (False, True))
+        floor = 1e-5 if dtype == torch.float32 else 0.0
+        assert (out[rq].double() - ref[0]).abs().max() <= 2 * (low[0].double() - ref[0]).abs().max() + floor
+        # lse: the float64 log-sum-exp of each query's visible scores (query i sees keys <= i + s_k - s_q)
+        qe, ke = seq[0][0].double(), seq[1][0].double().repeat_interleave(h // h_k, dim=1)
+        scores = torch.einsum("ihd,jhd->hij", qe, ke) * d ** -0.5
+        n_q, n_k = qe.shape[0], ke.shape[0]
+        hidden = torch.arange(n_k)[None] > torch.arange(n_q)[:, None] + (n_k - n_q)
+        want = torch.logsumexp(scores.masked_fill(hidden.to(scores.device), float("-inf")), dim=-1)
+        assert (lse[:, rq].double() - want).abs().max() <= (1e-5 if dtype == torch.float32 else 2e-2)
+
+
 def test_refused_arguments_name_themselves():
     q, k, v = rand(1, 4, 2, 64, grad=False), rand(1, 6, 2, 64, seed=1, grad=False), rand(1, 6, 2, 64, seed=2, grad=False)
     one = torch.ones(1)
@@ -216,13 +266,19 @@ def test_refused_arguments_name_themselves():
         "q_descale": lambda: fa3.flash_attn_func(q, k, v, q_descale=one),
         "v_descale": lambda: fa3.flash_attn_qkvpacked_func(torch.stack((q, q, q), dim=2), v_descale=one),
         "attention_chunk": lambda: fa3.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 4, 4, attention_chunk=2),
-        "cu_seqlens_q": lambda: fa3.flash_attn_with_kvcache(q, k, v, cu_seqlens_q=cu),
-        "cu_seqlens_k_new": lambda: fa3.flash_attn_with_kvcache(q, k, v, cu_seqlens_k_new=cu),
+        "cu_seqlens_k_new": lambda: fa3.flash_attn_with_kvcache(q, k, v, k=k[:, :1], v=v[:, :1], cache_seqlens=2,
+                                                                cu_seqlens_k_new=cu),
         "rotary_seqlens": lambda: fa3.flash_attn_with_kvcache(q, k, v, rotary_seqlens=cu),
     }
     for name, call in calls.items():
         with pytest.raises(NotImplementedError, match=f"flash_attn3_interface: {name}: not supported"):
             call()
+    for name in ("k", "rotary_cos", "cache_leftpad"):  # packed queries attend over keys already in the cache
+        extra = dict(k=k[:, :1], v=v[:, :1]) if name == "k" else {name: cu}
+        with pytest.raises(NotImplementedError, match=f"{name}: not supported with cu_seqlens_q"):
+            fa3.flash_attn_with_kvcache(q[0], k, v, cu_seqlens_q=cu, max_seqlen_q=4, **extra)
+    with pytest.raises(RuntimeError, match="max_seqlen_q must be provided"):
+        fa3.flash_attn_with_kvcache(q[0], k, v, cu_seqlens_q=cu)
     if hasattr(torch, "float8_e4m3fn"):
         with pytest.raises(NotImplementedError, match="float8"):
             fa3.flash_attn_func(q.to(torch.float8_e4m3fn), k, v)
