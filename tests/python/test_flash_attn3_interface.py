@@ -284,3 +284,25 @@ def test_refused_arguments_name_themselves():
             fa3.flash_attn_func(q.to(torch.float8_e4m3fn), k, v)
     with pytest.raises(RuntimeError, match="needs cu_seqlens_q and cu_seqlens_k"):
         fa3.flash_attn_varlen_func(q[0], k[0], v[0], None, cu, 4, 6, seqused_q=torch.tensor([4], dtype=torch.int32))
+
+
+def test_compiles_without_graph_breaks():
+    """torch.compile(fullgraph=True) over the training call (with its backward), the packed-query
+    KV-cache form and combine: the eager bits."""
+    q, k, v = rand(2, 9, 4, 64), rand(2, 12, 2, 64, seed=1), rand(2, 12, 2, 64, seed=2)
+    call = lambda q, k, v: fa3.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)  # noqa: E731
+    (out, lse), (out2, lse2) = torch.compile(call, fullgraph=True, backend="aot_eager")(q, k, v), call(q, k, v)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    for g, g2 in zip(grads, torch.autograd.grad(out2.sum(), (q, k, v))):
+        assert torch.equal(g, g2)
+    qp, kc, vc = rand(7, 4, 64, grad=False), rand(3, 16, 2, 64, seed=1, grad=False), rand(3, 16, 2, 64, seed=2, grad=False)
+    cu, lens = torch.tensor([0, 3, 4, 7], dtype=torch.int32), torch.tensor([5, 9, 16], dtype=torch.int32)
+    packed = lambda qp, kc, vc, cu, lens: fa3.flash_attn_with_kvcache(  # noqa: E731
+        qp, kc, vc, cache_seqlens=lens, cu_seqlens_q=cu, max_seqlen_q=3, causal=True)
+    assert torch.equal(torch.compile(packed, fullgraph=True, backend="aot_eager")(qp, kc, vc, cu, lens),
+                       packed(qp, kc, vc, cu, lens))
+    parts, lses = rand(3, 2, 5, 4, 32, grad=False), rand(3, 2, 5, 4, seed=1, grad=False)
+    got = torch.compile(fa3.flash_attn_combine, fullgraph=True, backend="aot_eager")(parts, lses)
+    for x, y in zip(got, fa3.flash_attn_combine(parts, lses)):
+        assert torch.equal(x, y)
