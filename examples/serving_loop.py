@@ -16,6 +16,10 @@ attention runs on a paged KV cache, as vLLM- and SGLang-style servers hold it.
   guesses of a low-precision copy of the model), causal among them; the first guess the logits
   disagree with and every guess after it are dropped by moving `cache_seqlens` back, and the next
   step writes over their rows.
+- flash-attn 3's form (`--engine fa3_packed`): the same pages, the engine rotating q and k and
+  writing k and v itself, every attention (prefill and decoding) one
+  `flashmonoid.flash_attn3_interface.flash_attn_with_kvcache` call with packed queries
+  (cu_seqlens_q) over the keys in the cache, as SGLang's flash-attn 3 backend makes it.
 - Baseline (`--engine sdpa` or `both`): the same loop with transformers' static cache (contiguous,
   head-major, zeros) and torch's scaled_dot_product_attention with a mask over its whole capacity.
 - Check: the model's own forward (transformers, its SDPA attention, no cache) over the generated
@@ -38,6 +42,7 @@ import time
 
 import torch
 
+from flashmonoid import flash_attn3_interface as fa3
 from flashmonoid.flash_attn_interface import flash_attn_varlen_func, flash_attn_with_kvcache
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -109,11 +114,16 @@ class PagedLlama:
         a, b = x[..., :half].float(), x[..., half:].float()
         return torch.cat((a * c - b * s, a * s + b * c), dim=-1).to(x.dtype)
 
+    def _write_rows(self, i, k, v, seq, pos):
+        """k, v (rows, h_k, d) into layer i's pages at sequence seq's position pos (device tensors; no
+        host read, so a decoding step that writes rows can be captured in a CUDA graph)."""
+        row = self.block_table[seq, pos // self.page_size].long() * self.page_size + pos % self.page_size
+        self.k_cache[i].view(-1, self.h_k, self.d).index_copy_(0, row, k)
+        self.v_cache[i].view(-1, self.h_k, self.d).index_copy_(0, row, v)
+
     def _prefill_attention(self, i, q, k, v, seq, pos, lens):
         """The packed prompts' rows (rows, heads, d), q and k rotated, into layer i's cache and attended."""
-        page, slot = self.block_table[seq, pos // self.page_size].long(), pos % self.page_size
-        self.k_cache[i][page, slot] = k
-        self.v_cache[i][page, slot] = v
+        self._write_rows(i, k, v, seq, pos)
         cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
         cu[1:] = torch.tensor(lens).cumsum(0)
         cu = cu.to(self.device)
@@ -157,6 +167,34 @@ class PagedLlama:
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         self.cache_seqlens.add_(n)
         return self.model.lm_head(m.norm(x)).float()
+
+
+class Fa3Packed(PagedLlama):
+    """The same pages through flash-attn 3's interface as SGLang's flash-attn 3 backend calls it: the
+    engine rotates q and k and writes k and v into the pages itself, then every attention, prefill
+    and decoding alike, is one `flash_attn_with_kvcache` call with packed queries (cu_seqlens_q,
+    max_seqlen_q) over the keys already in the cache (cache_seqlens), causal; no append in the call."""
+
+    def _packed_attention(self, i, q, lens, cu_q, max_q):
+        return fa3.flash_attn_with_kvcache(q, self.k_cache[i], self.v_cache[i], page_table=self.block_table,
+                                           cache_seqlens=lens, cu_seqlens_q=cu_q, cu_seqlens_k_new=cu_q,
+                                           max_seqlen_q=max_q, causal=True)
+
+    def _prefill_attention(self, i, q, k, v, seq, pos, lens):
+        self._write_rows(i, k, v, seq, pos)
+        cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(self.device)
+        return self._packed_attention(i, q, torch.tensor(lens, dtype=torch.int32, device=self.device), cu, max(lens))
+
+    def _step_attention(self, i, q, k, v):
+        b, n = q.shape[:2]
+        if i == 0:  # the new rows' positions, the lengths with them and the packed queries' bounds, once a step
+            self._pos = self.cache_seqlens.long()[:, None] + torch.arange(n, device=self.device)  # (b, n)
+            self._seq = torch.arange(b, device=self.device)[:, None].expand(b, n)
+            self._lens = self.cache_seqlens + n
+            self._cu = torch.arange(0, b * n + 1, n, dtype=torch.int32, device=self.device)
+        q, k = self._rotate(q, self._pos), self._rotate(k, self._pos)
+        self._write_rows(i, k.flatten(0, 1), v.flatten(0, 1), self._seq.flatten(), self._pos.flatten())
+        return self._packed_attention(i, q.flatten(0, 1), self._lens, self._cu, n).view(b, n, self.h, self.d)
 
 
 class StaticCacheSdpa(PagedLlama):
@@ -291,7 +329,7 @@ def max_error(logits, ref):
     return max((x.double() - r).abs().max().item() for x, r in zip(logits, ref))
 
 
-ENGINES = {"flashmonoid": PagedLlama, "sdpa": StaticCacheSdpa}
+ENGINES = {"flashmonoid": PagedLlama, "fa3_packed": Fa3Packed, "sdpa": StaticCacheSdpa}
 
 
 def run(device="cpu", dtype=torch.float32, layers=2, batch=4, steps=24, page_size=16, graph=None, draft=1, seed=0,
@@ -364,12 +402,15 @@ def main():
     ap.add_argument("--context", type=int, default=0, help="prompt lengths in [context / 2, context]")
     ap.add_argument("--draft", type=int, default=1, help="tokens per step: > 1 is speculative decoding (Drafter)")
     ap.add_argument("--no-graph", action="store_true", help="on cuda: launch every step eagerly")
-    ap.add_argument("--engine", choices=[*ENGINES, "both"], default="flashmonoid",
-                    help="sdpa: transformers' static cache with torch's SDPA, the baseline; both: one after the other")
+    ap.add_argument("--engine", choices=[*ENGINES, "both", "all"], default="flashmonoid",
+                    help="fa3_packed: the pages through flash-attn 3's packed-query call (SGLang's backend); sdpa: "
+                         "transformers' static cache with torch's SDPA, the baseline; both: flashmonoid then sdpa; "
+                         "all: every engine")
     a = ap.parse_args()
     dtype = DTYPES[a.dtype or ("bf16" if a.device.startswith("cuda") else "fp32")]
     ok = True
-    for engine in ENGINES if a.engine == "both" else [a.engine]:
+    engines = {"both": ["flashmonoid", "sdpa"], "all": list(ENGINES)}.get(a.engine, [a.engine])
+    for engine in engines:
         r = run(a.device, dtype, a.layers, a.batch, a.steps, a.page_size, graph=False if a.no_graph else None,
                 draft=a.draft, context=a.context, engine=engine)
         good = r["finite"] and r["lengths_ok"] and r["cache_ok"] is not False and r["err"] <= r["bound"]

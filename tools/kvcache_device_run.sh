@@ -47,8 +47,8 @@ if [ "${FM_PYTHON:-1}" != 0 ]; then
   repo=$PWD
   (cd /tmp && timeout 120 python3 "$repo/bench/kvcache_host.py" "$OUT/kvcache_host.json" --breakdown) 2>"$LOG/kvcache_host.log" ||
     status=1
-  step "serving loop end to end (examples/serving_loop.py, ours and SDPA's static cache)"
-  for args in "--engine both" "--engine both --batch 32 --layers 4 --context 4096 --steps 32"; do
+  step "serving loop end to end (examples/serving_loop.py: ours, flash-attn 3's packed-query form, SDPA's static cache)"
+  for args in "--engine all" "--engine both --batch 32 --layers 4 --context 4096 --steps 32"; do
     (cd /tmp && timeout 150 python3 "$repo/examples/serving_loop.py" $args) >>"$OUT/serving_loop.txt" 2>&1 || status=1
   done
 fi
