@@ -44,8 +44,8 @@ def _refuse(name, value, unset=None):
 
 def _refuse_fp8_qv_chunk(q, qv, q_descale, k_descale, v_descale, attention_chunk):
     if q.dtype in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)):
-        raise _C.NotSupportedError("flashmonoid.flash_attn3_interface: q: float8 inputs (flash-attn 3's FP8) are not "
-                                "supported; use fp16 or bf16")
+        raise _C.NotSupportedError("flashmonoid.flash_attn3_interface: q: float8 inputs (flash-attn 3's FP8) are "
+                                   "not supported; use fp16 or bf16")
     for name, value in (("qv", qv), ("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
         _refuse(name, value)
     if attention_chunk:
