@@ -258,7 +258,8 @@ def test_kvcache_packed_queries_as_sglang_calls_it(device, dtype, page):
 
 
 def test_refused_arguments_name_themselves():
-    q, k, v = rand(1, 4, 2, 64, grad=False), rand(1, 6, 2, 64, seed=1, grad=False), rand(1, 6, 2, 64, seed=2, grad=False)
+    q = rand(1, 4, 2, 64, grad=False)
+    k, v = rand(1, 6, 2, 64, seed=1, grad=False), rand(1, 6, 2, 64, seed=2, grad=False)
     one = torch.ones(1)
     cu = torch.tensor([0, 4], dtype=torch.int32)
     calls = {
@@ -296,7 +297,8 @@ def test_compiles_without_graph_breaks():
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     for g, g2 in zip(grads, torch.autograd.grad(out2.sum(), (q, k, v))):
         assert torch.equal(g, g2)
-    qp, kc, vc = rand(7, 4, 64, grad=False), rand(3, 16, 2, 64, seed=1, grad=False), rand(3, 16, 2, 64, seed=2, grad=False)
+    qp = rand(7, 4, 64, grad=False)
+    kc, vc = rand(3, 16, 2, 64, seed=1, grad=False), rand(3, 16, 2, 64, seed=2, grad=False)
     cu, lens = torch.tensor([0, 3, 4, 7], dtype=torch.int32), torch.tensor([5, 9, 16], dtype=torch.int32)
     packed = lambda qp, kc, vc, cu, lens: fa3.flash_attn_with_kvcache(  # noqa: E731
         qp, kc, vc, cache_seqlens=lens, cu_seqlens_q=cu, max_seqlen_q=3, causal=True)
