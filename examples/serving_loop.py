@@ -121,12 +121,14 @@ class PagedLlama:
         self.k_cache[i].view(-1, self.h_k, self.d).index_copy_(0, row, k)
         self.v_cache[i].view(-1, self.h_k, self.d).index_copy_(0, row, v)
 
+    def _cu_seqlens(self, lens):
+        """int32 (len(lens) + 1) on the device: the packed prompts' offsets."""
+        return torch.tensor([0] + lens).cumsum(0, dtype=torch.int32).to(self.device)
+
     def _prefill_attention(self, i, q, k, v, seq, pos, lens):
         """The packed prompts' rows (rows, heads, d), q and k rotated, into layer i's cache and attended."""
         self._write_rows(i, k, v, seq, pos)
-        cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
-        cu[1:] = torch.tensor(lens).cumsum(0)
-        cu = cu.to(self.device)
+        cu = self._cu_seqlens(lens)
         return flash_attn_varlen_func(q, self.k_cache[i], self.v_cache[i], cu, cu, max(lens), max(lens),
                                       causal=True, block_table=self.block_table)
 
@@ -177,13 +179,12 @@ class Fa3Packed(PagedLlama):
 
     def _packed_attention(self, i, q, lens, cu_q, max_q):
         return fa3.flash_attn_with_kvcache(q, self.k_cache[i], self.v_cache[i], page_table=self.block_table,
-                                           cache_seqlens=lens, cu_seqlens_q=cu_q, cu_seqlens_k_new=cu_q,
-                                           max_seqlen_q=max_q, causal=True)
+                                           cache_seqlens=lens, cu_seqlens_q=cu_q, max_seqlen_q=max_q, causal=True)
 
     def _prefill_attention(self, i, q, k, v, seq, pos, lens):
         self._write_rows(i, k, v, seq, pos)
-        cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(self.device)
-        return self._packed_attention(i, q, torch.tensor(lens, dtype=torch.int32, device=self.device), cu, max(lens))
+        lens_k = torch.tensor(lens, dtype=torch.int32, device=self.device)
+        return self._packed_attention(i, q, lens_k, self._cu_seqlens(lens), max(lens))
 
     def _step_attention(self, i, q, k, v):
         b, n = q.shape[:2]

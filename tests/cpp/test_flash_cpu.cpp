@@ -514,19 +514,13 @@ TEST(FlashVarlen, UsedLengthsRunInPlaceAsThePackedCall) {
       slots.causal = causal;
       slots.lens_q = {9, 4, 12, 7};
       slots.lens_k = {11, 5, 12, 3};
+      slots.used_q = used_q;
+      slots.used_k = used_k;
       Problem pad(slots);
-      HostTensor uq(DType::i32, {4}), uk(DType::i32, {4});
-      for (int b = 0; b < 4; ++b) {
-        uq.view.ptr<int>()[b] = used_q[b];
-        uk.view.ptr<int>()[b] = used_k[b];
-      }
-      pad.vl.seqused_q = uq.view;
-      pad.vl.seqused_k = uk.view;
-      pad.vl.max_seqlen_q = 12;
-      pad.vl.max_seqlen_k = 7;
       Shape packed = slots;
       packed.lens_q = used_q;
       packed.lens_k = used_k;
+      packed.used_q = packed.used_k = {};
       Problem pk(packed);
       pk.opt = pad.opt;
       const int* sq = pad.cu_q.view.ptr<int>();
