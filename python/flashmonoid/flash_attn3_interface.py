@@ -53,10 +53,10 @@ def _refuse_fp8_qv_chunk(q, qv, q_descale, k_descale, v_descale, attention_chunk
 
 
 def _attn(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs):
-    _fa2._check_batched(q, k, v, None, 0.0)
-    out, lse = torch_ops.attention(q, k, v, causal=causal, softmax_scale=_fa2._scale(q, softmax_scale),
-                                   window=window_size, softcap=softcap, deterministic=deterministic)
-    return (out, lse) if return_attn_probs else out
+    """The flash-attn 2 module's call without dropout or ALiBi; with return_attn_probs (out, lse), as
+    flash-attn 3 (no S_dmask)."""
+    r = _fa2._attn(q, k, v, 0.0, softmax_scale, causal, window_size, softcap, None, deterministic, return_attn_probs)
+    return r[:2] if return_attn_probs else r
 
 
 def flash_attn_qkvpacked_func(
@@ -145,12 +145,9 @@ def flash_attn_varlen_func(
     _fa2._require(cu_seqlens_q is not None and cu_seqlens_k is not None,
                   "flashmonoid.flash_attn3_interface: flash_attn_varlen_func needs cu_seqlens_q and cu_seqlens_k "
                   "(a batched q or k runs through flash_attn_func)")
-    _fa2._check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, None, 0.0)
-    out, lse = torch_ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                          causal=causal, softmax_scale=_fa2._scale(q, softmax_scale),
-                                          window=window_size, softcap=softcap, deterministic=deterministic,
-                                          seqused_q=seqused_q, seqused_k=seqused_k)
-    return (out, lse) if return_attn_probs else out
+    r = _fa2._attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, softmax_scale, causal,
+                          window_size, softcap, None, deterministic, return_attn_probs, seqused_q, seqused_k)
+    return r[:2] if return_attn_probs else r
 
 
 def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
