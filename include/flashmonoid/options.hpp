@@ -57,7 +57,13 @@ struct Options {
 // block_table[b, j / page_size]; cu_seqlens_k then only gives the lengths (see kvcache.hpp for
 // what the CUDA kernels do with values only the device sees).
 //
-// Used lengths (flash-attn 3's seqused_q / seqused_k; not with a block_table): with seqused_q int32
+// With a block_table, seqused_k int32 (b) may give each sequence's key count instead, and
+// cu_seqlens_k may then be left undefined (flash-attn 3's paged form: the cache lengths as they are;
+// on the CPU each must lie in [0, pages' rows] and within max_seqlen_k, on CUDA it is clamped to the
+// pages). Given both, seqused_k's entries lie within cu_seqlens_k's slots, as for packed k, v.
+// seqused_q is not taken with a block_table.
+//
+// Used lengths (flash-attn 3's seqused_q / seqused_k; for packed k, v): with seqused_q int32
 // (b) defined, sequence b is the first seqused_q[b] rows of its slot [cu_seqlens_q[b],
 // cu_seqlens_q[b+1]) of q, and likewise for seqused_k, so a padded batch runs in place, each slot
 // a padded sequence: q viewed as (b·s_q, h, d) with cu_seqlens_q = (0, s_q, 2·s_q, ...). max_seqlen_*

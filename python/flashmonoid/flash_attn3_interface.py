@@ -217,10 +217,10 @@ def flash_attn_with_kvcache(
     With cu_seqlens_q (b + 1) int32 and max_seqlen_q, q is packed (total_q, nheads, headdim) and
     sequence b's queries, the last of its cache_seqlens[b] keys among them (a prefill or extend step
     whose keys are already in the cache, as SGLang's flash-attn 3 backend calls it), attend over
-    those keys, causal aligned to their end; softmax_lse is then (nheads, total_q). This runs as the
-    keys' cu_seqlens from cache_seqlens (a cumsum on the device) and one paged varlen call
-    (flashmonoid::forward_varlen with a block table; a contiguous cache is one page per sequence),
-    with no host read of a device tensor, so it can be captured in a CUDA graph. No new k, v or rotary in this form;
+    those keys, causal aligned to their end; softmax_lse is then (nheads, total_q). This runs as one
+    paged varlen call with cache_seqlens as its seqused_k (flashmonoid::forward_varlen with a block
+    table; a contiguous cache is one page per sequence), with no host read of a device tensor, so it
+    can be captured in a CUDA graph. No new k, v or rotary in this form;
     cu_seqlens_k_new describes new keys and is unused without them."""
     _refuse_fp8_qv_chunk(q, qv, q_descale, k_descale, v_descale, attention_chunk)
     _refuse("rotary_seqlens", rotary_seqlens)
@@ -262,10 +262,10 @@ def _kvcache_varlen_q(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
         cache_seqlens = torch.full((batch_size,), fill, dtype=torch.int32, device=q.device)
     _fa2._require(cache_seqlens.dtype == torch.int32, "cache_seqlens must have dtype int32")
     _fa2._require(tuple(cache_seqlens.shape) == (batch_size,), "cache_seqlens must have shape (batch_size)")
-    # The keys' cu_seqlens from the lengths on the device (a paged varlen call reads only the lengths).
-    cu_seqlens_k = torch.nn.functional.pad(torch.cumsum(cache_seqlens, 0, dtype=torch.int32), (1, 0))
-    out, lse, _ = _fa2._attn_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, capacity, 0.0,
-                                          softmax_scale, causal, window_size, softcap, None, True, page_table)
+    # cache_seqlens are the key counts as they are (seqused_k of a paged varlen call; no cu_seqlens_k).
+    out, lse, _ = _fa2._attn_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, capacity, 0.0,
+                                          softmax_scale, causal, window_size, softcap, None, True, page_table,
+                                          seqused_k=cache_seqlens)
     return out, lse
 
 

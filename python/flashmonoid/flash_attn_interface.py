@@ -133,10 +133,11 @@ def _attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 
 
 def _attn_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                       causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table):
+                       causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table, seqused_k=None):
+    """seqused_k (flash_attn3_interface's KV-cache form): the key counts, cu_seqlens_k may be None."""
     _require(q.dim() == 3, "q must have shape (total_q, num_heads, head_size)")
     _require(cu_seqlens_q.dtype == torch.int32, "cu_seqlens_q must have dtype int32")
-    _require(cu_seqlens_k.dtype == torch.int32, "cu_seqlens_k must have dtype int32")
+    _require(cu_seqlens_k is None or cu_seqlens_k.dtype == torch.int32, "cu_seqlens_k must have dtype int32")
     batch_size = cu_seqlens_q.numel() - 1
     _check_common(q, k, v, alibi_slopes, dropout_p, batch_size, q.shape[1])
     _require(block_table.dtype == torch.int32, "block_table must have dtype torch.int32")
@@ -146,7 +147,8 @@ def _attn_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     _require(dropout_p == 0.0, "flashmonoid: paged KV (block_table) is inference-only: dropout_p must be 0")
     out, lse = torch_ops.attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                 block_table, causal=causal, softmax_scale=_scale(q, softmax_scale),
-                                                window=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+                                                window=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                                seqused_k=seqused_k)
     if not return_attn_probs:
         return out
     return out, lse, torch.empty((0,), dtype=q.dtype, device=q.device)

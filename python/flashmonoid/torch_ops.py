@@ -330,27 +330,28 @@ class _EagerFwdVarlen(torch.autograd.Function):
 
 
 def _fwd_varlen_paged_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-                           softmax_scale, causal, window_left, window_right, softcap, alibi_slopes):
+                           softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, seqused_k=None):
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
     opts = _options(softmax_scale, causal, window_left, window_right, softcap, 0.0, None)
-    varlen = (_c(cu_seqlens_q), _c(cu_seqlens_k), max_seqlen_q, max_seqlen_k)
+    varlen = (_c(cu_seqlens_q), _c(cu_seqlens_k), max_seqlen_q, max_seqlen_k, None, _c(seqused_k))
     _backend.forward(_c(q), k.detach(), v.detach(), out, lse, opts, _c(alibi_slopes), varlen,
                      block_table=_c(block_table))
     return out, lse
 
 
 @torch.library.custom_op("flashmonoid::fwd_varlen_paged", mutates_args=())
-def fwd_varlen_paged(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
-                     max_seqlen_k: int, block_table: Tensor, softmax_scale: float, causal: bool, window_left: int,
-                     window_right: int, softcap: float, alibi_slopes: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+def fwd_varlen_paged(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Optional[Tensor],
+                     max_seqlen_q: int, max_seqlen_k: int, block_table: Tensor, softmax_scale: float, causal: bool,
+                     window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
+                     seqused_k: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     return _fwd_varlen_paged_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-                                  softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
+                                  softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, seqused_k)
 
 
 @fwd_varlen_paged.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, softmax_scale, causal,
-      window_left, window_right, softcap, alibi_slopes):
+      window_left, window_right, softcap, alibi_slopes, seqused_k=None):
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
@@ -498,15 +499,18 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 
 def attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, *,
-                           causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None):
-    """(out, lse) of packed q over paged k, v (num_pages, page_size, h_k, d); forward only."""
+                           causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           seqused_k=None):
+    """(out, lse) of packed q over paged k, v (num_pages, page_size, h_k, d); forward only. Key counts:
+    cu_seqlens_k's lengths, or seqused_k int32 (b) (cu_seqlens_k may then be None; given both, each
+    within its slot)."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     d = q.shape[-1]
     if _needs_pad(q):
         q, k, v = _pad(q), _pad(k), _pad(v)
     op = _fwd_varlen_paged_impl if _eager(q, k, v, alibi_slopes) else fwd_varlen_paged
     out, lse = op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), block_table, scale,
-                  bool(causal), int(window[0]), int(window[1]), float(softcap), alibi_slopes)
+                  bool(causal), int(window[0]), int(window[1]), float(softcap), alibi_slopes, seqused_k)
     return out[..., :d], lse
 
 

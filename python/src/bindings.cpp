@@ -264,7 +264,7 @@ fm::Context with_workspace(fm::Context c, const OptArray& workspace) {
   return c;
 }
 
-fm::Varlen make_varlen(const Array& cu_seqlens_q, const Array& cu_seqlens_k, std::int64_t max_seqlen_q,
+fm::Varlen make_varlen(const Array& cu_seqlens_q, const OptArray& cu_seqlens_k, std::int64_t max_seqlen_q,
                        std::int64_t max_seqlen_k, const OptArray& seqused_q = {}, const OptArray& seqused_k = {}) {
   fm::Varlen vl{view(cu_seqlens_q, "cu_seqlens_q"), view(cu_seqlens_k, "cu_seqlens_k"), max_seqlen_q, max_seqlen_k};
   vl.seqused_q = view(seqused_q, "seqused_q");
@@ -394,7 +394,7 @@ NB_MODULE(_C, m) {
 
   m.def(
       "forward_varlen",
-      [](const Array& q, const Array& k, const Array& v, const Array& cu_seqlens_q, const Array& cu_seqlens_k,
+      [](const Array& q, const Array& k, const Array& v, const Array& cu_seqlens_q, const OptArray& cu_seqlens_k,
          std::int64_t max_seqlen_q, std::int64_t max_seqlen_k, const Array& out, const Array& lse,
          const fm::Options& options, const fm::Context& ctx, const OptArray& alibi_slopes, const OptArray& workspace,
          const OptArray& block_table, const OptArray& seqused_q, const OptArray& seqused_k) {
@@ -406,7 +406,7 @@ NB_MODULE(_C, m) {
         nb::gil_scoped_release release;
         fm::forward_varlen(tq, tk, tv, vl, to, tl, o, c);
       },
-      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"),
+      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k").none(),
       nb::arg("max_seqlen_q"), nb::arg("max_seqlen_k"), nb::arg("out"), nb::arg("lse"), nb::arg("options"),
       nb::arg("ctx"), nb::arg("alibi_slopes").none() = nb::none(), nb::arg("workspace").none() = nb::none(),
       nb::arg("block_table").none() = nb::none(), nb::arg("seqused_q").none() = nb::none(),

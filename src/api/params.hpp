@@ -111,9 +111,10 @@ FM_HD SeqInfo seq_info(const FwdParams& p, int b) {
   SeqInfo s;
   if (p.cu_seqlens_q != nullptr) {
     s.q_row0 = p.cu_seqlens_q[b];
-    s.k_row0 = p.cu_seqlens_k[b];
     s.len_q = varlen_len(p.cu_seqlens_q, p.seqused_q, b);
-    s.len_k = varlen_len(p.cu_seqlens_k, p.seqused_k, b);
+    // Paged varlen calls may give the key counts by seqused_k alone (no cu_seqlens_k).
+    s.k_row0 = p.cu_seqlens_k != nullptr ? p.cu_seqlens_k[b] : 0;
+    s.len_k = p.cu_seqlens_k != nullptr ? varlen_len(p.cu_seqlens_k, p.seqused_k, b) : p.seqused_k[b];
     s.global_q_row0 = s.q_row0;
   } else {
     s.len_q = p.seqlen_q;

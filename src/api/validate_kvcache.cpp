@@ -3,6 +3,7 @@
 // with an empty stand-in for K/V, whose real layout is checked and filled in here. On the CPU the
 // values (lengths, batch indices, page numbers) are checked too; on CUDA reading them would need a
 // synchronisation, so the kernels clamp them instead (kvcache.hpp).
+#include <algorithm>
 #include <limits>
 #include <string>
 
@@ -241,9 +242,14 @@ KvCacheCall make_kvcache_params(const TensorView& q, const KVCache& cache, const
 FwdParams make_paged_varlen_params(const TensorView& q, const TensorView& k, const TensorView& v, const Varlen& varlen,
                                    const TensorView& out, const TensorView& lse, const Options& options) {
   check_view(q, "q", 3);
-  if (varlen.seqused_q.defined() || varlen.seqused_k.defined())
-    fail(varlen.seqused_q.defined() ? "seqused_q" : "seqused_k",
-         "used lengths are for packed q, k, v; with a block_table cu_seqlens give each sequence's rows");
+  if (varlen.seqused_q.defined())
+    fail("seqused_q", "used query lengths are for packed k, v; with a block_table cu_seqlens_q gives each "
+                      "sequence's query rows");
+  // Key counts: cu_seqlens_k's lengths, or seqused_k's entries (flash-attn 3's paged form; cu_seqlens_k
+  // may then be left out, and with both a count is the smaller).
+  const bool used_k = varlen.seqused_k.defined();
+  if (!used_k && !varlen.cu_seqlens_k.defined())
+    fail("cu_seqlens_k", "is required for a paged varlen call unless seqused_k gives the key counts");
   if (!is_float(q.dtype)) fail("q", "dtype must be fp32, fp16 or bf16, got " + to_string(q.dtype));
   check_kv(k, v, "k", "v", q, q.shape[1], q.shape[2]);
   const std::int64_t h_k = k.shape[2], d = q.shape[2];
@@ -254,9 +260,21 @@ FwdParams make_paged_varlen_params(const TensorView& q, const TensorView& k, con
   const TensorView v0(v.data, q.dtype, q.device, {kAnyRows, h_k, d}, {0, 0, 1});
   Varlen vl = varlen;
   vl.block_table = {};
+  const bool no_cu_k = used_k && !varlen.cu_seqlens_k.defined();
+  if (no_cu_k) {  // cu_seqlens_q stands in for the shared shape checks (not read as key counts)
+    vl.cu_seqlens_k = varlen.cu_seqlens_q;
+    vl.max_seqlen_k = std::max(varlen.max_seqlen_k, varlen.max_seqlen_q);
+    vl.seqused_k = {};  // checked below, against the pages instead of a slot
+  }
   FwdParams p = make_fwd_params(q, k0, v0, out, lse, options, &vl);
   KvCacheParams& kv = p.kv;
   kv.capacity = check_block_table(varlen.block_table, p.batch, k, "k", q.device);
+  if (no_cu_k) {
+    check_index_vector(varlen.seqused_k, "seqused_k", p.batch, q.device);
+    p.cu_seqlens_k = nullptr;
+    p.seqused_k = varlen.seqused_k.ptr<const int>();
+    p.seqlen_k = static_cast<int>(varlen.max_seqlen_k);
+  }
   fill_pages(kv, varlen.block_table, k);
   fill_kv(p, k, v);
   for (const auto* in : {&k, &v, &varlen.block_table}) {
@@ -265,11 +283,15 @@ FwdParams make_paged_varlen_params(const TensorView& q, const TensorView& k, con
     check_no_alias(lse, "lse", *in, nm);
   }
   if (q.device.kind == DeviceKind::cpu) {
-    const int* ck = varlen.cu_seqlens_k.ptr<const int>();
+    const char* name = used_k ? "seqused_k" : "cu_seqlens_k";
     for (int i = 0; i < p.batch; ++i) {
-      const int len = ck[i + 1] - ck[i];
+      // With cu_seqlens_k, make_fwd_params has checked the lengths (and seqused_k within the slots).
+      const int len = p.cu_seqlens_k == nullptr ? p.seqused_k[i] : varlen_len(p.cu_seqlens_k, p.seqused_k, i);
+      if (len < 0) fail(name, "entry " + str(i) + " (" + str(len) + ") is negative");
       if (len > kv.capacity)
-        fail("cu_seqlens_k", "sequence " + str(i) + " has " + str(len) + " keys but its pages hold " + str(kv.capacity));
+        fail(name, "sequence " + str(i) + " has " + str(len) + " keys but its pages hold " + str(kv.capacity));
+      if (len > varlen.max_seqlen_k)
+        fail(name, "sequence " + str(i) + " has " + str(len) + " keys > max_seqlen_k = " + str(varlen.max_seqlen_k));
       check_pages_used(kv, i, len);
     }
   }

@@ -138,10 +138,10 @@ TEST(ApiErrors, SeqUsed) {
   HostTensor f(DType::f32, {3});
   pb.vl.seqused_q = f.view;
   expect_error(run, "seqused_q", "dtype must be int32");
-  pb.vl.seqused_q = {};
+  pb.vl.seqused_q = used.view;
   HostTensor table(DType::i32, {3, 1});
-  pb.vl.block_table = table.view;
-  expect_error(run, "seqused_k", "with a block_table cu_seqlens give each sequence's rows");
+  pb.vl.block_table = table.view;  // seqused_k may count a paged call's keys (test_kvcache.cpp), not seqused_q
+  expect_error(run, "seqused_q", "with a block_table cu_seqlens_q gives each sequence's query rows");
 }
 
 TEST(ApiErrors, MixedDevices) {

@@ -363,15 +363,27 @@ TEST(KvCache, PagedVarlen) {
     }
     flashmonoid::Varlen vl = pb.vl;
     vl.block_table = bt.view;
+    // The key counts as flash-attn 3's paged form gives them: seqused_k alone (no cu_seqlens_k), or
+    // with cu_seqlens_k slots of a whole sequence's pages (the count is the smaller of the two).
+    HostTensor used(DType::i32, {3}), wide(DType::i32, {4});
+    for (int i = 0; i < 3; ++i) used.view.ptr<int>()[i] = ck[i + 1] - ck[i];
+    for (int i = 0; i < 4; ++i) wide.view.ptr<int>()[i] = i * max_pages * page;
+    flashmonoid::Varlen by_used = vl, by_both = vl;
+    by_used.cu_seqlens_k = {};
+    by_used.seqused_k = by_both.seqused_k = used.view;
+    by_both.cu_seqlens_k = wide.view;
     for (CpuAlgorithm algo : {CpuAlgorithm::reference, CpuAlgorithm::flash}) {
-      SCOPED_TRACE("page " + std::to_string(page) + (algo == CpuAlgorithm::reference ? " reference" : " flash"));
       Context ctx;
       ctx.cpu_algorithm = algo;
-      HostTensor o = pb.new_out(), l = pb.new_lse();
-      flashmonoid::forward_varlen(pb.q.view, kp.view, vp.view, vl, o.view, l.view, pb.opt, ctx);
       auto [o_want, l_want] = pb.forward(ctx);
-      EXPECT_EQ(max_abs_diff(o.values(), o_want.values()), 0.0);
-      EXPECT_EQ(max_abs_diff(l.values(), l_want.values()), 0.0);
+      for (const flashmonoid::Varlen* form : {&vl, &by_used, &by_both}) {
+        SCOPED_TRACE("page " + std::to_string(page) + (algo == CpuAlgorithm::reference ? " reference" : " flash") +
+                     (form == &vl ? "" : form == &by_used ? ", seqused_k" : ", seqused_k and wide cu_seqlens_k"));
+        HostTensor o = pb.new_out(), l = pb.new_lse();
+        flashmonoid::forward_varlen(pb.q.view, kp.view, vp.view, *form, o.view, l.view, pb.opt, ctx);
+        EXPECT_EQ(max_abs_diff(o.values(), o_want.values()), 0.0);
+        EXPECT_EQ(max_abs_diff(l.values(), l_want.values()), 0.0);
+      }
     }
   }
 }
@@ -599,6 +611,36 @@ TEST(KvCacheErrors, PagedVarlen) {
   vl.block_table = bt.view;
   o = TensorView(kp.view.data, DType::f32, q.view.device, {5, 2, 8});
   expect_error(run, "out", "overlaps the memory of k");
+  o = out.view;
+  // Key counts by seqused_k (cu_seqlens_k optional): int32 (b), within the pages and max_seqlen_k.
+  HostTensor used(DType::i32, {2}), used3(DType::i32, {3}), used_f(DType::f32, {2});
+  int* u = used.view.ptr<int>();
+  u[0] = 3;
+  u[1] = 6;
+  vl.seqused_k = used.view;
+  run();
+  const TensorView cu_k_view = vl.cu_seqlens_k;
+  vl.cu_seqlens_k = {};
+  run();
+  u[1] = 13;
+  vl.max_seqlen_k = 13;
+  expect_error(run, "seqused_k", "sequence 1 has 13 keys but its pages hold 12");
+  vl.max_seqlen_k = 12;
+  u[1] = -1;
+  expect_error(run, "seqused_k", "entry 1 (-1) is negative");
+  u[1] = 10;
+  vl.max_seqlen_k = 8;
+  expect_error(run, "seqused_k", "sequence 1 has 10 keys > max_seqlen_k = 8");
+  vl.max_seqlen_k = 12;
+  vl.seqused_k = used3.view;
+  expect_error(run, "seqused_k", "one entry per sequence");
+  vl.seqused_k = used_f.view;
+  expect_error(run, "seqused_k", "dtype must be int32");
+  vl.seqused_k = {};
+  expect_error(run, "cu_seqlens_k", "required for a paged varlen call unless seqused_k gives the key counts");
+  vl.cu_seqlens_k = cu_k_view;
+  vl.seqused_q = used.view;
+  expect_error(run, "seqused_q", "with a block_table cu_seqlens_q gives each sequence's query rows");
 }
 
 TEST(KvCacheErrors, NewRowsRotaryAndOptions) {
