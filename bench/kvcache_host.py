@@ -5,8 +5,9 @@ s_q = 1, a 1-token append with rotary, device cache_seqlens, contiguous and page
 caches. 1000 calls are queued back to back and the device is synchronised once at the end, so the
 host clock measures what the Python call costs the CPU. The cache is short (512 keys) so that the
 GPU's ~3 launches per call keep up and the launch queue never fills (a full queue would make the
-host wait for the GPU and time the device instead).
-Median of 5 such runs.
+host wait for the GPU and time the device instead); each record's sync_wait_us_runs (the wait in
+that final sync) shows it: tens of us, a few calls' GPU work, at b = 1 on the H200.
+Median of 5 such runs (FM_HOST_CALLS, FM_HOST_RUNS: other counts).
 
 --breakdown: the same calls with the layers below each level replaced by a stub that returns at
 once, innermost first, so that differences give each layer's own share: the C++ call (nanobind's
@@ -25,6 +26,7 @@ Usage: python bench/kvcache_host.py OUT.json [--breakdown] [--peers] [--device c
 (run from outside the source tree, or with the installed package first on the path)."""
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -34,7 +36,7 @@ import torch
 from flashmonoid import _backend, _C, flash_attn_interface, torch_ops
 from flashmonoid.flash_attn_interface import flash_attn_with_kvcache
 
-CALLS, RUNS = 1000, 5
+CALLS, RUNS = int(os.environ.get("FM_HOST_CALLS", 1000)), int(os.environ.get("FM_HOST_RUNS", 5))
 
 
 def make_call(b, page, dev, lse=False):
@@ -70,8 +72,10 @@ def sync(dev):
         torch.cuda.synchronize()
 
 
-def host_us(call, dev, runs=RUNS):
-    """Per-call host time of each run (us): CALLS calls queued back to back, one sync after."""
+def host_us(call, dev, runs=RUNS, waits=None):
+    """Per-call host time of each run (us): CALLS calls queued back to back, one sync after. waits (a
+    list) gets each run's wait in that sync (us): about one call's GPU time when the GPU kept up, the
+    queue's worth of GPU work when the host ran ahead."""
     for _ in range(50 if dev == "cuda" else 2000):  # the CPU backend's threads settle more slowly
         call()
     sync(dev)
@@ -83,6 +87,8 @@ def host_us(call, dev, runs=RUNS):
         t1 = time.perf_counter()  # host time: the calls were only queued
         sync(dev)
         per_call.append((t1 - t0) / CALLS * 1e6)
+        if waits is not None:
+            waits.append((time.perf_counter() - t1) * 1e6)
     return per_call
 
 
@@ -164,10 +170,12 @@ def main():
     # in its workspace instead of a tensor of its own).
     for b, page, lse in ((1, 0, False), (1, 16, False), (8, 0, False), (1, 0, True)):
         call, shape = make_call(b, page, dev, lse)
-        per_call = host_us(call, dev)
+        waits = []
+        per_call = host_us(call, dev, waits=waits)
         r = {"impl": "flashmonoid_python", "pass": "decode_host", **shape, "append": True, "rotary": True,
              "return_softmax_lse": lse, "calls": CALLS, "host_us": round(statistics.median(per_call), 2),
-             "host_us_runs": [round(x, 2) for x in per_call], "device": name, "torch": torch.__version__}
+             "host_us_runs": [round(x, 2) for x in per_call], "sync_wait_us_runs": [round(x) for x in waits],
+             "device": name, "torch": torch.__version__}
         if a.breakdown:
             r["breakdown"] = breakdown(call, dev)
         out.append(r)

@@ -56,9 +56,7 @@ def chart(path, out):
 
 if __name__ == "__main__":
     results = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "results")
-    # The H100's file only: cuda_h200_interleaved.json is of 2026-11-26's code, before the next day's
-    # forward work (add "h200" when it is measured again).
-    for dev in ("h100",):
+    for dev in ("h100", "h200"):
         src = os.path.join(results, f"cuda_{dev}_interleaved.json")
         if os.path.exists(src):
             chart(src, os.path.join(results, f"train_gpu_{dev}.png"))
