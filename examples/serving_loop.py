@@ -20,6 +20,9 @@ attention runs on a paged KV cache, as vLLM- and SGLang-style servers hold it.
   writing k and v itself, every attention (prefill and decoding) one
   `flashmonoid.flash_attn3_interface.flash_attn_with_kvcache` call with packed queries
   (cu_seqlens_q) over the keys in the cache, as SGLang's flash-attn 3 backend makes it.
+- vLLM's form (`--engine vllm`): the same, every attention one
+  `flashmonoid.vllm_flash_attn.flash_attn_varlen_func` call with seqused_k and the block table into
+  a preallocated output, as vLLM's FlashAttention backend makes it.
 - Baseline (`--engine sdpa` or `both`): the same loop with transformers' static cache (contiguous,
   head-major, zeros) and torch's scaled_dot_product_attention with a mask over its whole capacity.
 - Check: the model's own forward (transformers, its SDPA attention, no cache) over the generated
@@ -43,6 +46,7 @@ import time
 import torch
 
 from flashmonoid import flash_attn3_interface as fa3
+from flashmonoid import vllm_flash_attn as vfa
 from flashmonoid.flash_attn_interface import flash_attn_varlen_func, flash_attn_with_kvcache
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -198,6 +202,19 @@ class Fa3Packed(PagedLlama):
         return self._packed_attention(i, q.flatten(0, 1), self._lens, self._cu, n).view(b, n, self.h, self.d)
 
 
+class VllmPaged(Fa3Packed):
+    """The same pages through vLLM's call (`flashmonoid.vllm_flash_attn.flash_attn_varlen_func`), as
+    vLLM's FlashAttention backend makes every step: packed queries over the pages with seqused_k as
+    the key counts and the block table, written into a preallocated output (out=); max_seqlen_k is
+    the pages' capacity, a host number known without reading the device."""
+
+    def _packed_attention(self, i, q, lens, cu_q, max_q):
+        out = torch.empty_like(q)
+        return vfa.flash_attn_varlen_func(q, self.k_cache[i], self.v_cache[i], max_q, cu_q,
+                                          self.block_table.shape[1] * self.page_size, seqused_k=lens, causal=True,
+                                          block_table=self.block_table, out=out)
+
+
 class StaticCacheSdpa(PagedLlama):
     """The baseline, in the same loop: what transformers' static cache does with torch's
     scaled_dot_product_attention. Per layer a contiguous head-major cache (batch, h_k, capacity, d)
@@ -330,7 +347,7 @@ def max_error(logits, ref):
     return max((x.double() - r).abs().max().item() for x, r in zip(logits, ref))
 
 
-ENGINES = {"flashmonoid": PagedLlama, "fa3_packed": Fa3Packed, "sdpa": StaticCacheSdpa}
+ENGINES = {"flashmonoid": PagedLlama, "fa3_packed": Fa3Packed, "vllm": VllmPaged, "sdpa": StaticCacheSdpa}
 
 
 def run(device="cpu", dtype=torch.float32, layers=2, batch=4, steps=24, page_size=16, graph=None, draft=1, seed=0,
@@ -404,7 +421,8 @@ def main():
     ap.add_argument("--draft", type=int, default=1, help="tokens per step: > 1 is speculative decoding (Drafter)")
     ap.add_argument("--no-graph", action="store_true", help="on cuda: launch every step eagerly")
     ap.add_argument("--engine", choices=[*ENGINES, "both", "all"], default="flashmonoid",
-                    help="fa3_packed: the pages through flash-attn 3's packed-query call (SGLang's backend); sdpa: "
+                    help="fa3_packed: the pages through flash-attn 3's packed-query call (SGLang's backend); vllm: "
+                         "through vLLM's flash_attn_varlen_func (its FlashAttention backend); sdpa: "
                          "transformers' static cache with torch's SDPA, the baseline; both: flashmonoid then sdpa; "
                          "all: every engine")
     a = ap.parse_args()

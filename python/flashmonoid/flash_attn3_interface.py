@@ -55,8 +55,8 @@ def _refuse_fp8_qv_chunk(q, qv, q_descale, k_descale, v_descale, attention_chunk
 def _attn(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs):
     """The flash-attn 2 module's call without dropout or ALiBi; with return_attn_probs (out, lse), as
     flash-attn 3 (no S_dmask)."""
-    r = _fa2._attn(q, k, v, 0.0, softmax_scale, causal, window_size, softcap, None, deterministic, return_attn_probs)
-    return r[:2] if return_attn_probs else r
+    return _fa2._attn(q, k, v, 0.0, softmax_scale, causal, window_size, softcap, None, deterministic,
+                      return_attn_probs, s_dmask=False)
 
 
 def flash_attn_qkvpacked_func(
@@ -145,9 +145,9 @@ def flash_attn_varlen_func(
     _fa2._require(cu_seqlens_q is not None and cu_seqlens_k is not None,
                   "flashmonoid.flash_attn3_interface: flash_attn_varlen_func needs cu_seqlens_q and cu_seqlens_k "
                   "(a batched q or k runs through flash_attn_func)")
-    r = _fa2._attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, softmax_scale, causal,
-                          window_size, softcap, None, deterministic, return_attn_probs, seqused_q, seqused_k)
-    return r[:2] if return_attn_probs else r
+    return _fa2._attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, softmax_scale,
+                             causal, window_size, softcap, None, deterministic, return_attn_probs, seqused_q, seqused_k,
+                             s_dmask=False)
 
 
 def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
@@ -253,16 +253,15 @@ def _kvcache_varlen_q(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
     _fa2._require(k_cache.dim() == 4, "k_cache must have shape (num_blocks, page_block_size, num_heads_k, head_size) "
                                      "or (batch_size_cache, seqlen_cache, num_heads_k, head_size)")
     batch_size = cu_seqlens_q.shape[0] - 1
-    if page_table is None:  # a contiguous cache: sequence b's page is its whole row of the cache
-        _fa2._require(k_cache.shape[0] >= batch_size, "k_cache: fewer cache rows than sequences in cu_seqlens_q")
-        page_table = torch.arange(batch_size, dtype=torch.int32, device=q.device)[:, None]
-    capacity = page_table.shape[-1] * k_cache.shape[1]
+    # A contiguous cache (no page_table): sequence b's keys are the first rows of k_cache[b].
+    capacity = (1 if page_table is None else page_table.shape[-1]) * k_cache.shape[1]
     if cache_seqlens is None or isinstance(cache_seqlens, int):
         fill = capacity if cache_seqlens is None else cache_seqlens
         cache_seqlens = torch.full((batch_size,), fill, dtype=torch.int32, device=q.device)
     _fa2._require(cache_seqlens.dtype == torch.int32, "cache_seqlens must have dtype int32")
     _fa2._require(tuple(cache_seqlens.shape) == (batch_size,), "cache_seqlens must have shape (batch_size)")
-    # cache_seqlens are the key counts as they are (seqused_k of a paged varlen call; no cu_seqlens_k).
+    # cache_seqlens are the key counts as they are (seqused_k of a paged varlen call; no cu_seqlens_k;
+    # a contiguous cache runs as one page per sequence).
     out, lse, _ = _fa2._attn_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, capacity, 0.0,
                                           softmax_scale, causal, window_size, softcap, None, True, page_table,
                                           seqused_k=cache_seqlens)

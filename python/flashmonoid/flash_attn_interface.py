@@ -103,7 +103,9 @@ def _scale(q, softmax_scale):
 
 
 def _attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-          return_attn_probs):
+          return_attn_probs, s_dmask=True):
+    """out, or with return_attn_probs (out, lse, S_dmask); s_dmask=False: (out, lse) (flash-attn 3's
+    return_attn_probs, which has no S_dmask to materialise)."""
     _check_batched(q, k, v, alibi_slopes, dropout_p)
     softmax_scale = _scale(q, softmax_scale)
     rng = torch_ops.new_rng(dropout_p)
@@ -112,12 +114,16 @@ def _attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi
                                    deterministic=deterministic, rng=rng)
     if not return_attn_probs:
         return out
+    if not s_dmask:
+        return out, lse
     return out, lse, _s_dmask(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng)
 
 
 def _attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                 window_size, softcap, alibi_slopes, deterministic, return_attn_probs, seqused_q=None, seqused_k=None):
-    """seqused_q / seqused_k: flash_attn3_interface's used lengths (torch_ops.attention_varlen)."""
+                 window_size, softcap, alibi_slopes, deterministic, return_attn_probs, seqused_q=None, seqused_k=None,
+                 s_dmask=True):
+    """seqused_q / seqused_k: flash_attn3_interface's used lengths (torch_ops.attention_varlen);
+    s_dmask as in _attn."""
     _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_p)
     softmax_scale = _scale(q, softmax_scale)
     rng = torch_ops.new_rng(dropout_p)
@@ -128,18 +134,28 @@ def _attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
                                           seqused_k=seqused_k)
     if not return_attn_probs:
         return out
+    if not s_dmask:
+        return out, lse
     return out, lse, _s_dmask(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng,
                               cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
 
 def _attn_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                        causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table, seqused_k=None):
-    """seqused_k (flash_attn3_interface's KV-cache form): the key counts, cu_seqlens_k may be None."""
+    """seqused_k (flash-attn 3's and vLLM's paged form): the key counts, cu_seqlens_k may be None.
+    block_table None (with seqused_k): k, v are a batched cache (batch_size_cache, seqlen_k, ...),
+    sequence b's keys the first seqused_k[b] rows of k[b], run as one page per sequence."""
     _require(q.dim() == 3, "q must have shape (total_q, num_heads, head_size)")
     _require(cu_seqlens_q.dtype == torch.int32, "cu_seqlens_q must have dtype int32")
     _require(cu_seqlens_k is None or cu_seqlens_k.dtype == torch.int32, "cu_seqlens_k must have dtype int32")
     batch_size = cu_seqlens_q.numel() - 1
     _check_common(q, k, v, alibi_slopes, dropout_p, batch_size, q.shape[1])
+    if block_table is None:
+        _require(seqused_k is not None, "block_table: needed unless seqused_k gives the key counts of a batched k")
+        _require(k.dim() == 4 and tuple(v.shape) == tuple(k.shape),
+                 "k must have shape (batch_size, seqlen_k, num_heads_k, head_size) without a block_table")
+        _require(k.shape[0] >= batch_size, "k: fewer cache rows than sequences in cu_seqlens_q")
+        block_table = torch.arange(batch_size, dtype=torch.int32, device=q.device)[:, None]
     _require(block_table.dtype == torch.int32, "block_table must have dtype torch.int32")
     _require(block_table.stride(-1) == 1, "block_table must have contiguous last dimension")
     _require(k.dim() == 4 and tuple(v.shape) == tuple(k.shape),

@@ -13,7 +13,7 @@ from flashmonoid import flash_attn_interface as fa2  # noqa: E402
 
 from conftest import require_supported  # noqa: E402
 from test_flash_attn_interface import CONFIGS, HAS_CUDA, check_rule, rand  # noqa: E402
-from torch_reference import attention as ref_attention  # noqa: E402
+from torch_reference import attention as ref_attention, lse as ref_lse  # noqa: E402
 
 # flash-attn 3's (hopper/flash_attn_interface.py) parameters and defaults, in order.
 _D = (-1, -1)
@@ -248,18 +248,22 @@ def test_kvcache_packed_queries_as_sglang_calls_it(device, dtype, page):
         low, ref = (ref_attention(*seq, causal=True, upcast=u) for u in (False, True))
         floor = 1e-5 if dtype == torch.float32 else 0.0
         assert (out[rq].double() - ref[0]).abs().max() <= 2 * (low[0].double() - ref[0]).abs().max() + floor
-        # lse by the same rule: the log-sum-exp of each query's visible scores (query i sees keys
-        # <= i + s_k - s_q) in float64, against the same math in the input dtype.
-        def visible_lse(upcast):
-            qe, ke = seq[0][0], seq[1][0].repeat_interleave(h // h_k, dim=1)
-            if upcast:
-                qe, ke = qe.double(), ke.double()
-            scores = torch.einsum("ihd,jhd->hij", qe, ke) * d ** -0.5
-            n_q, n_k = qe.shape[0], ke.shape[0]
-            hidden = torch.arange(n_k, device=device)[None] > torch.arange(n_q, device=device)[:, None] + (n_k - n_q)
-            return torch.logsumexp(scores.masked_fill(hidden, float("-inf")), dim=-1).double()
-        want, low = visible_lse(True), visible_lse(False)
+        # lse by the same rule: the log-sum-exp of each query's visible scores in float64, against
+        # the same math in the input dtype.
+        want, low = (ref_lse(*seq[:2], causal=True, upcast=u)[0].double() for u in (True, False))
         assert (lse[:, rq].double() - want).abs().max() <= 2 * (low - want).abs().max() + floor
+
+
+def test_return_attn_probs_materialises_no_s_dmask(monkeypatch):
+    """flash-attn 3's return_attn_probs asks for lse only: flash-attn 2's S_dmask (an O(s_q * s_k)
+    tensor) is not built, in the batched and varlen calls."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("S_dmask built")
+    monkeypatch.setattr(fa2, "_s_dmask", refuse)
+    q, k = rand(1, 5, 2, 64, grad=False), rand(1, 7, 2, 64, seed=1, grad=False)
+    cu_q, cu_k = torch.tensor([0, 5], dtype=torch.int32), torch.tensor([0, 7], dtype=torch.int32)
+    assert len(fa3.flash_attn_func(q, k, k, return_attn_probs=True)) == 2
+    assert len(fa3.flash_attn_varlen_func(q[0], k[0], k[0], cu_q, cu_k, 5, 7, return_attn_probs=True)) == 2
 
 
 def test_refused_arguments_name_themselves():

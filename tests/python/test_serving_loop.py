@@ -35,6 +35,8 @@ cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and a CUDA buil
     ("cpu", torch.float32, 16, False, 4, "sdpa"),  # the example's baseline passes the same checks
     ("cpu", torch.float32, 1, False, 1, "fa3_packed"),  # flash-attn 3's packed-query call (SGLang's form)
     ("cpu", torch.bfloat16, 16, False, 4, "fa3_packed"),
+    ("cpu", torch.float32, 16, False, 1, "vllm"),  # vLLM's flash_attn_varlen_func over the pages
+    ("cpu", torch.bfloat16, 1, False, 4, "vllm"),
     pytest.param("cuda", torch.bfloat16, 16, True, 1, "flashmonoid", marks=cuda),
     pytest.param("cuda", torch.float16, 1, True, 1, "flashmonoid", marks=cuda),
     pytest.param("cuda", torch.bfloat16, 64, False, 1, "flashmonoid", marks=cuda),
@@ -43,6 +45,8 @@ cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and a CUDA buil
     pytest.param("cuda", torch.bfloat16, 16, True, 4, "sdpa", marks=cuda),
     pytest.param("cuda", torch.bfloat16, 1, True, 1, "fa3_packed", marks=cuda),
     pytest.param("cuda", torch.float16, 16, True, 4, "fa3_packed", marks=cuda),
+    pytest.param("cuda", torch.bfloat16, 16, True, 1, "vllm", marks=cuda),
+    pytest.param("cuda", torch.float16, 1, True, 4, "vllm", marks=cuda),
 ])
 def test_greedy_decoding_over_a_paged_cache(device, dtype, page_size, graph, draft, engine):
     r = serving_loop.run(device, dtype, layers=2, batch=5, steps=20 if draft == 1 else 8, page_size=page_size,

@@ -6,9 +6,25 @@ import torch
 
 
 def attention(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None,
-              upcast=True):
+              upcast=True, sinks=None):
     """q (b, s_q, h, d), k, v (b, s_k, h_k, d). upcast: compute in float64; else in q's dtype
-    (the "same math in the input dtype" of the FlashAttention accuracy rule)."""
+    (the "same math in the input dtype" of the FlashAttention accuracy rule). sinks (h,): one more
+    score per head in every row's softmax (attention sinks), whose value is 0."""
+    s, v = _scores(q, k, v, causal, softmax_scale, window, softcap, alibi_slopes, upcast, sinks)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)[..., :v.shape[1]]
+    return torch.einsum("bhij,bjhd->bihd", p.to(v.dtype), v)
+
+
+def lse(q, k, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None, upcast=True,
+        sinks=None):
+    """(b, h, s_q) log-sum-exp of each row's visible scaled scores (and its sink), as attention's."""
+    s, _ = _scores(q, k, k, causal, softmax_scale, window, softcap, alibi_slopes, upcast, sinks)
+    return torch.logsumexp(s, dim=-1)
+
+
+def _scores(q, k, v, causal, softmax_scale, window, softcap, alibi_slopes, upcast, sinks):
+    """(scores (b, h, s_q, s_k [+ 1 sink column]) with hidden keys at -inf, v with k's heads
+    repeated)."""
     if upcast:
         q, k, v = q.double(), k.double(), v.double()
     b, s_q, h, d = q.shape
@@ -34,8 +50,9 @@ def attention(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), softca
     if left >= 0:
         visible &= j >= i + diag - left
     s = s.masked_fill(~visible, -math.inf)
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    return torch.einsum("bhij,bjhd->bihd", p.to(v.dtype), v)
+    if sinks is not None:
+        s = torch.cat([s, sinks.to(s.dtype)[None, :, None, None].expand(b, h, s_q, 1)], dim=-1)
+    return s, v
 
 
 def rel_err(x, ref):
