@@ -13,12 +13,15 @@ from its sdpa mask function, or none with is_causal) and runs them through flash
 (causal and sliding-window bands, static caches, padded batches, gradients), with two differences
 from `attn_implementation="sdpa"`: the key / value heads are passed as they are (GQA without
 transformers' repeat_kv copies), and the attention logit softcap of models such as Gemma 2, which
-SDPA lacks, runs in the kernels too. Under torch.compile (the decoding step generate compiles for a
-static cache) a mask's values cannot be read, and decoding calls run per row (sdpa's route for at
-most 16 query rows, which reads nothing on the host). A call the routing cannot take (a compiled
-prefill's mask, a float mask, ...) runs as attn_implementation="sdpa" would, or with a softcap in
-plain torch with the eager formula (a fully masked row averages its values, as transformers' eager
-attention does). flashmonoid.sdpa.stats() counts both, outside torch.compile.
+SDPA lacks, runs in the kernels too, as do the attention sinks of models such as gpt-oss (`s_aux`)
+where a call takes the one-band route (a causal or sliding-window call over the same keys for the
+whole batch). Under torch.compile (the decoding step generate compiles for a static cache) a mask's
+values cannot be read, and decoding calls run per row (sdpa's route for at most 16 query rows,
+which reads nothing on the host). A call the routing cannot take (a compiled prefill's mask, a
+float mask, sinks on a padded batch, ...) runs as attn_implementation="sdpa" would, or with a
+softcap or sinks in plain torch with the eager formula (a fully masked row averages its values, as
+transformers' eager attention does; sinks as one more softmax column, as gpt-oss's eager attention).
+flashmonoid.sdpa.stats() counts both, outside torch.compile.
 """
 
 import torch
@@ -36,20 +39,22 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(s_q > 1 and attention_mask is None and causal)  # as transformers' sdpa path decides
     softcap = float(softcap or 0.0)
-    out = sdpa.routed(query, key, value, attention_mask, dropout, causal, scaling, True, softcap)
-    if out is None and softcap == 0.0:  # what attn_implementation="sdpa" runs (a mask under torch.compile, ...)
+    sinks = kwargs.pop("s_aux", None)  # gpt-oss's attention sinks (h,)
+    out = sdpa.routed(query, key, value, attention_mask, dropout, causal, scaling, True, softcap, sinks)
+    if out is None and softcap == 0.0 and sinks is None:  # what attn_implementation="sdpa" runs
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     if out is None:
-        out = _eager(query, key, value, attention_mask, dropout, causal, scaling, softcap)
+        out = _eager(query, key, value, attention_mask, dropout, causal, scaling, softcap, sinks)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _eager(query, key, value, mask, dropout, is_causal, scale, softcap):
+def _eager(query, key, value, mask, dropout, is_causal, scale, softcap, sinks=None):
     """The attention formula in torch: scores, softcap, mask (a boolean mask's hidden scores set to the
-    dtype's minimum, as transformers' eager masks are), float32 softmax, dropout, values."""
+    dtype's minimum, as transformers' eager masks are), the sinks as one more column, float32
+    softmax (the sinks' column dropped after it), dropout, values."""
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scores = (query @ key.transpose(-1, -2)) * (query.shape[-1] ** -0.5 if scale is None else scale)
@@ -60,7 +65,10 @@ def _eager(query, key, value, mask, dropout, is_causal, scale, softcap):
     if mask is not None:
         scores = (scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool
                   else scores + mask)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if sinks is not None:
+        column = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+        scores = torch.cat([scores, column], dim=-1)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)[..., :key.shape[2]].to(query.dtype)
     probs = torch.nn.functional.dropout(probs, p=dropout, training=dropout > 0.0)
     return probs @ value
 

@@ -339,10 +339,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 
 def routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-           softcap=0.0):
+           softcap=0.0, sinks=None):
     """flashmonoid's result for an SDPA call (with SDPA's arguments and semantics, plus flash-attn's
-    softcap), or None where it does not run the call (the reason is logged); counted in stats()."""
+    softcap and attention sinks (h,), torch_ops.attention's), or None where it does not run the call
+    (the reason is logged); counted in stats(). Sinks run on the one-band route only (a causal,
+    windowed or full call over one key range for the whole batch), not on padded batches' or
+    per-row masks' routes."""
     route, reason = _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap)
+    if route is not None and sinks is not None and (route[1] is _ROWS or isinstance(route[1], _Entries)):
+        route, reason = None, "attention sinks on a padded batch's or a per-row mask's route"
     compiling = torch.compiler.is_compiling()
     if route is None:
         if not compiling:
@@ -369,7 +374,7 @@ def routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sc
     # torch.use_deterministic_algorithms(True): bit-identical results run to run (Options::deterministic).
     out, _ = torch_ops.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                                  softmax_scale=scale, window=window, softcap=softcap, dropout_p=dropout_p,
-                                 deterministic=deterministic)
+                                 deterministic=deterministic, sinks=sinks)
     return out.transpose(1, 2)
 
 

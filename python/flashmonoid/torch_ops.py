@@ -442,6 +442,48 @@ def _(outs, lses):
 
 
 # ---------------------------------------------------------------------------------------------
+# Attention sinks: one more score per query head in every row's softmax, with value 0 (gpt-oss's
+# s_aux, vLLM's s_aux)
+
+
+def merge_sink(out, lse, sinks):
+    """(out, lse) of attention merged with a key of score sinks[h] and value 0: the monoid merge with
+    the state (sinks[h], 0) in closed form, out * exp(lse) / (exp(lse) + exp(sink)) =
+    out * sigmoid(lse - sink), lse -> logaddexp(lse, sink). lse (b, h, s) or (h, total) against out
+    (b, s, h, d) or (total, h, d), as merge's; a row without keys (lse -inf) gives 0 and lse = sink."""
+    sink = sinks.to(device=lse.device, dtype=torch.float32)[:, None]  # (h, 1) against lse's (..., h, s)
+    weight = torch.sigmoid(lse - sink)
+    return (out.float() * weight.transpose(-1, -2)[..., None]).to(out.dtype), torch.logaddexp(lse, sink)
+
+
+class _Sinks(torch.autograd.Function):
+    """The batched op with sinks, differentiable in q, k, v and the sinks. Forward: the op's (out,
+    lse) merged with the sinks (merge_sink). Backward: the op's backward at the merged (out, lse) is
+    exact for attention with sinks (it recomputes each key's probability as exp(score - lse), the
+    merged lse's; and a sink's value 0 adds nothing to D = rowsum(dout * out)), and a sink's own
+    gradient is -sum over its head's rows of exp(sink - lse) * D."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, *options):
+        alibi = options[5]  # fwd's options: scale, causal, window (2), softcap, alibi_slopes, ...
+        out, lse = (_fwd_impl if _plain(q, k, v, alibi) else fwd)(q, k, v, *options)
+        out, lse = merge_sink(out, lse, sinks)
+        ctx.options = options
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        run = bwd if torch.is_grad_enabled() or not _plain(q, k, v) else _bwd_impl
+        dq, dk, dv = run(dout.contiguous(), q, k, v, out, lse, *ctx.options)
+        d_rows = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # (b, h, s_q), lse's layout
+        dsinks = -(torch.exp(sinks.float()[:, None] - lse) * d_rows).sum(dim=(0, 2))
+        return (dq, dk, dv, dsinks.to(sinks.dtype)) + (None,) * len(ctx.options)
+
+
+# ---------------------------------------------------------------------------------------------
 # Python-level entry points with defaults resolved (used by flashmonoid.attention and friends)
 
 
@@ -462,14 +504,20 @@ def _pad(x):
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None,
-              dropout_p=0.0, deterministic=False, rng=None):
-    """(out, lse) for torch tensors, differentiable in q, k and v."""
+              dropout_p=0.0, deterministic=False, rng=None, sinks=None):
+    """(out, lse) for torch tensors, differentiable in q, k and v. sinks (h,): attention sinks, one
+    more score per query head in every row's softmax whose value is 0 (differentiable too; lse then
+    counts them)."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if rng is None:
         rng = new_rng(dropout_p)
     d = q.shape[-1]
     if _needs_pad(q):
         q, k, v = _pad(q), _pad(k), _pad(v)
+    if sinks is not None:
+        out, lse = _Sinks.apply(q, k, v, sinks, scale, bool(causal), int(window[0]), int(window[1]), float(softcap),
+                                alibi_slopes, float(dropout_p), rng, bool(deterministic))
+        return out[..., :d], lse
     op = _fwd_impl if _eager(q, k, v, alibi_slopes) else _EagerFwd.apply if _plain(q, k, v, alibi_slopes) else fwd
     out, lse = op(q, k, v, scale, bool(causal), int(window[0]), int(window[1]), float(softcap), alibi_slopes,
                   float(dropout_p), rng, bool(deterministic))
@@ -543,5 +591,5 @@ def attention_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, r
     return out[..., :d], lse
 
 
-__all__ = ["fwd", "bwd", "fwd_varlen", "bwd_varlen", "fwd_varlen_paged", "fwd_kvcache", "merge", "attention",
-           "attention_varlen", "attention_varlen_paged", "attention_kvcache", "new_rng"]
+__all__ = ["fwd", "bwd", "fwd_varlen", "bwd_varlen", "fwd_varlen_paged", "fwd_kvcache", "merge", "merge_sink",
+           "attention", "attention_varlen", "attention_varlen_paged", "attention_kvcache", "new_rng"]

@@ -23,8 +23,9 @@ vLLM's build in these ways:
     output 0): out * sigmoid(lse - s_aux), lse -> logaddexp(lse, s_aux), applied to the call's
     result (one elementwise pass over out; the kernels are unchanged).
   * Not supported; each raises flashmonoid.NotSupportedError (a NotImplementedError) naming the
-    argument: FP8 (q_descale, k_descale, v_descale and float8 tensors), q_v, and cp_world_size > 1
-    (decode context parallelism's interleaved shards).
+    argument: FP8 (q_descale, k_descale, v_descale and float8 tensors), q_v, cp_world_size > 1
+    (decode context parallelism's interleaved shards), and s_aux where q, k or v need gradients
+    (vLLM's calls are inference; s_aux's own gradient is exact).
   * scheduler_metadata and num_splits are accepted and unused (flashmonoid plans its splits inside
     the call); get_scheduler_metadata returns None. return_attn_probs is ignored, as in vLLM's build.
   * out: the result is computed, then copied into it.
@@ -32,7 +33,7 @@ vLLM's build in these ways:
 
 import torch
 
-from . import _C
+from . import _C, torch_ops
 from . import flash_attn_interface as _fa2
 
 DEFAULT_FA_VERSION = 2
@@ -85,16 +86,6 @@ def get_scheduler_metadata(
     """None: flashmonoid plans a call's splits inside the call, so there is nothing to compute ahead;
     flash_attn_varlen_func accepts the None back as scheduler_metadata."""
     return None
-
-
-def _merge_sink(out, lse, s_aux):
-    """(out, lse) with one more key per query head whose score is s_aux[h] and whose value is 0: the
-    monoid merge of (out, lse) with (0, s_aux), in closed form (its weight on out is
-    exp(lse) / (exp(lse) + exp(s_aux)))."""
-    sink = s_aux.to(device=lse.device, dtype=torch.float32)[:, None]  # (nheads, 1) against lse (nheads, total_q)
-    weight = torch.sigmoid(lse - sink)
-    out = (out.float() * weight.t()[:, :, None]).to(out.dtype)
-    return out, torch.logaddexp(lse, sink)
 
 
 def flash_attn_varlen_func(
@@ -154,6 +145,11 @@ def flash_attn_varlen_func(
         _refuse("q", "float8 inputs (FP8); use fp16 or bf16")
     if cp_world_size != 1:
         _refuse("cp_world_size", "decode context parallelism's interleaved KV shards; leave it 1")
+    if s_aux is not None and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        # The sink's merge reads lse, and the backward takes no gradient of lse: q, k, v's gradients
+        # would miss the sinks' share.
+        _refuse("s_aux", "gradients of q, k, v through attention sinks (inference only, as in vLLM); "
+                         "call it under torch.no_grad()")
     window = (-1, -1) if window_size is None else tuple(window_size)
     _fa2._require(len(window) == 2, "window_size must be (left, right)")
     need_lse = return_softmax_lse or s_aux is not None
@@ -169,7 +165,7 @@ def flash_attn_varlen_func(
     if s_aux is not None:
         _fa2._require(s_aux.dim() == 1 and s_aux.shape[0] == q.shape[1] and s_aux.is_floating_point(),
                       "s_aux must be a float tensor of shape (num_heads,)")
-        result, lse = _merge_sink(result, lse, s_aux)
+        result, lse = torch_ops.merge_sink(result, lse, s_aux)
     if out is not None:
         _fa2._require(out.shape == result.shape and out.dtype == result.dtype,
                       "out must have the shape and dtype of q (total_q, num_heads, head_size)")

@@ -1,6 +1,7 @@
 """flashmonoid.hf: transformers models with attn_implementation="monoid" against transformers' own
 sdpa and eager attention (the same math in the model's dtype) and the model in float64, by the
-FlashAttention rule: logits, greedy tokens, gradients on padded batches, Gemma 2's softcap."""
+FlashAttention rule: logits, greedy tokens, gradients on padded batches, Gemma 2's softcap, gpt-oss's
+sinks."""
 
 import copy
 
@@ -99,21 +100,29 @@ def test_static_cache_generate_compiled(device, dtype):
         assert torch.equal(tokens, expected)
 
 
+def training_runs(model, same_impl, params, *args, **kwargs):
+    """{"same math" (same_impl), "ours" (attn_implementation="monoid"), "float64" (same_impl on a float64
+    copy): (loss, gradients of params(model), sdpa.stats())} of one training step each."""
+    runs = {}
+    for name, impl, m in (("same math", same_impl, model), ("ours", hf.NAME, model),
+                          ("float64", same_impl, in_float64(model, same_impl))):
+        m.set_attn_implementation(impl)
+        m.train()
+        m.zero_grad()
+        sdpa.reset_stats()
+        loss = m(*args, **kwargs).loss
+        loss.backward()
+        runs[name] = (loss.detach(), [p.grad.clone() for p in params(m)], sdpa.stats())
+    return runs
+
+
 @pytest.mark.parametrize("device, dtype", DEVICES)
 def test_llama_training_step_on_a_right_padded_batch(device, dtype):
     model = small(transformers.LlamaConfig, transformers.LlamaForCausalLM, device, dtype).train()
     ids, mask = padded(device)
     mask = mask.flip(-1)  # right padding, as training batches are padded
     labels = ids.masked_fill(mask == 0, -100)
-    runs = {}
-    for name, impl, m in (("same math", "sdpa", model), ("ours", hf.NAME, model),
-                          ("float64", "sdpa", in_float64(model, "sdpa"))):
-        m.set_attn_implementation(impl)
-        m.zero_grad()
-        sdpa.reset_stats()
-        loss = m(ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
-        runs[name] = (loss.detach(), [p.grad.clone() for p in m.parameters()], sdpa.stats())
+    runs = training_runs(model, "sdpa", lambda m: list(m.parameters()), ids, attention_mask=mask, labels=labels)
     (same_loss, same_grads, _), (loss, grads, stats) = runs["same math"], runs["ours"]
     ref_loss, ref_grads, _ = runs["float64"]
     assert stats == {"routed": 2, "fallback": 0}
@@ -140,6 +149,59 @@ def test_gemma2_softcap_and_sliding_window_as_eager(device, dtype):
     with torch.no_grad():
         ref = in_float64(model, "eager")(ids).logits
     assert_rule(out, same_math, ref)
+
+
+def small_gpt_oss(device, dtype):
+    """A 2-layer gpt-oss (a sliding window of 8, then full attention; sinks drawn with std 2, so that
+    they take a visible share of each row's softmax)."""
+    if not hasattr(transformers, "GptOssConfig"):
+        pytest.skip("this transformers has no gpt-oss")
+    torch.manual_seed(0)
+    config = transformers.GptOssConfig(vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                                       num_attention_heads=8, num_key_value_heads=2,
+                                       head_dim=64 if device == "cuda" else 32, num_local_experts=4,
+                                       num_experts_per_tok=2, sliding_window=8, attention_dropout=0.0,
+                                       layer_types=["sliding_attention", "full_attention"])
+    model = transformers.GptOssForCausalLM(config).to(device, dtype)
+    model.config._experts_implementation = "eager"  # the grouped-GEMM experts have no float64
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0)
+            layer.self_attn.q_proj.weight.mul_(4.0)
+            layer.self_attn.k_proj.weight.mul_(4.0)
+    return model
+
+
+@pytest.mark.parametrize("device, dtype", DEVICES)
+def test_gpt_oss_sinks_as_eager(device, dtype):
+    """gpt-oss passes its attention sinks as s_aux: an unpadded batch runs them in the kernels (both
+    layers routed), a padded one in the eager formula; logits, and a training step's loss and
+    gradients (the sinks' too), by the rule against transformers' eager attention (the same math) and
+    float64."""
+    model = small_gpt_oss(device, dtype)
+    ids, mask = padded(device)
+    for kw, routed in (({}, 2), ({"attention_mask": mask}, 0)):
+        runs = {}
+        for name, impl, m in (("same math", "eager", model), ("ours", hf.NAME, model),
+                              ("float64", "eager", in_float64(model, "eager"))):
+            m.set_attn_implementation(impl)
+            m.eval()
+            sdpa.reset_stats()
+            with torch.no_grad():
+                runs[name] = (m(ids, **kw).logits, sdpa.stats())
+        held = mask.bool() if kw else torch.ones_like(mask, dtype=torch.bool)
+        assert runs["ours"][1] == {"routed": routed, "fallback": 2 - routed}
+        assert_rule(runs["ours"][0][held], runs["same math"][0][held], runs["float64"][0][held])
+    # The sinks' gradients and the first layer's q projection's (the rest passes through the experts'
+    # top-k routing, whose near ties may part between dtypes).
+    def params(m):
+        return [layer.self_attn.sinks for layer in m.model.layers] + [m.model.layers[0].self_attn.q_proj.weight]
+
+    runs = training_runs(model, "eager", params, ids, labels=ids)
+    assert runs["ours"][2] == {"routed": 2, "fallback": 0}
+    assert_rule(runs["ours"][0], runs["same math"][0], runs["float64"][0])
+    for g, same, r in zip(runs["ours"][1], runs["same math"][1], runs["float64"][1]):
+        assert_rule(g, same, r)
 
 
 @pytest.mark.parametrize("softcap", [0.0, 5.0])

@@ -10,7 +10,7 @@ import flashmonoid as fm  # noqa: E402
 from flashmonoid import torch_ops  # noqa: E402
 
 from conftest import require_supported  # noqa: E402
-from torch_reference import attention as ref_attention, rel_err  # noqa: E402
+from torch_reference import attention as ref_attention, lse as ref_lse, rel_err  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available() and fm.cuda_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -57,6 +57,33 @@ def test_autograd_fp32_against_float64(device, case, s_q, s_k):
     ref = ref_attention(q, k, v, **case)
     ref_grads = torch.autograd.grad(ref, (q, k, v), dout.double())
     assert rel_err(out, ref) <= 1e-5
+    for g, r in zip(grads, ref_grads):
+        assert g.shape == r.shape and g.dtype == torch.float32
+        assert rel_err(g, r) <= 1e-4
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", [dict(causal=True), dict(window=(5, 0), causal=True), dict(softcap=3.0)], ids=ids)
+@pytest.mark.parametrize("traced", [False, True])
+def test_sinks_autograd_against_float64(device, case, traced):
+    """torch_ops.attention with sinks (s_aux): out, lse and the gradients of q, k, v and the sinks
+    against float64 with the sink as one more softmax column (fp32: relative 1e-5 / 1e-4, as the
+    other autograd tests); traced: the same under torch.compile(fullgraph=True)."""
+    h, h_k, d = 4, 2, 32
+    q, k, v = inputs(2, 13, 17, h, h_k, d, torch.float32, device)
+    require_supported(q, k, **case)
+    sinks = torch.tensor([1.5, -1.0, 0.0, 3.0], device=device, requires_grad=True)
+    call = lambda q, k, v, sinks: torch_ops.attention(q, k, v, sinks=sinks, **case)  # noqa: E731
+    if traced:
+        torch._dynamo.reset()
+        call = torch.compile(call, fullgraph=True, backend="aot_eager")
+    out, lse = call(q, k, v, sinks)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v, sinks), dout)
+    ref = ref_attention(q, k, v, sinks=sinks, **case)
+    ref_grads = torch.autograd.grad(ref, (q, k, v, sinks), dout.double())
+    assert rel_err(out, ref) <= 1e-5
+    assert rel_err(lse, ref_lse(q, k, sinks=sinks, **case)) <= 1e-5
     for g, r in zip(grads, ref_grads):
         assert g.shape == r.shape and g.dtype == torch.float32
         assert rel_err(g, r) <= 1e-4
