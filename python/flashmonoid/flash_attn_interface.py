@@ -121,9 +121,9 @@ def _attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi
 
 def _attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                  window_size, softcap, alibi_slopes, deterministic, return_attn_probs, seqused_q=None, seqused_k=None,
-                 s_dmask=True):
-    """seqused_q / seqused_k: flash_attn3_interface's used lengths (torch_ops.attention_varlen);
-    s_dmask as in _attn."""
+                 s_dmask=True, sinks=None):
+    """seqused_q / seqused_k: flash_attn3_interface's used lengths, sinks: vllm_flash_attn's s_aux
+    (torch_ops.attention_varlen's); s_dmask as in _attn."""
     _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_p)
     softmax_scale = _scale(q, softmax_scale)
     rng = torch_ops.new_rng(dropout_p)
@@ -131,7 +131,7 @@ def _attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
                                           causal=causal, softmax_scale=softmax_scale, window=window_size,
                                           softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                                           deterministic=deterministic, rng=rng, seqused_q=seqused_q,
-                                          seqused_k=seqused_k)
+                                          seqused_k=seqused_k, sinks=sinks)
     if not return_attn_probs:
         return out
     if not s_dmask:

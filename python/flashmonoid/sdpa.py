@@ -342,12 +342,9 @@ def routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sc
            softcap=0.0, sinks=None):
     """flashmonoid's result for an SDPA call (with SDPA's arguments and semantics, plus flash-attn's
     softcap and attention sinks (h,), torch_ops.attention's), or None where it does not run the call
-    (the reason is logged); counted in stats(). Sinks run on the one-band route only (a causal,
-    windowed or full call over one key range for the whole batch), not on padded batches' or
-    per-row masks' routes."""
+    (the reason is logged); counted in stats(). Every route takes sinks: the kernels' (out, lse)
+    merged with them (torch_ops.merge_sink; with gradients on the training routes)."""
     route, reason = _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap)
-    if route is not None and sinks is not None and (route[1] is _ROWS or isinstance(route[1], _Entries)):
-        route, reason = None, "attention sinks on a padded batch's or a per-row mask's route"
     compiling = torch.compiler.is_compiling()
     if route is None:
         if not compiling:
@@ -361,14 +358,14 @@ def routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sc
                   tuple(query.shape), tuple(key.shape), keys, query.dtype, window, dropout_p, softcap)
     deterministic = torch.are_deterministic_algorithms_enabled()
     if keys is _ROWS:
-        return _per_row_pages(query, key, value, attn_mask, scale, softcap)
+        return _per_row_pages(query, key, value, attn_mask, scale, softcap, sinks)
     if isinstance(keys, _Entries):
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         # The KV-cache call reads K and V in place: their rows' last dimension must be contiguous.
         if (dropout_p == 0.0 and not grad and keys.aligned(query.shape[2], window) and key.stride(-1) == 1
                 and value.stride(-1) == 1):
-            return _per_entry_kvcache(query, key, value, window, keys, scale, softcap)
-        return _per_entry_varlen(query, key, value, window, keys, scale, softcap, dropout_p, deterministic)
+            return _per_entry_kvcache(query, key, value, window, keys, scale, softcap, sinks)
+        return _per_entry_varlen(query, key, value, window, keys, scale, softcap, dropout_p, deterministic, sinks)
     key, value = key[:, :, keys], value[:, :, keys]
     # (b, h, s, d) -> (b, s, h, d): views, the head dim stays contiguous.
     # torch.use_deterministic_algorithms(True): bit-identical results run to run (Options::deterministic).
@@ -378,14 +375,16 @@ def routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sc
     return out.transpose(1, 2)
 
 
-def _per_entry_kvcache(query, key, value, window, entries, scale, softcap):
+def _per_entry_kvcache(query, key, value, window, entries, scale, softcap, sinks=None):
     """Inference over each entry's keys in place: one KV-cache call (cache_leftpad, cache_seqlens = each
     entry's key range), every query row of an entry aligned to the end of its keys."""
     begin, end = entries.key_ranges(query.device)
     # flash_attn_with_kvcache: its eager route (one C++ call) takes the head-major (b, s, h_k, d) views.
     out = flash_attn_interface.flash_attn_with_kvcache(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), cache_seqlens=end, cache_leftpad=begin,
-        softmax_scale=scale, window_size=window, softcap=softcap)
+        softmax_scale=scale, window_size=window, softcap=softcap, return_softmax_lse=sinks is not None)
+    if sinks is not None:  # (out (b, s, h, d), lse (b, h, s))
+        out = torch_ops.merge_sink(*out, sinks)[0]
     return out.transpose(1, 2)
 
 
@@ -446,7 +445,7 @@ def _row_tables_cached(mask, *args):
     return _per_mask("rows", mask, args, lambda: _row_tables(mask, *args))
 
 
-def _per_row_pages(query, key, value, mask, scale, softcap):
+def _per_row_pages(query, key, value, mask, scale, softcap, sinks=None):
     """Any boolean mask the same for every head, over a few query rows: each query row attends to
     exactly the keys its mask row holds, in one KV-cache call whose pages are single key rows of K and
     V in place; a row's block table lists its keys, cache_seqlens counts them (_row_tables). Nothing
@@ -462,13 +461,21 @@ def _per_row_pages(query, key, value, mask, scale, softcap):
         q = query.reshape(b, h_k, h // h_k, s_q, d).transpose(2, 3).reshape(b * h_k * s_q, 1, h // h_k, d)
         k, v = (t.view(b * h_k * s_k, 1, 1, d) for t in (key, value))
     out = flash_attn_interface.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table,
-                                                       softmax_scale=scale, softcap=softcap)
+                                                       softmax_scale=scale, softcap=softcap,
+                                                       return_softmax_lse=sinks is not None)
+    out, lse = out if sinks is not None else (out, None)
     if layout == "rows":
-        return out.view(b, s_q, h, d).transpose(1, 2)
-    return out.view(b, h_k, s_q, h // h_k, d).transpose(2, 3).reshape(b, h, s_q, d)
+        out = out.view(b, s_q, h, d)
+        lse = None if lse is None else lse.view(b, s_q, h).transpose(1, 2)
+    else:  # back to (b, s_q, h, d) and lse (b, h, s_q): a sink belongs to a query head
+        out = out.view(b, h_k, s_q, h // h_k, d).permute(0, 2, 1, 3, 4).reshape(b, s_q, h, d)
+        lse = None if lse is None else lse.view(b, h_k, s_q, h // h_k).transpose(2, 3).reshape(b, h, s_q)
+    if sinks is not None:
+        out = torch_ops.merge_sink(out, lse, sinks)[0]
+    return out.transpose(1, 2)
 
 
-def _per_entry_varlen(query, key, value, window, entries, scale, softcap, dropout_p, deterministic):
+def _per_entry_varlen(query, key, value, window, entries, scale, softcap, dropout_p, deterministic, sinks=None):
     """Each entry's rows as varlen calls (with backward and dropout) over the padded batch in place
     (used lengths, _Entries.varlen_calls): its band rows with the window, the rows after the band (which
     see every key of the entry) without one; rows without keys stay 0. No gather or scatter: each call
@@ -481,7 +488,7 @@ def _per_entry_varlen(query, key, value, window, entries, scale, softcap, dropou
     for w, cu_q, used_q, cu_k, used_k, max_q, max_k in entries.varlen_calls(query.device, s_q, s_k, window):
         o, _ = torch_ops.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, window=w,
                                           softcap=softcap, dropout_p=dropout_p, deterministic=deterministic,
-                                          seqused_q=used_q, seqused_k=used_k)
+                                          seqused_q=used_q, seqused_k=used_k, sinks=sinks)
         out = o if out is None else out + o
     if out is None:
         out = q.new_zeros(b * s_q, h, d)

@@ -456,12 +456,20 @@ def merge_sink(out, lse, sinks):
     return (out.float() * weight.transpose(-1, -2)[..., None]).to(out.dtype), torch.logaddexp(lse, sink)
 
 
+def _sinks_grad(dout, out, lse, sinks):
+    """The sinks' gradient: -sum over each head's rows of exp(sink - lse) * D, D = rowsum(dout * out)
+    (lse the merged one, in (b, h, s) or (h, total) against out's (b, s, h, d) or (total, h, d))."""
+    d_rows = (dout.float() * out.float()).sum(-1).transpose(-1, -2)
+    per_row = torch.exp(sinks.float()[:, None] - lse) * d_rows
+    return -per_row.sum(dim=[i for i in range(per_row.dim()) if i != per_row.dim() - 2]).to(sinks.dtype)
+
+
 class _Sinks(torch.autograd.Function):
     """The batched op with sinks, differentiable in q, k, v and the sinks. Forward: the op's (out,
     lse) merged with the sinks (merge_sink). Backward: the op's backward at the merged (out, lse) is
     exact for attention with sinks (it recomputes each key's probability as exp(score - lse), the
-    merged lse's; and a sink's value 0 adds nothing to D = rowsum(dout * out)), and a sink's own
-    gradient is -sum over its head's rows of exp(sink - lse) * D."""
+    merged lse's; and a sink's value 0 adds nothing to D = rowsum(dout * out)), and the sinks' own
+    gradient is _sinks_grad."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, *options):
@@ -476,11 +484,36 @@ class _Sinks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, sinks = ctx.saved_tensors
+        dout = dout.contiguous()
         run = bwd if torch.is_grad_enabled() or not _plain(q, k, v) else _bwd_impl
-        dq, dk, dv = run(dout.contiguous(), q, k, v, out, lse, *ctx.options)
-        d_rows = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # (b, h, s_q), lse's layout
-        dsinks = -(torch.exp(sinks.float()[:, None] - lse) * d_rows).sum(dim=(0, 2))
-        return (dq, dk, dv, dsinks.to(sinks.dtype)) + (None,) * len(ctx.options)
+        dq, dk, dv = run(dout, q, k, v, out, lse, *ctx.options)
+        return (dq, dk, dv, _sinks_grad(dout, out, lse, sinks)) + (None,) * len(ctx.options)
+
+
+class _SinksVarlen(torch.autograd.Function):
+    """_Sinks over the varlen ops (packed q, k, v; used lengths included)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, sinks, *options):
+        tensors = (q, k, v, cu_q, cu_k, options[5]) + tuple(options[_N_OPTION_ARGS:])
+        op = _fwd_varlen_impl if _plain(*tensors) else fwd_varlen
+        out, lse = op(q, k, v, cu_q, cu_k, max_q, max_k, *options)
+        out, lse = merge_sink(out, lse, sinks)
+        ctx.varlen = (max_q, max_k)
+        ctx.options = options[:_N_OPTION_ARGS]
+        ctx.used = tuple(options[_N_OPTION_ARGS:])
+        ctx.save_for_backward(q, k, v, cu_q, cu_k, out, lse, sinks)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, cu_q, cu_k, out, lse, sinks = ctx.saved_tensors
+        dout = dout.contiguous()
+        run = bwd_varlen if torch.is_grad_enabled() or not _plain(q, k, v) else _bwd_varlen_impl
+        dq, dk, dv = run(dout, q, k, v, cu_q, cu_k, *ctx.varlen, out, lse, *ctx.options, *ctx.used)
+        return ((dq, dk, dv, None, None, None, None, _sinks_grad(dout, out, lse, sinks))
+                + (None,) * (len(ctx.options) + len(ctx.used)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -526,17 +559,23 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), sof
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                     deterministic=False, rng=None, seqused_q=None, seqused_k=None):
+                     deterministic=False, rng=None, seqused_q=None, seqused_k=None, sinks=None):
     """(out, lse) of packed q (total_q, h, d) over k, v (total_k, h_k, d), differentiable in q, k and v.
     seqused_q / seqused_k (int32 (b)): sequence b is the first seqused rows of its slot in cu_seqlens
     (a padded batch in place: q.view(b * s_q, h, d), cu_seqlens_q = arange(b + 1) * s_q); the other
-    rows get out 0, lse -inf and gradient 0, and max_seqlen bounds the used lengths."""
+    rows get out 0, lse -inf and gradient 0, and max_seqlen bounds the used lengths. sinks: as
+    attention's (a row without keys: out 0, lse = its sink)."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if rng is None:
         rng = new_rng(dropout_p)
     d = q.shape[-1]
     if _needs_pad(q):
         q, k, v = _pad(q), _pad(k), _pad(v)
+    if sinks is not None:
+        out, lse = _SinksVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), sinks,
+                                      scale, bool(causal), int(window[0]), int(window[1]), float(softcap),
+                                      alibi_slopes, float(dropout_p), rng, bool(deterministic), seqused_q, seqused_k)
+        return out[..., :d], lse
     op = (_fwd_varlen_impl if _eager(q, k, v, alibi_slopes, seqused_q, seqused_k) else
           _EagerFwdVarlen.apply if _plain(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
           else fwd_varlen)

@@ -21,11 +21,11 @@ vLLM's build in these ways:
   * s_aux (attention sinks, one logit per query head, as gpt-oss has): each row's softmax also counts
     exp(s_aux[h]) with a zero value. It is the monoid's merge with the state (max s_aux, sum 1,
     output 0): out * sigmoid(lse - s_aux), lse -> logaddexp(lse, s_aux), applied to the call's
-    result (one elementwise pass over out; the kernels are unchanged).
+    result (torch_ops.merge_sink: one elementwise pass over out; the kernels are unchanged), with
+    gradients (q, k, v's and its own) in the cu_seqlens_k form.
   * Not supported; each raises flashmonoid.NotSupportedError (a NotImplementedError) naming the
-    argument: FP8 (q_descale, k_descale, v_descale and float8 tensors), q_v, cp_world_size > 1
-    (decode context parallelism's interleaved shards), and s_aux where q, k or v need gradients
-    (vLLM's calls are inference; s_aux's own gradient is exact).
+    argument: FP8 (q_descale, k_descale, v_descale and float8 tensors), q_v, and cp_world_size > 1
+    (decode context parallelism's interleaved shards).
   * scheduler_metadata and num_splits are accepted and unused (flashmonoid plans its splits inside
     the call); get_scheduler_metadata returns None. return_attn_probs is ignored, as in vLLM's build.
   * out: the result is computed, then copied into it.
@@ -145,27 +145,22 @@ def flash_attn_varlen_func(
         _refuse("q", "float8 inputs (FP8); use fp16 or bf16")
     if cp_world_size != 1:
         _refuse("cp_world_size", "decode context parallelism's interleaved KV shards; leave it 1")
-    if s_aux is not None and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        # The sink's merge reads lse, and the backward takes no gradient of lse: q, k, v's gradients
-        # would miss the sinks' share.
-        _refuse("s_aux", "gradients of q, k, v through attention sinks (inference only, as in vLLM); "
-                         "call it under torch.no_grad()")
     window = (-1, -1) if window_size is None else tuple(window_size)
     _fa2._require(len(window) == 2, "window_size must be (left, right)")
-    need_lse = return_softmax_lse or s_aux is not None
-    if seqused_k is not None:
-        result, lse = _fa2._attn_varlen_paged(q, k, v, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, dropout_p,
-                                              softmax_scale, causal, window, softcap, alibi_slopes, True, block_table,
-                                              seqused_k=seqused_k)[:2]
-    else:
-        res = _fa2._attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                softmax_scale, causal, window, softcap, alibi_slopes, deterministic, need_lse,
-                                s_dmask=False)
-        result, lse = res if need_lse else (res, None)
     if s_aux is not None:
         _fa2._require(s_aux.dim() == 1 and s_aux.shape[0] == q.shape[1] and s_aux.is_floating_point(),
                       "s_aux must be a float tensor of shape (num_heads,)")
-        result, lse = torch_ops.merge_sink(result, lse, s_aux)
+    if seqused_k is not None:  # forward only (pages)
+        result, lse = _fa2._attn_varlen_paged(q, k, v, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, dropout_p,
+                                              softmax_scale, causal, window, softcap, alibi_slopes, True, block_table,
+                                              seqused_k=seqused_k)[:2]
+        if s_aux is not None:
+            result, lse = torch_ops.merge_sink(result, lse, s_aux)
+    else:  # differentiable, the sinks too
+        res = _fa2._attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                softmax_scale, causal, window, softcap, alibi_slopes, deterministic,
+                                return_softmax_lse, s_dmask=False, sinks=s_aux)
+        result, lse = res if return_softmax_lse else (res, None)
     if out is not None:
         _fa2._require(out.shape == result.shape and out.dtype == result.dtype,
                       "out must have the shape and dtype of q (total_q, num_heads, head_size)")

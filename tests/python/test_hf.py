@@ -80,21 +80,28 @@ def test_static_cache_generate_compiled(device, dtype):
     flashmonoid::fwd_kvcache, no PyTorch SDPA; the same greedy tokens as transformers' sdpa."""
     torch._dynamo.reset()
     model = small(transformers.LlamaConfig, transformers.LlamaForCausalLM, device, dtype).eval()
+    check_compiled_static_generate(model, "sdpa", device, dtype)
+
+
+def check_compiled_static_generate(model, same_impl, device, dtype, new=6):
+    """generate over a static cache, its decoding step compiled with attn_implementation="monoid": the
+    prefill routed eagerly, at least one flashmonoid::fwd_kvcache per layer and compiled step, no
+    PyTorch SDPA, and (float32) the greedy tokens of same_impl's generate without compiling."""
     ids, mask = padded(device)
-    new = 6
     kw = dict(attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0, cache_implementation="static")
     compile_config = transformers.CompileConfig(fullgraph=True, mode="default" if device == "cpu" else "reduce-overhead")
     compile_config._compile_all_devices = True  # transformers compiles only on accelerators by default
     with torch.no_grad():
-        model.set_attn_implementation("sdpa")
+        model.set_attn_implementation(same_impl)
         expected = model.generate(ids, disable_compile=True, **kw)
         model.set_attn_implementation(hf.NAME)
         sdpa.reset_stats()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             tokens = model.generate(ids, compile_config=compile_config, **kw)
     names = [e.name for e in prof.events()]
-    assert sdpa.stats() == {"routed": 2, "fallback": 0}  # the prefill, eager
-    assert sum(n == "flashmonoid::fwd_kvcache" for n in names) >= 2 * (new - 1)
+    layers = len(model.model.layers)
+    assert sdpa.stats() == {"routed": layers, "fallback": 0}  # the prefill, eager
+    assert sum(n == "flashmonoid::fwd_kvcache" for n in names) >= layers * (new - 1)
     assert not [n for n in names if "scaled_dot_product" in n]
     if dtype == torch.float32:  # bf16 greedy tokens may part at a near tie
         assert torch.equal(tokens, expected)
@@ -174,13 +181,13 @@ def small_gpt_oss(device, dtype):
 
 @pytest.mark.parametrize("device, dtype", DEVICES)
 def test_gpt_oss_sinks_as_eager(device, dtype):
-    """gpt-oss passes its attention sinks as s_aux: an unpadded batch runs them in the kernels (both
-    layers routed), a padded one in the eager formula; logits, and a training step's loss and
-    gradients (the sinks' too), by the rule against transformers' eager attention (the same math) and
-    float64."""
+    """gpt-oss passes its attention sinks as s_aux, and the kernels run them: an unpadded and a
+    left-padded batch's logits (both layers routed), and training steps' loss and gradients (the
+    sinks' too) unpadded and right-padded, by the rule against transformers' eager attention (the
+    same math) and float64."""
     model = small_gpt_oss(device, dtype)
     ids, mask = padded(device)
-    for kw, routed in (({}, 2), ({"attention_mask": mask}, 0)):
+    for kw in ({}, {"attention_mask": mask}):
         runs = {}
         for name, impl, m in (("same math", "eager", model), ("ours", hf.NAME, model),
                               ("float64", "eager", in_float64(model, "eager"))):
@@ -190,18 +197,34 @@ def test_gpt_oss_sinks_as_eager(device, dtype):
             with torch.no_grad():
                 runs[name] = (m(ids, **kw).logits, sdpa.stats())
         held = mask.bool() if kw else torch.ones_like(mask, dtype=torch.bool)
-        assert runs["ours"][1] == {"routed": routed, "fallback": 2 - routed}
+        assert runs["ours"][1] == {"routed": 2, "fallback": 0}
         assert_rule(runs["ours"][0][held], runs["same math"][0][held], runs["float64"][0][held])
     # The sinks' gradients and the first layer's q projection's (the rest passes through the experts'
     # top-k routing, whose near ties may part between dtypes).
     def params(m):
         return [layer.self_attn.sinks for layer in m.model.layers] + [m.model.layers[0].self_attn.q_proj.weight]
 
-    runs = training_runs(model, "eager", params, ids, labels=ids)
-    assert runs["ours"][2] == {"routed": 2, "fallback": 0}
-    assert_rule(runs["ours"][0], runs["same math"][0], runs["float64"][0])
-    for g, same, r in zip(runs["ours"][1], runs["same math"][1], runs["float64"][1]):
-        assert_rule(g, same, r)
+    mask = mask.flip(-1)  # right padding, as training batches are padded
+    # Right-padded, the sliding-window layer's mask is no band (padding rows past the end still see
+    # the window's last keys): that layer runs the eager formula, the full layer the varlen kernels.
+    for kw, stats in (({}, {"routed": 2, "fallback": 0}),
+                      ({"attention_mask": mask}, {"routed": 1, "fallback": 1})):
+        runs = training_runs(model, "eager", params, ids, labels=ids.masked_fill(mask == 0, -100) if kw else ids, **kw)
+        assert runs["ours"][2] == stats
+        assert_rule(runs["ours"][0], runs["same math"][0], runs["float64"][0])
+        for g, same, r in zip(runs["ours"][1], runs["same math"][1], runs["float64"][1]):
+            assert_rule(g, same, r)
+
+
+@pytest.mark.parametrize("device, dtype", DEVICES)
+def test_gpt_oss_static_cache_generate_compiled(device, dtype):
+    """gpt-oss's decoding step compiled over a static cache: its sinks ride the per-row route (which
+    reads nothing on the host) in every compiled decoding call, flashmonoid::fwd_kvcache and no
+    PyTorch SDPA; the greedy tokens of transformers' eager attention."""
+    torch._dynamo.reset()
+    model = small_gpt_oss(device, dtype).eval()
+    model.config._experts_implementation = "grouped_mm"  # the eager experts loop over data: no fullgraph
+    check_compiled_static_generate(model, "eager", device, dtype)
 
 
 @pytest.mark.parametrize("softcap", [0.0, 5.0])

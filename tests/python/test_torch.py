@@ -112,6 +112,43 @@ def test_varlen_autograd_against_float64(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "compiled"])
+def test_varlen_sinks_on_a_padded_batch(device, traced):
+    """torch_ops.attention_varlen with sinks over a padded batch in place (used lengths; a sequence
+    with queries and no keys gives out 0 and lse = its sink): out, lse and the gradients of q, k, v
+    and the sinks against float64 per sequence; rows past the used ones 0 with gradient 0."""
+    s_q, s_k, used_q, used_k = 7, 9, [5, 3, 6], [7, 0, 9]
+    g = torch.Generator().manual_seed(2)
+    mk = lambda n, h: torch.randn(n, h, 16, generator=g).to(device).requires_grad_()  # noqa: E731
+    q, k, v = mk(3 * s_q, 4), mk(3 * s_k, 2), mk(3 * s_k, 2)
+    require_supported(q[None], k[None], causal=True)
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    cu_q, cu_k = i32([0, s_q, 2 * s_q, 3 * s_q]), i32([0, s_k, 2 * s_k, 3 * s_k])
+    sinks = torch.tensor([0.5, 2.0, -1.0, 1.0], device=device, requires_grad=True)
+    call = lambda q, k, v, sinks: torch_ops.attention_varlen(  # noqa: E731
+        q, k, v, cu_q, cu_k, s_q, s_k, causal=True, seqused_q=i32(used_q), seqused_k=i32(used_k), sinks=sinks)
+    if traced:
+        torch._dynamo.reset()
+        call = torch.compile(call, fullgraph=True, backend="aot_eager")
+    out, lse = call(q, k, v, sinks)
+    dout = torch.randn(out.shape, generator=g).to(device)
+    grads = torch.autograd.grad(out, (q, k, v, sinks), dout)
+    ref_out = torch.zeros(out.shape, dtype=torch.float64, device=device)
+    loss = 0.0
+    for e in range(3):
+        rq, rk = slice(e * s_q, e * s_q + used_q[e]), slice(e * s_k, e * s_k + used_k[e])
+        ref = ref_attention(q[None, rq], k[None, rk], v[None, rk], causal=True, sinks=sinks)[0]
+        ref_out[rq] = ref.detach()
+        loss = loss + (ref * dout[rq].double()).sum()
+        want = ref_lse(q[None, rq], k[None, rk], causal=True, sinks=sinks)[0]
+        assert rel_err(lse[:, rq], want) <= 1e-5
+    assert rel_err(out, ref_out) <= 1e-5
+    for g_, r in zip(grads, torch.autograd.grad(loss, (q, k, v, sinks))):
+        assert rel_err(g_, r) <= 1e-4
+    assert torch.equal(out[5:s_q], torch.zeros_like(out[5:s_q])) and not grads[0][5:s_q].any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "op"])
 def test_varlen_used_lengths_run_a_padded_batch_in_place(device, traced):
     # A padded batch (slots of s rows) with seqused: the packed call's values and gradients on the used
