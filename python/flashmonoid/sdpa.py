@@ -14,7 +14,10 @@ with every row seeing a key, the same for every batch entry, runs as one call wi
 sees at either end cut off as views (a static KV cache's unfilled capacity, as transformers'
 StaticCache masks it); any other such mask as one KV-cache call over each entry's key range in
 place (inference with all rows aligned to the end of the keys), else as varlen calls over the
-gathered rows (gradients, dropout, right padding). Any other boolean mask the same for every head,
+gathered rows (gradients, dropout, right padding). A mask of packed sequences (each entry's rows
+consecutive sequences, each causal, optionally windowed, over its own rows: a padding-free batch, as
+transformers masks packed position_ids) runs as one varlen call over the batch's rows in place
+(gradients, dropout). Any other boolean mask the same for every head,
 and under torch.compile (where a mask's values cannot be read on the host) any such mask at all,
 runs per row when the call has at most 16 query rows and needs no gradient or dropout (decoding
 and speculative steps): one KV-cache call over pages of one key row of K and V in place, each row's
@@ -160,6 +163,43 @@ class _Entries:
         return calls
 
 
+@dataclasses.dataclass(eq=False)
+class _Packed:
+    """A mask of packed sequences (padding-free batches): each batch entry's s rows are consecutive
+    sequences, each a causal band over its own rows (keys = queries, s_q = s_k), of one left window.
+    starts: each sequence's first row in the (b * s) flattened rows, then b * s. Remembered with its
+    mask, as _Entries."""
+    starts: list
+    _memo: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def cu_seqlens(self, device):
+        """(cu_seqlens int32 on device, the longest sequence): one varlen call's, queries and keys alike."""
+        key = ("cu", device)
+        if key not in self._memo:
+            lengths = [b - a for a, b in zip(self.starts, self.starts[1:])]
+            self._memo[key] = (torch.tensor(self.starts, dtype=torch.int32, device=device), max(lengths))
+        return self._memo[key]
+
+
+def _packed_of(first, stop):
+    """(window, _Packed) when the rows that see keys [first, stop) ((b, s) int64 tensors, s_q = s_k)
+    are packed sequences (see _Packed), else None. A sequence starts at each row whose first key is
+    itself; every row then sees from its sequence's start (or its window's) to itself."""
+    b, s = first.shape
+    rows = torch.arange(s)[None]
+    starts = first == rows
+    if not bool(starts[:, 0].all()) or int(starts.sum()) <= b:  # no second sequence in any entry: not packing
+        return None
+    start_of = torch.cummax(torch.where(starts, rows, 0), dim=-1).values  # each row's sequence start
+    stop_want = (rows + 1).expand(b, s)
+    for left in (-1, int((rows - first).max())):
+        first_want = start_of if left < 0 else torch.maximum(start_of, rows - left)
+        if _same_ranges(first, stop, first_want, stop_want):
+            flat = (torch.arange(b)[:, None] * s + rows)[starts].tolist()
+            return (left, 0), _Packed(flat + [b * s])
+    return None
+
+
 def _entries_of(first, stop):
     """(window, _Entries) of rows that see keys [first, stop) ((b, s_q) int64 tensors) when
     the batch entries differ (see _Entries), or a string saying why they are not such."""
@@ -230,8 +270,11 @@ def _band_of(mask, b, s_q, s_k):
         window = _band_window(first[0] - begin, stop[0] - begin, end - begin)
         if not isinstance(window, str):  # one call over a slice of the keys
             return window, slice(begin, end)
-    # Padding rows, or entries that differ: each entry's rows and keys.
-    return _entries_of(first.expand(b, s_q), stop.expand(b, s_q))
+    # Padding rows, or entries that differ: each entry's rows and keys; or packed sequences.
+    entries = _entries_of(first.expand(b, s_q), stop.expand(b, s_q))
+    if isinstance(entries, str) and s_q == s_k:
+        return _packed_of(first.expand(b, s_q), stop.expand(b, s_q)) or entries
+    return entries
 
 
 # Per kind of result, (a weak reference to the last mask, its version and shapes with the call's
@@ -359,6 +402,8 @@ def routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sc
     deterministic = torch.are_deterministic_algorithms_enabled()
     if keys is _ROWS:
         return _per_row_pages(query, key, value, attn_mask, scale, softcap, sinks)
+    if isinstance(keys, _Packed):
+        return _per_sequence_varlen(query, key, value, window, keys, scale, softcap, dropout_p, deterministic, sinks)
     if isinstance(keys, _Entries):
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         # The KV-cache call reads K and V in place: their rows' last dimension must be contiguous.
@@ -493,6 +538,18 @@ def _per_entry_varlen(query, key, value, window, entries, scale, softcap, dropou
     if out is None:
         out = q.new_zeros(b * s_q, h, d)
     return out.view(b, s_q, h, d).transpose(1, 2)
+
+
+def _per_sequence_varlen(query, key, value, window, packed, scale, softcap, dropout_p, deterministic, sinks=None):
+    """Packed sequences (a padding-free batch) as one varlen call over the (b * s) rows in place, each
+    sequence its own queries and keys."""
+    b, h, s, d = query.shape
+    cu, longest = packed.cu_seqlens(query.device)
+    q = query.transpose(1, 2).reshape(b * s, h, d)  # views of transformers' (b, s, h, d) projections
+    k, v = (x.transpose(1, 2).reshape(b * s, x.shape[1], d) for x in (key, value))
+    out, _ = torch_ops.attention_varlen(q, k, v, cu, cu, longest, longest, softmax_scale=scale, window=window,
+                                        softcap=softcap, dropout_p=dropout_p, deterministic=deterministic, sinks=sinks)
+    return out.view(b, s, h, d).transpose(1, 2)
 
 
 def enable():

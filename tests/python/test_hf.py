@@ -139,6 +139,26 @@ def test_llama_training_step_on_a_right_padded_batch(device, dtype):
 
 
 @pytest.mark.parametrize("device, dtype", DEVICES)
+def test_padding_free_training_step(device, dtype, monkeypatch):
+    """A padding-free batch (three sequences packed in one row, position_ids restarting at each, as
+    transformers' DataCollatorWithFlattening gives): transformers' sdpa mask is block-diagonal, and
+    every layer runs it as one varlen call (sequences do not see each other); loss and gradients by
+    the rule against transformers' sdpa and float64."""
+    model = small(transformers.LlamaConfig, transformers.LlamaForCausalLM, device, dtype)
+    ids = torch.randint(1, 256, (1, 24), device=device)
+    position_ids = torch.cat([torch.arange(n, device=device) for n in (9, 11, 4)])[None]
+    calls = []
+    packed_route = sdpa._per_sequence_varlen
+    monkeypatch.setattr(sdpa, "_per_sequence_varlen", lambda *a, **k: calls.append(1) or packed_route(*a, **k))
+    runs = training_runs(model, "sdpa", lambda m: list(m.parameters()), ids, position_ids=position_ids, labels=ids,
+                         use_cache=False)  # transformers looks for packing only without a cache
+    assert runs["ours"][2] == {"routed": 2, "fallback": 0} and len(calls) == 2
+    assert_rule(runs["ours"][0], runs["same math"][0], runs["float64"][0])
+    for g, same, r in zip(runs["ours"][1], runs["same math"][1], runs["float64"][1]):
+        assert_rule(g, same, r)
+
+
+@pytest.mark.parametrize("device, dtype", DEVICES)
 def test_gemma2_softcap_and_sliding_window_as_eager(device, dtype):
     """Gemma 2: attention logit softcap 50 (which transformers' sdpa refuses) and a sliding window of
     8 on every other layer, both in the kernels; against transformers' eager attention."""

@@ -336,6 +336,59 @@ def test_padded_batches_route(device, s_q, s_k, pads, window, right, grad):
         assert_rule(g, s, r)
 
 
+def packed_mask(lengths, window=None):
+    """transformers' mask of packed sequences (b, 1, s, s): entry e's rows are sequences of
+    lengths[e], each causal over its own rows (optionally a sliding window)."""
+    masks = []
+    for entry in lengths:
+        seq = torch.repeat_interleave(torch.arange(len(entry)), torch.tensor(entry))
+        i, j = torch.arange(len(seq))[:, None], torch.arange(len(seq))[None]
+        masks.append((seq[:, None] == seq[None]) & (j <= i) & ((j > i - window) if window else True))
+    return torch.stack(masks)[:, None]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lengths, window", [
+    ([[7, 9, 4]], None),  # one packed entry (a padding-free batch, as transformers' packed position_ids give)
+    ([[7, 9, 4], [20], [1, 1, 18]], None),  # entries packed differently, one not packed, sequences of 1 row
+    ([[7, 9, 4], [3, 17]], 5),  # a sliding window inside each sequence
+    ([[12, 2, 6]], 3),
+])
+@pytest.mark.parametrize("grad", [False, True])
+def test_packed_sequences_route_as_one_varlen_call(device, lengths, window, grad):
+    """Packed sequences' block-diagonal causal masks run as one varlen call over the batch's rows in
+    place (each sequence its own keys), with gradients: against PyTorch's math backend."""
+    torch.manual_seed(0)
+    cuda = device == "cuda"
+    dtype, d = (torch.float16, 64) if cuda else (torch.float32, 16)
+    b, s, h, h_k = len(lengths), sum(lengths[0]), 4, 2
+    q = torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=grad)
+    k, v = (torch.randn(b, h_k, s, d, device=device, dtype=dtype, requires_grad=grad) for _ in range(2))
+    mask = packed_mask(lengths, window).to(device)
+    (same, same_grads, _), (out, grads, stats), (ref, ref_grads, _) = routed_against_torch(q, k, v, attn_mask=mask)
+    assert stats == {"routed": 1, "fallback": 0}
+    assert_rule(out, same, ref)
+    for g, s_, r in zip(grads, same_grads, ref_grads):
+        assert_rule(g, s_, r)
+
+
+def test_packed_analysis_refuses_what_is_not_packing():
+    """Masks that look like packing but are not (a sequence that sees an earlier one's rows, a row
+    that does not see itself) fall back to PyTorch."""
+    base = packed_mask([[7, 9, 4]])
+    leak = base.clone()
+    leak[0, 0, 10, 3] = True  # row 10 (second sequence) sees row 3 (the first)
+    hole = base.clone()
+    hole[0, 0, 12, 12] = False  # a row that does not see itself: no band either
+    q, k, v = torch.randn(1, 4, 20, 16), torch.randn(1, 2, 20, 16), torch.randn(1, 2, 20, 16)
+    for mask in (leak, hole):
+        sdpa.reset_stats()
+        with sdpa.override():
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        assert sdpa.stats() == {"routed": 0, "fallback": 1}  # 20 rows: not the per-row route's either
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
