@@ -553,3 +553,50 @@ def test_random_calls_route_or_fall_back_never_crash():
         if bool((~empty).any()):
             assert_rule(out[~empty], same[~empty], ref[~empty])
     assert routed > 150
+
+
+def _masked_attention(q, k, v, mask, sinks, scale=None):
+    """Plain torch attention with a boolean mask and sinks (one more softmax column of score
+    sinks[h], value 0) in q's dtype; (b, h, s_q, d) tensors, K/V heads repeated for GQA."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    s = s.masked_fill(~mask, float("-inf"))
+    column = sinks.to(s.dtype)[None, :, None, None].expand(*s.shape[:3], 1)
+    p = torch.softmax(torch.cat([s, column], dim=-1), dim=-1)[..., :-1]
+    return p @ v
+
+
+@pytest.mark.parametrize("route", ["band", "padded inference", "padded training", "per-row heads", "per-row rows",
+                                   "packed"])
+def test_sinks_on_every_route(route):
+    """sdpa.routed with sinks on each route (the one-band call, a padded batch's KV-cache call and its
+    varlen calls, the per-row pages in both K/V layouts, packed sequences): out (and, where the route
+    trains, the gradients of q, k, v and the sinks) by the rule against the masked formula with the
+    sinks' column in float32 and float64."""
+    torch.manual_seed(0)
+    b, h, h_k, d = 3, 4, 2, 16
+    s_q, s_k = (3, 40) if route.startswith("per-row") else (12, 12)
+    grad = route in ("band", "padded training", "packed")
+    q = torch.randn(b, h, s_q, d, requires_grad=grad)
+    if route == "per-row rows":
+        k, v = (torch.randn(b, s_k, h_k, d).transpose(1, 2).requires_grad_(grad) for _ in range(2))
+    else:
+        k, v = (torch.randn(b, h_k, s_k, d, requires_grad=grad) for _ in range(2))
+    sinks = torch.tensor([1.0, -0.5, 2.5, 0.0], requires_grad=grad)
+    causal = torch.ones(s_q, s_k, dtype=torch.bool).tril()
+    mask = {"band": None, "padded inference": padded_mask(b, s_q, s_k, [0, 3, 11]),
+            "padded training": padded_mask(b, s_q, s_k, [0, 3, 11], right=True),
+            "packed": packed_mask([[7, 5], [3, 9], [12]])}.get(route, torch.rand(b, 1, s_q, s_k) > 0.6)
+    sdpa.reset_stats()
+    out = sdpa.routed(q, k, v, mask, 0.0, mask is None, None, True, 0.0, sinks)
+    assert sdpa.stats() == {"routed": 1, "fallback": 0}
+    full = (causal if mask is None else mask).expand(b, 1, s_q, s_k)
+    same = _masked_attention(q, k, v, full, sinks)
+    ref = _masked_attention(*(x.double() for x in (q, k, v)), full, sinks.double())
+    assert_rule(out, same, ref)
+    if grad:
+        dout = torch.randn_like(out)
+        inputs = (q, k, v, sinks)
+        for g, s_, r in zip(*(torch.autograd.grad(x, inputs, dout.to(x.dtype)) for x in (out, same, ref))):
+            assert_rule(g, s_, r)
