@@ -159,6 +159,39 @@ def test_padding_free_training_step(device, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("device, dtype", DEVICES)
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_flash_attn_kwargs_of_a_padding_free_batch(device, dtype, arch):
+    """flash-attn's padding-free kwargs (cu_seq_lens_q / _k, max_length_q / _k, as
+    DataCollatorWithFlattening(return_flash_attn_kwargs=True) gives) with no mask: one varlen call,
+    as transformers' flash_attention_2 runs them (sdpa would let the sequences see each other); the
+    logits of each sequence run alone, by the rule (Gemma 2: its sliding window of 4 and softcap)."""
+    if arch == "llama":
+        model = small(transformers.LlamaConfig, transformers.LlamaForCausalLM, device, dtype).eval()
+    else:
+        model = small(transformers.Gemma2Config, transformers.Gemma2ForCausalLM, device, dtype, sliding_window=4,
+                      attn_logit_softcapping=50.0).eval()
+    lengths = (9, 11, 4)
+    ids = torch.randint(1, 256, (1, sum(lengths)), device=device)
+    cu = torch.tensor([0, 9, 20, 24], dtype=torch.int32, device=device)
+    position_ids = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
+    fa_kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=11, max_length_k=11)
+    impl = "sdpa" if arch == "llama" else "eager"
+
+    def alone(m):
+        return torch.cat([m(ids[:, a:b]).logits for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())], dim=1)
+
+    with torch.no_grad():
+        model.set_attn_implementation(impl)
+        same = alone(model)
+        ref = alone(in_float64(model, impl))
+        model.set_attn_implementation(hf.NAME)
+        sdpa.reset_stats()
+        out = model(ids, position_ids=position_ids, **fa_kwargs).logits
+    assert sdpa.stats() == {"routed": 0, "fallback": 0}  # the kwargs' varlen call, not the mask routing
+    assert_rule(out, same, ref)
+
+
+@pytest.mark.parametrize("device, dtype", DEVICES)
 def test_gemma2_softcap_and_sliding_window_as_eager(device, dtype):
     """Gemma 2: attention logit softcap 50 (which transformers' sdpa refuses) and a sliding window of
     8 on every other layer, both in the kernels; against transformers' eager attention."""
