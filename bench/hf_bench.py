@@ -2,7 +2,8 @@
 """transformers' attention implementations against attn_implementation="monoid" (flashmonoid.hf) on
 one model, same weights, alternated rounds: greedy `generate` of a padded batch (prefill and
 decoding steps) with a dynamic cache and with a static one (whose decoding step transformers compiles
-on a GPU, CUDA graphs included; round 0, not timed, compiles), and a training step (forward + backward) of a right-padded batch.
+on a GPU, CUDA graphs included; round 0, not timed, compiles), a training step (forward + backward) of
+a right-padded batch, and one of the same sequences padding-free (packed in one row).
 
     python3 bench/hf_bench.py [out.json] [--device cuda|cpu] [--layers 8] [--batch 8] [--prompt 512]
                               [--new 64] [--rounds 3] [--threads N] [--profile DIR] [--tasks a,b]
@@ -119,7 +120,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--profile", default=None)
-    ap.add_argument("--tasks", default="generate,generate_static,train_step",
+    ap.add_argument("--tasks", default="generate,generate_static,train_step,train_step_packed",
                     help="comma-separated tasks to time")
     ap.add_argument("--processes", choices=("one", "each"), default="one",
                     help="each: every task in a process of its own, the records merged (a compiled generate "
@@ -150,8 +151,20 @@ def main():
         model.zero_grad(set_to_none=True)
         model(ids, attention_mask=right, labels=labels).loss.backward()
 
+    # The same sequences padding-free: packed into one row, position_ids restarting at each (as
+    # DataCollatorWithFlattening gives), no cache, so transformers masks them block-diagonally.
+    held = [ids[i][mask[i].bool()] for i in range(args.batch)]
+    packed_ids = torch.cat(held)[None]
+    packed_pos = torch.cat([torch.arange(len(x), device=args.device) for x in held])[None]
+    packed_labels = packed_ids.masked_fill(packed_pos == 0, -100)  # no prediction across a boundary
+
+    def train_step_packed():
+        model.zero_grad(set_to_none=True)
+        model(packed_ids, position_ids=packed_pos, labels=packed_labels, use_cache=False).loss.backward()
+
     impls = ["sdpa", hf.NAME]
-    tasks = {"generate": generate, "generate_static": generate_static, "train_step": train_step}
+    tasks = {"generate": generate, "generate_static": generate_static, "train_step": train_step,
+             "train_step_packed": train_step_packed}
     tasks = {t: tasks[t] for t in args.tasks.split(",")}
     times = {(task, impl): [] for task in tasks for impl in impls}
     for r in range(args.rounds + 1):  # round 0 warms up
