@@ -419,8 +419,7 @@ def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_se
 # Merge of partial results over disjoint key sets
 
 
-@torch.library.custom_op("flashmonoid::merge", mutates_args=())
-def merge(outs: List[Tensor], lses: List[Tensor]) -> Tuple[Tensor, Tensor]:
+def _merge_impl(outs, lses):
     out = torch.empty(outs[0].shape, dtype=outs[0].dtype, device=outs[0].device)
     lse = torch.empty(lses[0].shape, dtype=torch.float32, device=lses[0].device)
     if out.dtype == torch.float64:
@@ -436,6 +435,11 @@ def merge(outs: List[Tensor], lses: List[Tensor]) -> Tuple[Tensor, Tensor]:
     return out, lse
 
 
+@torch.library.custom_op("flashmonoid::merge", mutates_args=())
+def merge(outs: List[Tensor], lses: List[Tensor]) -> Tuple[Tensor, Tensor]:
+    return _merge_impl(outs, lses)
+
+
 @merge.register_fake
 def _(outs, lses):
     return outs[0].new_empty(outs[0].shape), lses[0].new_empty(lses[0].shape, dtype=torch.float32)
@@ -447,13 +451,14 @@ def _(outs, lses):
 
 
 def merge_sink(out, lse, sinks):
-    """(out, lse) of attention merged with a key of score sinks[h] and value 0: the monoid merge with
-    the state (sinks[h], 0) in closed form, out * exp(lse) / (exp(lse) + exp(sink)) =
-    out * sigmoid(lse - sink), lse -> logaddexp(lse, sink). lse (b, h, s) or (h, total) against out
-    (b, s, h, d) or (total, h, d), as merge's; a row without keys (lse -inf) gives 0 and lse = sink."""
-    sink = sinks.to(device=lse.device, dtype=torch.float32)[:, None]  # (h, 1) against lse's (..., h, s)
-    weight = torch.sigmoid(lse - sink)
-    return (out.float() * weight.transpose(-1, -2)[..., None]).to(out.dtype), torch.logaddexp(lse, sink)
+    """(out, lse) of attention merged with a key of score sinks[h] and value 0: the library's merge
+    (the monoid's) of (out, lse) with the part (0, sinks[h]), so out * exp(lse) / (exp(lse) +
+    exp(sink)) and lse -> log(exp(lse) + exp(sink)). lse (b, h, s) or (h, total) against out
+    (b, s, h, d) or (total, h, d), as merge's; a row without keys (lse -inf) gives 0 and lse = sink.
+    Not differentiable itself (as merge): _Sinks and _SinksVarlen give the gradients."""
+    sink = sinks.to(device=lse.device, dtype=torch.float32).view(-1, 1).expand_as(lse).contiguous()  # h: dim -2
+    outs, lses = [out, torch.zeros_like(out)], [lse, sink]
+    return (_merge_impl if _eager(out, lse, sink) else merge)(outs, lses)
 
 
 def _sinks_grad(dout, out, lse, sinks):
