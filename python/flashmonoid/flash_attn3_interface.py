@@ -20,6 +20,9 @@ flash-attn 3 in these ways:
     split partials in its workspace).
   * flash_attn_combine merges any number of splits with flashmonoid.merge (the monoid's merge; a
     split with lse = -inf contributes nothing), on any device flashmonoid runs on.
+  * flash_attn_func, flash_attn_varlen_func and flash_attn_with_kvcache take a last argument sinks
+    (nheads,), attention sinks, as SGLang's build (sgl-kernel) does for gpt-oss: the result merged with
+    a key of score sinks[h] and value 0 (differentiable in the first two).
 """
 
 import torch
@@ -52,11 +55,11 @@ def _refuse_fp8_qv_chunk(q, qv, q_descale, k_descale, v_descale, attention_chunk
         _refuse("attention_chunk", attention_chunk, 0)
 
 
-def _attn(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs):
+def _attn(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs, sinks=None):
     """The flash-attn 2 module's call without dropout or ALiBi; with return_attn_probs (out, lse), as
     flash-attn 3 (no S_dmask)."""
     return _fa2._attn(q, k, v, 0.0, softmax_scale, causal, window_size, softcap, None, deterministic,
-                      return_attn_probs, s_dmask=False)
+                      return_attn_probs, s_dmask=False, sinks=sinks)
 
 
 def flash_attn_qkvpacked_func(
@@ -106,12 +109,14 @@ def flash_attn_func(
     deterministic=False,
     sm_margin=0,
     return_attn_probs=False,
+    sinks=None,
 ):
     """q (batch_size, seqlen_q, nheads, headdim), k and v (batch_size, seqlen_k, nheads_k, headdim),
     nheads % nheads_k == 0; masks aligned to the bottom-right corner. Returns out, and with
-    return_attn_probs (out, softmax_lse (batch_size, nheads, seqlen_q))."""
+    return_attn_probs (out, softmax_lse (batch_size, nheads, seqlen_q)). sinks (nheads,): attention
+    sinks (SGLang's build's argument; differentiable)."""
     _refuse_fp8_qv_chunk(q, qv, q_descale, k_descale, v_descale, attention_chunk)
-    return _attn(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs)
+    return _attn(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs, sinks)
 
 
 def flash_attn_varlen_func(
@@ -136,18 +141,20 @@ def flash_attn_varlen_func(
     deterministic=False,
     sm_margin=0,
     return_attn_probs=False,
+    sinks=None,
 ):
     """q (total_q, nheads, headdim), k and v (total_k, nheads_k, headdim), cu_seqlens_q/k int32
     (batch_size + 1,). seqused_q / seqused_k int32 (batch_size,): sequence b is the first seqused
     rows of its cu_seqlens slot (a padded batch runs in place); the other rows get out 0, lse -inf
-    and gradient 0. Returns out, and with return_attn_probs (out, softmax_lse (nheads, total_q))."""
+    and gradient 0. Returns out, and with return_attn_probs (out, softmax_lse (nheads, total_q)).
+    sinks: as flash_attn_func's."""
     _refuse_fp8_qv_chunk(q, qv, q_descale, k_descale, v_descale, attention_chunk)
     _fa2._require(cu_seqlens_q is not None and cu_seqlens_k is not None,
                   "flashmonoid.flash_attn3_interface: flash_attn_varlen_func needs cu_seqlens_q and cu_seqlens_k "
                   "(a batched q or k runs through flash_attn_func)")
     return _fa2._attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, softmax_scale,
                              causal, window_size, softcap, None, deterministic, return_attn_probs, seqused_q, seqused_k,
-                             s_dmask=False)
+                             s_dmask=False, sinks=sinks)
 
 
 def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
@@ -208,6 +215,7 @@ def flash_attn_with_kvcache(
     pack_gqa=None,
     sm_margin=0,
     return_softmax_lse=False,
+    sinks=None,
 ):
     """flashmonoid.flash_attn_interface.flash_attn_with_kvcache with flash-attn 3's names: the pages'
     block table is page_table (any page size). k, v are written into the caches in place at
@@ -221,7 +229,10 @@ def flash_attn_with_kvcache(
     paged varlen call with cache_seqlens as its seqused_k (flashmonoid::forward_varlen with a block
     table; a contiguous cache is one page per sequence), with no host read of a device tensor, so it
     can be captured in a CUDA graph. No new k, v or rotary in this form;
-    cu_seqlens_k_new describes new keys and is unused without them."""
+    cu_seqlens_k_new describes new keys and is unused without them.
+
+    sinks (nheads,): attention sinks (SGLang's build's argument, which its gpt-oss path passes), merged
+    into the result (torch_ops.merge_sink); forward only, as the call is."""
     _refuse_fp8_qv_chunk(q, qv, q_descale, k_descale, v_descale, attention_chunk)
     _refuse("rotary_seqlens", rotary_seqlens)
     if k is not None:
@@ -231,11 +242,17 @@ def flash_attn_with_kvcache(
         out, lse = _kvcache_varlen_q(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                      cache_leftpad, page_table, cu_seqlens_q, max_seqlen_q, softmax_scale, causal,
                                      window_size, softcap)
-        return (out, lse, empty, empty) if return_softmax_lse else out
-    r = _fa2.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                                     cache_leftpad, page_table, softmax_scale, causal, window_size, softcap,
-                                     rotary_interleaved, None, num_splits, return_softmax_lse)
-    return (r[0], r[1], empty, empty) if return_softmax_lse else r
+    else:  # the lse only when asked for (else the call keeps it in its workspace)
+        need_lse = return_softmax_lse or sinks is not None
+        r = _fa2.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                         cache_batch_idx, cache_leftpad, page_table, softmax_scale, causal,
+                                         window_size, softcap, rotary_interleaved, None, num_splits, need_lse)
+        out, lse = r if need_lse else (r, None)
+    if sinks is not None:
+        _fa2._require(sinks.dim() == 1 and sinks.shape[0] == q.shape[-2] and sinks.is_floating_point(),
+                      "sinks must be a float tensor of shape (num_heads,)")
+        out, lse = torch_ops.merge_sink(out, lse, sinks)
+    return (out, lse, empty, empty) if return_softmax_lse else out
 
 
 def _kvcache_varlen_q(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,

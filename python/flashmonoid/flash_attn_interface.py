@@ -103,15 +103,15 @@ def _scale(q, softmax_scale):
 
 
 def _attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-          return_attn_probs, s_dmask=True):
+          return_attn_probs, s_dmask=True, sinks=None):
     """out, or with return_attn_probs (out, lse, S_dmask); s_dmask=False: (out, lse) (flash-attn 3's
-    return_attn_probs, which has no S_dmask to materialise)."""
+    return_attn_probs, which has no S_dmask to materialise). sinks: torch_ops.attention's."""
     _check_batched(q, k, v, alibi_slopes, dropout_p)
     softmax_scale = _scale(q, softmax_scale)
     rng = torch_ops.new_rng(dropout_p)
     out, lse = torch_ops.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window_size,
                                    softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                                   deterministic=deterministic, rng=rng)
+                                   deterministic=deterministic, rng=rng, sinks=sinks)
     if not return_attn_probs:
         return out
     if not s_dmask:

@@ -15,7 +15,8 @@ from conftest import require_supported  # noqa: E402
 from test_flash_attn_interface import CONFIGS, HAS_CUDA, check_rule, rand  # noqa: E402
 from torch_reference import attention as ref_attention, lse as ref_lse  # noqa: E402
 
-# flash-attn 3's (hopper/flash_attn_interface.py) parameters and defaults, in order.
+# flash-attn 3's (hopper/flash_attn_interface.py) parameters and defaults, in order; sinks, last, is
+# SGLang's build's (sgl-kernel), which its gpt-oss path passes.
 _D = (-1, -1)
 SIGNATURES = {
     "flash_attn_qkvpacked_func": [
@@ -26,13 +27,14 @@ SIGNATURES = {
         ("q", None), ("k", None), ("v", None), ("softmax_scale", None), ("causal", False), ("qv", None),
         ("q_descale", None), ("k_descale", None), ("v_descale", None), ("window_size", _D), ("attention_chunk", 0),
         ("softcap", 0.0), ("num_splits", 1), ("pack_gqa", None), ("deterministic", False), ("sm_margin", 0),
-        ("return_attn_probs", False)],
+        ("return_attn_probs", False), ("sinks", None)],
     "flash_attn_varlen_func": [
         ("q", None), ("k", None), ("v", None), ("cu_seqlens_q", None), ("cu_seqlens_k", None),
         ("max_seqlen_q", None), ("max_seqlen_k", None), ("seqused_q", None), ("seqused_k", None),
         ("softmax_scale", None), ("causal", False), ("qv", None), ("q_descale", None), ("k_descale", None),
         ("v_descale", None), ("window_size", _D), ("attention_chunk", 0), ("softcap", 0.0), ("num_splits", 1),
-        ("pack_gqa", None), ("deterministic", False), ("sm_margin", 0), ("return_attn_probs", False)],
+        ("pack_gqa", None), ("deterministic", False), ("sm_margin", 0), ("return_attn_probs", False),
+        ("sinks", None)],
     "flash_attn_combine": [("out_partial", None), ("lse_partial", None), ("out", None), ("out_dtype", None)],
     "flash_attn_with_kvcache": [
         ("q", None), ("k_cache", None), ("v_cache", None), ("k", None), ("v", None), ("qv", None),
@@ -41,7 +43,7 @@ SIGNATURES = {
         ("max_seqlen_q", None), ("rotary_seqlens", None), ("q_descale", None), ("k_descale", None),
         ("v_descale", None), ("softmax_scale", None), ("causal", False), ("window_size", _D),
         ("attention_chunk", 0), ("softcap", 0.0), ("rotary_interleaved", True), ("scheduler_metadata", None),
-        ("num_splits", 0), ("pack_gqa", None), ("sm_margin", 0), ("return_softmax_lse", False)],
+        ("num_splits", 0), ("pack_gqa", None), ("sm_margin", 0), ("return_softmax_lse", False), ("sinks", None)],
     "get_scheduler_metadata": [
         ("batch_size", None), ("max_seqlen_q", None), ("max_seqlen_k", None), ("num_heads_q", None),
         ("num_heads_kv", None), ("headdim", None), ("cache_seqlens", None), ("qkv_dtype", torch.bfloat16),
@@ -209,11 +211,12 @@ def test_kvcache_page_table_is_the_block_table(device, dtype):
 
 @pytest.mark.parametrize("device,dtype", CONFIGS)
 @pytest.mark.parametrize("page", [1, 16, 0], ids=["page1", "page16", "contiguous"])
-def test_kvcache_packed_queries_as_sglang_calls_it(device, dtype, page):
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
+def test_kvcache_packed_queries_as_sglang_calls_it(device, dtype, page, with_sinks):
     """SGLang's flash-attn 3 backend: packed queries (cu_seqlens_q, max_seqlen_q) whose keys are
     already the last rows of each sequence's cache_seqlens, shuffled pages of 1 or 16 rows (or a
-    contiguous cache), causal, cu_seqlens_k_new passed without new keys: each sequence meets the
-    FlashAttention rule against float64 over its keys; lse (nheads, total_q)."""
+    contiguous cache), causal, cu_seqlens_k_new passed without new keys, and (its gpt-oss path) sinks:
+    each sequence meets the FlashAttention rule against float64 over its keys; lse (nheads, total_q)."""
     h, h_k, d, cap = 4, 2, 64, 48
     lens_q, lens_k = [5, 1, 0, 9], [12, 7, 3, 9]  # extend, decode, nothing new, a whole prefill
     b = len(lens_q)
@@ -236,22 +239,57 @@ def test_kvcache_packed_queries_as_sglang_calls_it(device, dtype, page):
     require_supported(q[None], k_cache[:1], causal=True)
     cu_q = i32([sum(lens_q[:e]) for e in range(b + 1)])
     cu_k = i32([sum(lens_k[:e]) for e in range(b + 1)])
+    sinks = torch.tensor([1.0, -2.0, 0.5, 3.0], device=device) if with_sinks else None
     out, lse, *rest = fa3.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=i32(lens_k), page_table=table,
                                                   cu_seqlens_q=cu_q, cu_seqlens_k_new=cu_k, max_seqlen_q=max(lens_q),
-                                                  causal=True, return_softmax_lse=True)
+                                                  causal=True, return_softmax_lse=True, sinks=sinks)
     assert out.shape == q.shape and lse.shape == (h, q.shape[0]) and [r.numel() for r in rest] == [0, 0]
     for e in range(b):
         rq = slice(sum(lens_q[:e]), sum(lens_q[:e + 1]))
         if rq.stop == rq.start:
             continue
         seq = (q[rq][None], rows[e][:lens_k[e]][None], rows[b + e][:lens_k[e]][None])
-        low, ref = (ref_attention(*seq, causal=True, upcast=u) for u in (False, True))
+        low, ref = (ref_attention(*seq, causal=True, upcast=u, sinks=sinks) for u in (False, True))
         floor = 1e-5 if dtype == torch.float32 else 0.0
         assert (out[rq].double() - ref[0]).abs().max() <= 2 * (low[0].double() - ref[0]).abs().max() + floor
         # lse by the same rule: the log-sum-exp of each query's visible scores in float64, against
         # the same math in the input dtype.
-        want, low = (ref_lse(*seq[:2], causal=True, upcast=u)[0].double() for u in (True, False))
+        want, low = (ref_lse(*seq[:2], causal=True, upcast=u, sinks=sinks)[0].double() for u in (True, False))
         assert (lse[:, rq].double() - want).abs().max() <= 2 * (low - want).abs().max() + floor
+
+
+@pytest.mark.parametrize("device,dtype", CONFIGS)
+def test_sinks_in_the_batched_and_kvcache_calls(device, dtype):
+    """sinks (SGLang's build's argument) in flash_attn_func (out, lse and the gradients of q, k, v and
+    the sinks) and in the KV-cache call over a contiguous cache with cache_seqlens (out and lse), by
+    the rule against float64 with the sink as one more softmax column."""
+    h, d = 4, 64
+    q, k, v = (rand(2, 5, h, d, device=device, dtype=dtype), rand(2, 9, 2, d, device=device, dtype=dtype, seed=1),
+               rand(2, 9, 2, d, device=device, dtype=dtype, seed=2))
+    require_supported(q, k, causal=True)
+    sinks = torch.tensor([0.5, 2.0, -1.0, 1.5], device=device, requires_grad=True)
+    floor = 1e-5 if dtype == torch.float32 else 0.0
+
+    def rule(x, ref, low):  # the FlashAttention rule against float64 (ref) and the input dtype's math (low)
+        return (x.double() - ref.double()).abs().max() <= 2 * (low.double() - ref.double()).abs().max() + floor
+
+    out, lse = fa3.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, sinks=sinks)
+    ref, low = (ref_attention(q, k, v, causal=True, upcast=u, sinks=sinks) for u in (True, False))
+    assert rule(out, ref, low)
+    assert rule(lse, *(ref_lse(q, k, causal=True, upcast=u, sinks=sinks) for u in (True, False)))
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(device=device, dtype=dtype)
+    for g, r, lo in zip(*(torch.autograd.grad(x, (q, k, v, sinks), dout.to(x.dtype)) for x in (out, ref, low))):
+        assert rule(g, r, lo)
+    lens = [9, 6]  # the second sequence's cache holds 6 of its 9 rows; NaN past them must not be read
+    k_cache, v_cache = k.detach().clone(), v.detach().clone()
+    k_cache[1, 6:], v_cache[1, 6:] = float("nan"), float("nan")
+    out, lse, *_ = fa3.flash_attn_with_kvcache(q.detach(), k_cache, v_cache, causal=True, sinks=sinks.detach(),
+                                               cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=device),
+                                               return_softmax_lse=True)
+    for e, n in enumerate(lens):
+        seq = (q[e:e + 1].detach(), k[e:e + 1, :n].detach(), v[e:e + 1, :n].detach())
+        assert rule(out[e], *(ref_attention(*seq, causal=True, upcast=u, sinks=sinks.detach())[0] for u in (True, False)))
+        assert rule(lse[e], *(ref_lse(*seq[:2], causal=True, upcast=u, sinks=sinks.detach())[0] for u in (True, False)))
 
 
 def test_return_attn_probs_materialises_no_s_dmask(monkeypatch):
