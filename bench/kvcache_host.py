@@ -72,15 +72,28 @@ def sync(dev):
         torch.cuda.synchronize()
 
 
-def host_us(call, dev, runs=RUNS, waits=None):
+def cpu_mhz():
+    """The mean of /proc/cpuinfo's "cpu MHz" over the cores (None where there is none): the machine's
+    clock state beside a run, to tell a slow machine from a slow call."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            mhz = [float(line.split(":")[1]) for line in f if line.startswith("cpu MHz")]
+        return round(sum(mhz) / len(mhz)) if mhz else None
+    except OSError:
+        return None
+
+
+def host_us(call, dev, runs=RUNS, waits=None, clocks=None):
     """Per-call host time of each run (us): CALLS calls queued back to back, one sync after. waits (a
     list) gets each run's wait in that sync (us): about one call's GPU time when the GPU kept up, the
-    queue's worth of GPU work when the host ran ahead."""
+    queue's worth of GPU work when the host ran ahead. clocks (a list) gets cpu_mhz() before each run."""
     for _ in range(50 if dev == "cuda" else 2000):  # the CPU backend's threads settle more slowly
         call()
     sync(dev)
     per_call = []
     for _ in range(runs):
+        if clocks is not None:
+            clocks.append(cpu_mhz())
         t0 = time.perf_counter()
         for _ in range(CALLS):
             call()
@@ -170,26 +183,28 @@ def main():
     # in its workspace instead of a tensor of its own).
     for b, page, lse in ((1, 0, False), (1, 16, False), (8, 0, False), (1, 0, True)):
         call, shape = make_call(b, page, dev, lse)
-        waits = []
-        per_call = host_us(call, dev, waits=waits)
+        waits, clocks = [], []
+        per_call = host_us(call, dev, waits=waits, clocks=clocks)
         r = {"impl": "flashmonoid_python", "pass": "decode_host", **shape, "append": True, "rotary": True,
              "return_softmax_lse": lse, "calls": CALLS, "host_us": round(statistics.median(per_call), 2),
              "host_us_runs": [round(x, 2) for x in per_call], "sync_wait_us_runs": [round(x) for x in waits],
+             "cpu_mhz_runs": clocks,
              "device": name, "torch": torch.__version__}
         if a.breakdown:
             r["breakdown"] = breakdown(call, dev)
         out.append(r)
         print(json.dumps(out[-1]), file=sys.stderr)
     for impl, call, shape, context in peer_calls(dev) if a.peers and dev == "cuda" else ():
+        clocks = []
         try:
             with context:
-                per_call = host_us(call, dev)
+                per_call = host_us(call, dev, clocks=clocks)
         except RuntimeError as e:  # a backend that does not take this shape here
             print(f"{impl}: {str(e).splitlines()[0]}", file=sys.stderr)
             continue
         out.append({"impl": impl, "pass": "decode_host", **shape, "append": False, "rotary": False, "calls": CALLS,
                     "host_us": round(statistics.median(per_call), 2), "host_us_runs": [round(x, 2) for x in per_call],
-                    "device": name, "torch": torch.__version__})
+                    "cpu_mhz_runs": clocks, "device": name, "torch": torch.__version__})
         print(json.dumps(out[-1]), file=sys.stderr)
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
