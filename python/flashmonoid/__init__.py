@@ -82,7 +82,7 @@ def _options(q, causal, softmax_scale, window, softcap, dropout_p, dropout_seed,
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None,
-              dropout_p=0.0, return_lse=False, dropout_seed=None, dropout_offset=0, deterministic=False):
+              dropout_p=0.0, return_lse=False, dropout_seed=None, dropout_offset=0, deterministic=False, sinks=None):
     """out = softmax(mask(softmax_scale · q kᵀ)) v for q (b, s_q, h, d), k and v (b, s_k, h_k, d).
 
     softmax_scale: default 1/sqrt(d). window: (left, right), -1 unbounded. softcap: scores become
@@ -90,7 +90,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), sof
     -slope·|i + s_k - s_q - j|. dropout_p: drops probabilities with the Philox mask of
     (dropout_seed, dropout_offset); a None seed draws one (torch's or NumPy's global generator):
     pass it explicitly to reproduce the mask in attention_backward. deterministic: backward only.
-    Returns out, or (out, lse) with return_lse.
+    sinks: float (h,) of q's family: attention sinks, one more score per head in every row's softmax
+    whose value is 0 (gpt-oss's), merged into the result (merge with the part (0, sink); differentiable
+    for torch tensors; lse counts them). Returns out, or (out, lse) with return_lse.
     """
     _check_ndim(q, "q", 4, "(batch, seqlen_q, heads, head_dim)")
     if _backend.family(q) == "torch":
@@ -99,24 +101,37 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), sof
         out, lse = torch_ops.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
                                        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                                        deterministic=deterministic,
-                                       rng=_torch_rng(q, dropout_p, dropout_seed, dropout_offset))
+                                       rng=_torch_rng(q, dropout_p, dropout_seed, dropout_offset), sinks=sinks)
         return (out, lse) if return_lse else out
     b, s_q, h, _ = q.shape
     out = _backend.empty(q, q.shape)
     lse = _backend.empty(q, (b, h, s_q), "float32")
     opts = _options(q, causal, softmax_scale, window, softcap, dropout_p, dropout_seed, dropout_offset)
     _backend.forward(q, k, v, out, lse, opts, alibi_slopes)
+    if sinks is not None:
+        out, lse = _merge_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
+
+
+def _merge_sinks(out, lse, sinks):
+    """NumPy / CuPy (out, lse) merged with the part (out 0, lse = each head's sink): attention sinks.
+    lse (b, h, s) or (h, total), the head its second-to-last dim."""
+    zeros = _backend.empty(out, out.shape)
+    zeros.fill(0)
+    sink = _backend.empty(lse, lse.shape, "float32")
+    sink[...] = sinks.reshape(-1, 1)
+    return merge([out, zeros], [lse, sink])
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
                      return_lse=False, dropout_seed=None, dropout_offset=0, deterministic=False, seqused_q=None,
-                     seqused_k=None):
+                     seqused_k=None, sinks=None):
     """attention() over packed sequences: q (total_q, h, d), k and v (total_k, h_k, d); sequence i
     owns rows cu_seqlens_q[i]:cu_seqlens_q[i+1] of q (int32, on q's device). lse is (h, total_q).
     seqused_q / seqused_k (int32 (b)): sequence i is the first seqused rows of that slot (a padded
-    batch in place); the other rows get out 0 and lse -inf, and max_seqlen bounds the used lengths."""
+    batch in place); the other rows get out 0 and lse -inf, and max_seqlen bounds the used lengths.
+    sinks: as attention()'s (a row without keys: out 0, lse = its sink)."""
     _check_ndim(q, "q", 3, "(total_q, heads, head_dim)")
     if _backend.family(q) == "torch":
         from . import torch_ops
@@ -125,7 +140,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
             softmax_scale=softmax_scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
             dropout_p=dropout_p, deterministic=deterministic,
-            rng=_torch_rng(q, dropout_p, dropout_seed, dropout_offset), seqused_q=seqused_q, seqused_k=seqused_k)
+            rng=_torch_rng(q, dropout_p, dropout_seed, dropout_offset), seqused_q=seqused_q, seqused_k=seqused_k,
+            sinks=sinks)
         return (out, lse) if return_lse else out
     out = _backend.empty(q, q.shape)
     lse = _backend.empty(q, (q.shape[1], q.shape[0]), "float32")
@@ -135,6 +151,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     opts = _options(q, causal, softmax_scale, window, softcap, dropout_p, dropout_seed, dropout_offset)
     _backend.forward(q, k, v, out, lse, opts, alibi_slopes,
                      (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), seqused_q, seqused_k))
+    if sinks is not None:
+        out, lse = _merge_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
 
 

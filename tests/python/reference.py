@@ -8,10 +8,11 @@ import numpy as np
 
 
 def attention(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None,
-              keep=None, dropout_p=0.0):
+              keep=None, dropout_p=0.0, sinks=None):
     """q (b, s_q, h, d), k, v (b, s_k, h_k, d) -> out float64 like q, lse (b, h, s_q).
 
-    keep: optional boolean (b, h, s_q, s_k) dropout keep-mask."""
+    keep: optional boolean (b, h, s_q, s_k) dropout keep-mask. sinks (h,): one more score per head in
+    every row's softmax, whose value is 0 (counted in lse)."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     b, s_q, h, d = q.shape
     s_k, h_k = k.shape[1], k.shape[2]
@@ -38,6 +39,9 @@ def attention(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), softca
     if left >= 0:
         visible &= j >= i + diag - left
     s = np.where(visible, s, -np.inf)
+    if sinks is not None:
+        column = np.broadcast_to(np.asarray(sinks, dtype=np.float64)[None, :, None, None], (b, h, s_q, 1))
+        s = np.concatenate([s, column], axis=-1)
     m = s.max(axis=-1, keepdims=True)
     m = np.where(np.isneginf(m), 0.0, m)
     e = np.exp(s - m)
@@ -45,6 +49,7 @@ def attention(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), softca
     p = np.where(denom > 0, e / np.where(denom > 0, denom, 1.0), 0.0)
     with np.errstate(divide="ignore"):
         lse = (np.log(denom) + m)[..., 0]
+    p = p[..., :s_k]  # the sinks' column, if any, has no value
     if keep is not None:
         p = p * keep / (1.0 - dropout_p)
     out = np.einsum("bhij,bjhd->bihd", p, v)

@@ -56,6 +56,38 @@ def test_forward_fp32(algorithm, case, s_q, s_k):
         assert rel_err(lse[finite], ref_lse[finite]) <= 1e-5
 
 
+@pytest.mark.parametrize("case", [dict(causal=True), dict(window=(3, 0)), dict(softcap=1.5)],
+                         ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_sinks(algorithm, case):
+    """Attention sinks (one more score per head, value 0): out and lse against the float64 reference
+    with the sink as one more softmax column; causal with s_q > s_k leaves rows without keys: out 0,
+    lse = the sink."""
+    q, k, v = make((2, 9, 4, 16), (2, 6, 2, 16))
+    sinks = np.array([1.0, -0.5, 2.5, 0.0], dtype=np.float32)
+    out, lse = fm.attention(q, k, v, return_lse=True, sinks=sinks, **case)
+    ref_out, ref_lse = ref_attention(q, k, v, sinks=sinks, **case)
+    assert out.dtype == np.float32 and lse.shape == (2, 4, 9)
+    assert rel_err(out, ref_out) <= 1e-5 and rel_err(lse, ref_lse) <= 1e-5
+    plain = fm.attention(q, k, v, **case)
+    assert rel_err(plain, out) > 1e-3  # the sinks took weight
+
+
+def test_varlen_sinks_match_per_sequence(algorithm):
+    lens_q, lens_k = [5, 0, 7], [8, 3, 4]
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((sum(lens_q), 4, 16)).astype(np.float32)
+    k, v = (rng.standard_normal((sum(lens_k), 2, 16)).astype(np.float32) for _ in range(2))
+    cu = lambda lens: np.array([0] + list(np.cumsum(lens)), dtype=np.int32)  # noqa: E731
+    sinks = np.array([0.5, 1.5, -1.0, 3.0], dtype=np.float32)
+    out, lse = fm.attention_varlen(q, k, v, cu(lens_q), cu(lens_k), 7, 8, causal=True, return_lse=True, sinks=sinks)
+    for i in range(3):
+        rq, rk = slice(cu(lens_q)[i], cu(lens_q)[i + 1]), slice(cu(lens_k)[i], cu(lens_k)[i + 1])
+        if rq.stop == rq.start:
+            continue
+        ref_out, ref_lse = ref_attention(q[None, rq], k[None, rk], v[None, rk], causal=True, sinks=sinks)
+        assert rel_err(out[rq], ref_out[0]) <= 1e-5 and rel_err(lse[:, rq], ref_lse[0]) <= 1e-5
+
+
 def test_fully_masked_rows_are_zero_with_lse_minus_inf(algorithm):
     q, k, v = make((1, 6, 2, 8), (1, 3, 2, 8))
     out, lse = fm.attention(q, k, v, causal=True, return_lse=True)  # rows 0..2 see no key
