@@ -116,6 +116,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), sof
 def _merge_sinks(out, lse, sinks):
     """NumPy / CuPy (out, lse) merged with the part (out 0, lse = each head's sink): attention sinks.
     lse (b, h, s) or (h, total), the head its second-to-last dim."""
+    if tuple(sinks.shape) != (lse.shape[-2],):
+        raise ValueError(f"flashmonoid: sinks: must have shape (heads,) = ({lse.shape[-2]},), got {tuple(sinks.shape)}")
     zeros = _backend.empty(out, out.shape)
     zeros.fill(0)
     sink = _backend.empty(lse, lse.shape, "float32")

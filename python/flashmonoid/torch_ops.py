@@ -450,12 +450,20 @@ def _(outs, lses):
 # s_aux, vLLM's s_aux)
 
 
+def check_sinks(sinks, heads):
+    """A clear error for sinks that are not a float tensor of shape (heads,)."""
+    if tuple(sinks.shape) != (heads,) or not sinks.is_floating_point():
+        raise ValueError(f"flashmonoid: sinks: must be a float tensor of shape (heads,) = ({heads},), got "
+                         f"{sinks.dtype} {tuple(sinks.shape)}")
+
+
 def merge_sink(out, lse, sinks):
     """(out, lse) of attention merged with a key of score sinks[h] and value 0: the library's merge
     (the monoid's) of (out, lse) with the part (0, sinks[h]), so out * exp(lse) / (exp(lse) +
     exp(sink)) and lse -> log(exp(lse) + exp(sink)). lse (b, h, s) or (h, total) against out
     (b, s, h, d) or (total, h, d), as merge's; a row without keys (lse -inf) gives 0 and lse = sink.
     Not differentiable itself (as merge): _Sinks and _SinksVarlen give the gradients."""
+    check_sinks(sinks, lse.shape[-2])
     sink = sinks.to(device=lse.device, dtype=torch.float32).view(-1, 1).expand_as(lse).contiguous()  # h: dim -2
     outs, lses = [out, torch.zeros_like(out)], [lse, sink]
     return (_merge_impl if _eager(out, lse, sink) else merge)(outs, lses)
@@ -553,6 +561,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), sof
     if _needs_pad(q):
         q, k, v = _pad(q), _pad(k), _pad(v)
     if sinks is not None:
+        check_sinks(sinks, q.shape[-2])
         out, lse = _Sinks.apply(q, k, v, sinks, scale, bool(causal), int(window[0]), int(window[1]), float(softcap),
                                 alibi_slopes, float(dropout_p), rng, bool(deterministic))
         return out[..., :d], lse
@@ -577,6 +586,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if _needs_pad(q):
         q, k, v = _pad(q), _pad(k), _pad(v)
     if sinks is not None:
+        check_sinks(sinks, q.shape[-2])
         out, lse = _SinksVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), sinks,
                                       scale, bool(causal), int(window[0]), int(window[1]), float(softcap),
                                       alibi_slopes, float(dropout_p), rng, bool(deterministic), seqused_q, seqused_k)

@@ -70,6 +70,8 @@ def test_sinks(algorithm, case):
     assert rel_err(out, ref_out) <= 1e-5 and rel_err(lse, ref_lse) <= 1e-5
     plain = fm.attention(q, k, v, **case)
     assert rel_err(plain, out) > 1e-3  # the sinks took weight
+    with pytest.raises(ValueError, match=r"sinks: must have shape \(heads,\) = \(4,\), got \(3,\)"):
+        fm.attention(q, k, v, sinks=sinks[:3], **case)
 
 
 def test_varlen_sinks_match_per_sequence(algorithm):

@@ -146,6 +146,8 @@ def test_varlen_sinks_on_a_padded_batch(device, traced):
     for g_, r in zip(grads, torch.autograd.grad(loss, (q, k, v, sinks))):
         assert rel_err(g_, r) <= 1e-4
     assert torch.equal(out[5:s_q], torch.zeros_like(out[5:s_q])) and not grads[0][5:s_q].any()
+    with pytest.raises(ValueError, match=r"sinks: must be a float tensor of shape \(heads,\) = \(4,\)"):
+        torch_ops.attention_varlen(q, k, v, cu_q, cu_k, s_q, s_k, sinks=sinks[:2])
 
 
 @pytest.mark.parametrize("device", DEVICES)
