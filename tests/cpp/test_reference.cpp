@@ -158,6 +158,68 @@ TEST(Merge, RandomSplitsAndBracketingsEqualTheWhole) {
   }
 }
 
+// Attention sinks (one more score per query head with value 0, as gpt-oss's) are the merge of the
+// result with the part (out 0, lse = the head's sink), the README's recipe for engines: against
+// attention over one more key, first, whose score is the sink for every query (an extra feature: 1 in
+// q, sink / scale in that key, 0 in the others) and whose value is 0. Plain and causal (s_k >= s_q:
+// the first key is then visible to every row, as a sink is).
+TEST(Merge, AttentionSinksAreAMergeWithAZeroPart) {
+  const int b = 2, s_q = 5, s_k = 9, h = 3, d = 8;
+  const std::array<float, 3> sinks{1.5f, -0.5f, 3.0f};
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  HostTensor q(DType::f32, {b, s_q, h, d}), k(DType::f32, {b, s_k, h, d}), v(DType::f32, {b, s_k, h, d});
+  HostTensor qa(DType::f32, {b, s_q, h, d + 1}), ka(DType::f32, {b, s_k + 1, h, d + 1});
+  HostTensor va(DType::f32, {b, s_k + 1, h, d + 1});
+  for (HostTensor* t : {&q, &k, &v})
+    for (std::int64_t i = 0; i < t->numel(); ++i) t->set(i, normal(rng()));
+  for (HostTensor* t : {&qa, &ka, &va})
+    for (std::int64_t i = 0; i < t->numel(); ++i) t->set(i, 0.0f);
+  // Element c of row r, head hh, batch e of a (b, rows, h, width) tensor.
+  auto at = [&](int e, int r, int rows, int hh, int width, int c) {
+    return ((static_cast<std::int64_t>(e) * rows + r) * h + hh) * width + c;
+  };
+  for (int e = 0; e < b; ++e)
+    for (int hh = 0; hh < h; ++hh) {
+      for (int i = 0; i < s_q; ++i) {
+        for (int c = 0; c < d; ++c) qa.set(at(e, i, s_q, hh, d + 1, c), q.get(at(e, i, s_q, hh, d, c)));
+        qa.set(at(e, i, s_q, hh, d + 1, d), 1.0f);
+      }
+      ka.set(at(e, 0, s_k + 1, hh, d + 1, d), sinks[hh] / scale);  // key 0: the sink, value 0
+      for (int j = 0; j < s_k; ++j)
+        for (int c = 0; c < d; ++c) {
+          ka.set(at(e, j + 1, s_k + 1, hh, d + 1, c), k.get(at(e, j, s_k, hh, d, c)));
+          va.set(at(e, j + 1, s_k + 1, hh, d + 1, c), v.get(at(e, j, s_k, hh, d, c)));
+        }
+    }
+  Context ctx;
+  ctx.cpu_algorithm = CpuAlgorithm::reference;
+  for (bool causal : {false, true}) {
+    flashmonoid::Options opt;
+    opt.softmax_scale = scale;
+    opt.causal = causal;
+    HostTensor o(DType::f32, {b, s_q, h, d}), l(DType::f32, {b, h, s_q});
+    HostTensor oa(DType::f32, {b, s_q, h, d + 1}), la(DType::f32, {b, h, s_q});
+    flashmonoid::forward(q.view, k.view, v.view, o.view, l.view, opt, ctx);
+    flashmonoid::forward(qa.view, ka.view, va.view, oa.view, la.view, opt, ctx);
+    HostTensor zero(DType::f32, {b, s_q, h, d}), sink(DType::f32, {b, h, s_q});
+    for (std::int64_t i = 0; i < zero.numel(); ++i) zero.set(i, 0.0f);
+    for (std::int64_t i = 0; i < sink.numel(); ++i) sink.set(i, sinks[(i / s_q) % h]);
+    HostTensor om(DType::f32, {b, s_q, h, d}), lm(DType::f32, {b, h, s_q});
+    om.poison();
+    lm.poison();
+    std::vector<TensorView> outs{o.view, zero.view}, lses{l.view, sink.view};
+    flashmonoid::merge(outs, lses, om.view, lm.view);
+    std::vector<double> want;
+    for (std::int64_t i = 0; i < oa.numel(); ++i)
+      if (i % (d + 1) != d) want.push_back(oa.get(i));
+    SCOPED_TRACE(causal ? "causal" : "plain");
+    EXPECT_LE(max_abs_diff(om.values(), want), 1e-6 * std::max(1.0, max_abs(want)));
+    EXPECT_LE(max_abs_diff(lm.values(), la.values()), 1e-6 * std::max(1.0, max_abs(la.values())));
+    EXPECT_GT(max_abs_diff(om.values(), o.values()), 1e-3);  // the sinks took weight
+  }
+}
+
 TEST(Merge, IdentityChangesNothing) {
   Shape s;
   s.b = 1;
