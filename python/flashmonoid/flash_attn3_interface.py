@@ -248,9 +248,7 @@ def flash_attn_with_kvcache(
                                          cache_batch_idx, cache_leftpad, page_table, softmax_scale, causal,
                                          window_size, softcap, rotary_interleaved, None, num_splits, need_lse)
         out, lse = r if need_lse else (r, None)
-    if sinks is not None:
-        _fa2._require(sinks.dim() == 1 and sinks.shape[0] == q.shape[-2] and sinks.is_floating_point(),
-                      "sinks must be a float tensor of shape (num_heads,)")
+    if sinks is not None:  # merge_sink checks them (torch_ops.check_sinks)
         out, lse = torch_ops.merge_sink(out, lse, sinks)
     return (out, lse, empty, empty) if return_softmax_lse else out
 

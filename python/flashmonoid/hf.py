@@ -83,8 +83,7 @@ def _flash_kwargs_varlen(query, key, value, packed, window, dropout, scale, soft
     runs it: one varlen call over the row's sequences with the window of _flash_kwargs_window."""
     cu_q, cu_k, max_q, max_k = packed
     b, h, s_q, d = query.shape
-    q = query.transpose(1, 2).reshape(s_q, h, d)
-    k, v = (x.transpose(1, 2).reshape(x.shape[2], x.shape[1], d) for x in (key, value))
+    q, k, v = (sdpa._rows(x) for x in (query, key, value))
     out, _ = torch_ops.attention_varlen(q, k, v, cu_q.int(), cu_k.int(), int(max_q), int(max_k), softmax_scale=scale,
                                         window=window, softcap=softcap, dropout_p=dropout, sinks=sinks,
                                         deterministic=torch.are_deterministic_algorithms_enabled())

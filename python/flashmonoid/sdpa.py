@@ -520,15 +520,20 @@ def _per_row_pages(query, key, value, mask, scale, softcap, sinks=None):
     return out.transpose(1, 2)
 
 
+def _rows(x):
+    """(b, h, s, d) -> the packed (b * s, h, d) rows of a varlen call: a view of transformers' (b, s, h, d)
+    projections, which reach attention transposed."""
+    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
+
+
 def _per_entry_varlen(query, key, value, window, entries, scale, softcap, dropout_p, deterministic, sinks=None):
     """Each entry's rows as varlen calls (with backward and dropout) over the padded batch in place
     (used lengths, _Entries.varlen_calls): its band rows with the window, the rows after the band (which
     see every key of the entry) without one; rows without keys stay 0. No gather or scatter: each call
     leaves 0 in the rows it does not own, so the output is their sum."""
     b, h, s_q, d = query.shape
-    h_k, s_k = key.shape[1], key.shape[2]
-    q = query.transpose(1, 2).reshape(b * s_q, h, d)  # views of transformers' (b, s, h, d) projections
-    k, v = (x.transpose(1, 2).reshape(b * s_k, h_k, d) for x in (key, value))
+    s_k = key.shape[2]
+    q, k, v = (_rows(x) for x in (query, key, value))
     out = None
     for w, cu_q, used_q, cu_k, used_k, max_q, max_k in entries.varlen_calls(query.device, s_q, s_k, window):
         o, _ = torch_ops.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, window=w,
@@ -545,8 +550,7 @@ def _per_sequence_varlen(query, key, value, window, packed, scale, softcap, drop
     sequence its own queries and keys."""
     b, h, s, d = query.shape
     cu, longest = packed.cu_seqlens(query.device)
-    q = query.transpose(1, 2).reshape(b * s, h, d)  # views of transformers' (b, s, h, d) projections
-    k, v = (x.transpose(1, 2).reshape(b * s, x.shape[1], d) for x in (key, value))
+    q, k, v = (_rows(x) for x in (query, key, value))
     out, _ = torch_ops.attention_varlen(q, k, v, cu, cu, longest, longest, softmax_scale=scale, window=window,
                                         softcap=softcap, dropout_p=dropout_p, deterministic=deterministic, sinks=sinks)
     return out.view(b, s, h, d).transpose(1, 2)

@@ -450,10 +450,10 @@ def _(outs, lses):
 # s_aux, vLLM's s_aux)
 
 
-def check_sinks(sinks, heads):
-    """A clear error for sinks that are not a float tensor of shape (heads,)."""
+def check_sinks(sinks, heads, name="sinks"):
+    """A clear error, naming the argument, for sinks that are not a float tensor of shape (heads,)."""
     if tuple(sinks.shape) != (heads,) or not sinks.is_floating_point():
-        raise ValueError(f"flashmonoid: sinks: must be a float tensor of shape (heads,) = ({heads},), got "
+        raise ValueError(f"flashmonoid: {name}: must be a float tensor of shape (heads,) = ({heads},), got "
                          f"{sinks.dtype} {tuple(sinks.shape)}")
 
 

@@ -38,8 +38,6 @@ from . import flash_attn_interface as _fa2
 
 DEFAULT_FA_VERSION = 2
 
-_REFUSED = {"q_v": "the extra query part of MLA decoding", "q_descale": "FP8 scaling", "k_descale": "FP8 scaling",
-            "v_descale": "FP8 scaling"}
 
 
 def _refuse(name, what):
@@ -47,8 +45,10 @@ def _refuse(name, what):
 
 
 def _unsupported_reason(fa_version, device=None):
-    if fa_version not in (2, 3):
+    if fa_version not in (2, 3, 4):  # the versions vLLM's build knows
         raise AssertionError(f"Unsupported FA version: {fa_version}")
+    if fa_version == 4:
+        return "flashmonoid stands in for fa_version 2 and 3 (flash-attn 4's CuTe interface is not mirrored)"
     if not _C.cuda_available():
         return "flashmonoid's CUDA backend is not built or sees no GPU of compute capability >= 8.0"
     if torch.cuda.get_device_capability(device)[0] < 8:
@@ -57,7 +57,8 @@ def _unsupported_reason(fa_version, device=None):
 
 
 def is_fa_version_supported(fa_version, device=None):
-    """True where flashmonoid's CUDA backend runs on the device (sm80 and later), for fa_version 2 or 3."""
+    """True where flashmonoid's CUDA backend runs on the device (sm80 and later), for fa_version 2 or 3
+    (4: False)."""
     return _unsupported_reason(fa_version, device) is None
 
 
@@ -138,9 +139,10 @@ def flash_attn_varlen_func(
         raise AssertionError("seqused_k must be provided if block_table is provided")
     if fa_version not in (2, 3):
         raise ValueError(f"Unsupported FA version: {fa_version}")
-    for name in ("q_v", "q_descale", "k_descale", "v_descale"):
-        if locals()[name] is not None:
-            _refuse(name, _REFUSED[name] + "; leave it None")
+    for name, value, what in (("q_v", q_v, "the extra query part of MLA decoding"), ("q_descale", q_descale, "FP8"),
+                              ("k_descale", k_descale, "FP8"), ("v_descale", v_descale, "FP8")):
+        if value is not None:
+            _refuse(name, what + "; leave it None")
     if q.dtype in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)):
         _refuse("q", "float8 inputs (FP8); use fp16 or bf16")
     if cp_world_size != 1:
@@ -148,8 +150,7 @@ def flash_attn_varlen_func(
     window = (-1, -1) if window_size is None else tuple(window_size)
     _fa2._require(len(window) == 2, "window_size must be (left, right)")
     if s_aux is not None:
-        _fa2._require(s_aux.dim() == 1 and s_aux.shape[0] == q.shape[1] and s_aux.is_floating_point(),
-                      "s_aux must be a float tensor of shape (num_heads,)")
+        torch_ops.check_sinks(s_aux, q.shape[1], "s_aux")
     if seqused_k is not None:  # forward only (pages)
         result, lse = _fa2._attn_varlen_paged(q, k, v, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, dropout_p,
                                               softmax_scale, causal, window, softcap, alibi_slopes, True, block_table,

@@ -327,6 +327,8 @@ def test_refused_arguments_name_themselves():
             fa3.flash_attn_with_kvcache(q[0], k, v, cu_seqlens_q=cu, max_seqlen_q=4, **extra)
     with pytest.raises(RuntimeError, match="max_seqlen_q must be provided"):
         fa3.flash_attn_with_kvcache(q[0], k, v, cu_seqlens_q=cu)
+    with pytest.raises(ValueError, match=r"sinks: must be a float tensor of shape \(heads,\) = \(2,\)"):
+        fa3.flash_attn_with_kvcache(q, k, v, cache_seqlens=6, sinks=torch.zeros(3))
     if hasattr(torch, "float8_e4m3fn"):
         with pytest.raises(NotImplementedError, match="float8"):
             fa3.flash_attn_func(q.to(torch.float8_e4m3fn), k, v)

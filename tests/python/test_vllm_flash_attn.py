@@ -207,7 +207,7 @@ def test_refusals_and_vllms_assertions():
         call(cu_seqlens_k=cu, block_table=table)
     with pytest.raises(ValueError, match="Unsupported FA version: 4"):
         call(seqused_k=used, block_table=table, fa_version=4)
-    with pytest.raises(RuntimeError, match="s_aux must be a float tensor of shape .num_heads"):
+    with pytest.raises(ValueError, match=r"s_aux: must be a float tensor of shape \(heads,\) = \(2,\)"):
         call(seqused_k=used, block_table=table, s_aux=torch.zeros(3))
     with pytest.raises(RuntimeError, match="out must have the shape and dtype of q"):
         call(seqused_k=used, block_table=table, out=torch.empty(4, 2, 32))
@@ -220,6 +220,10 @@ def test_fa_version_support_follows_the_cuda_backend():
         assert vfa.is_fa_version_supported(version) == HAS_CUDA
         reason = vfa.fa_version_unsupported_reason(version)
         assert (reason is None) == HAS_CUDA and (HAS_CUDA or "CUDA backend" in reason)
+    # vLLM asks about flash-attn 4 on Blackwell: a reason, as its own build gives, not an error.
+    assert not vfa.is_fa_version_supported(4) and "fa_version 2 and 3" in vfa.fa_version_unsupported_reason(4)
+    with pytest.raises(AssertionError, match="Unsupported FA version: 5"):
+        vfa.is_fa_version_supported(5)
 
 
 def test_compiles_without_graph_breaks():
