@@ -121,12 +121,14 @@ step "compute-sanitizer (memcheck, racecheck, synccheck) on small cases"
 # 64/32 causal (the short_band variant; case18, case19), the hdim-96 and -192 buckets (case30: hdim 80
 # in the 96 bucket, case31: 96 with dropout, case34: 160 in the 192 bucket, case37: 96's 192-row tiles,
 # case42: hdim 224 with dropout on the head-split kernel),
-# score modifiers, varlen (case21), and hdim 64/128/256 with many tiles per block or one block per
-# tile (CudaForwardGrid: SM margin, persistent_kernels off). Backward (both families): odd seqlens and varlen, the boundary paths.
-SAN_FWD=${FM_SANITIZE_FWD:-'Grid/CudaForward.*/sm80_case0:Grid/CudaForward.*/sm80_case1:Grid/CudaForward.*/sm80_case3:Grid/CudaForward.*/sm80_case25:Decode/CudaSplitKV.*/case0:CudaDropout.*:CudaMerge.*:Hopper/CudaForward.*/sm90_case0:Hopper/CudaForward.*/sm90_case1:Hopper/CudaForward.*/sm90_case8:Hopper/CudaForward.*/sm90_case9:Hopper/CudaForward.*/sm90_case13:Hopper/CudaForward.*/sm90_case18:Hopper/CudaForward.*/sm90_case19:Hopper/CudaForward.*/sm90_case30:Hopper/CudaForward.*/sm90_case31:Hopper/CudaForward.*/sm90_case34:Hopper/CudaForward.*/sm90_case37:Hopper/CudaForward.*/sm90_case42:Grid/CudaForward.*/sm90_case21:CudaForwardGrid.PersistentPerTileAndMarginGiveTheSameBits:CudaForwardGrid.SplitTailReplaysInAGraph'}
+# score modifiers, varlen (case21), varlen used lengths (Grid case37 on sm80, case38 on sm90; split-KV
+# decoding's case9), and hdim 64/128/256 with many tiles per block or one block per tile
+# (CudaForwardGrid: SM margin, persistent_kernels off). Backward (both families): odd seqlens, varlen
+# and its used lengths, the boundary paths.
+SAN_FWD=${FM_SANITIZE_FWD:-'Grid/CudaForward.*/sm80_case0:Grid/CudaForward.*/sm80_case1:Grid/CudaForward.*/sm80_case3:Grid/CudaForward.*/sm80_case25:Decode/CudaSplitKV.*/case0:CudaDropout.*:CudaMerge.*:Hopper/CudaForward.*/sm90_case0:Hopper/CudaForward.*/sm90_case1:Hopper/CudaForward.*/sm90_case8:Hopper/CudaForward.*/sm90_case9:Hopper/CudaForward.*/sm90_case13:Hopper/CudaForward.*/sm90_case18:Hopper/CudaForward.*/sm90_case19:Hopper/CudaForward.*/sm90_case30:Hopper/CudaForward.*/sm90_case31:Hopper/CudaForward.*/sm90_case34:Hopper/CudaForward.*/sm90_case37:Hopper/CudaForward.*/sm90_case42:Grid/CudaForward.*/sm90_case21:Grid/CudaForward.*/sm80_case37:Grid/CudaForward.*/sm90_case38:Decode/CudaSplitKV.*/case9:CudaForwardGrid.PersistentPerTileAndMarginGiveTheSameBits:CudaForwardGrid.SplitTailReplaysInAGraph'}
 SAN_SYNC=${FM_SANITIZE_SYNC:-'Hopper/CudaForward.*/sm90_case0:Hopper/CudaForward.*/sm90_case7:Hopper/CudaForward.*/sm90_case30:Hopper/CudaForward.*/sm90_case34:Grid/CudaForward.*/sm90_case21:CudaForwardGrid.SplitTailReplaysInAGraph'}
 # sm90 backward: GqaMqa/sm90 has the hdim-256 (head-split) kernel, Dropout/sm90 the modifier variant.
-SAN_BWD=${FM_SANITIZE_BWD:-'Path/CudaBackward.SeqlensBothWays/*:Path/CudaBackward.Varlen/*:Path/CudaBackward.GqaMqa/sm90:Path/CudaBackward.Dropout/sm90'}
+SAN_BWD=${FM_SANITIZE_BWD:-'Path/CudaBackward.SeqlensBothWays/*:Path/CudaBackward.Varlen/*:Path/CudaBackward.UsedLengths/*:Path/CudaBackward.GqaMqa/sm90:Path/CudaBackward.Dropout/sm90'}
 # synccheck of the backward: the sm90 kernel's named barriers and mbarriers.
 SAN_BWD_SYNC=${FM_SANITIZE_BWD_SYNC:-'Path/CudaBackward.SeqlensBothWays/sm90:Path/CudaBackward.CausalAndWindows/sm90:Path/CudaBackward.GqaMqa/sm90:Path/CudaBackward.Dropout/sm90'}
 # KV cache: out-of-range seqlens / pages / batch indices (clamped, never dereferenced) and pages.
